@@ -1,0 +1,28 @@
+"""lightning-ulysses: DeepSpeed-Ulysses sequence parallelism for PyTorch Lightning.
+
+`import lightning_ulysses` registers the strategy names "ulysses", "ulysses_stage_{1,2,3}" and
+"ulysses_stage_3_offload" in Lightning's StrategyRegistry (Lightning has no entry points for strategies).
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_ulysses.attention import UlyssesAttention, prepare_hf_model
+from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
+from lightning_ulysses.loss import sequence_parallel_cross_entropy
+from lightning_ulysses.sharding import SequenceSharder
+from lightning_ulysses.strategy import UlyssesDeepSpeedStrategy
+
+__version__ = "0.1.0"
+
+if UlyssesDeepSpeedStrategy.strategy_name not in StrategyRegistry:
+    UlyssesDeepSpeedStrategy.register_strategies(StrategyRegistry)
+
+__all__ = [
+    "ParallelLayout",
+    "SequenceParallelGroups",
+    "SequenceSharder",
+    "UlyssesAttention",
+    "UlyssesDeepSpeedStrategy",
+    "prepare_hf_model",
+    "sequence_parallel_cross_entropy",
+]

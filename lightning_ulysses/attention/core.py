@@ -1,0 +1,102 @@
+"""The Ulysses attention core, shared by the Hugging Face integration and by native models.
+
+Each SP rank holds `seq/P` tokens of every head. Before attention an all-to-all turns that into all `seq`
+tokens of `heads/P` heads; the local attention runs unchanged on full sequences; a second all-to-all turns the
+output back. With fewer KV heads than SP ranks (GQA/MQA) each KV head is replicated so that every rank gets
+the one KV head its query heads use; replication is a `repeat_interleave`, so its gradient sums back exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_ulysses.attention.all_to_all import heads_to_sequence, sequence_to_heads
+
+
+def validate_head_counts(num_heads: int, num_key_value_heads: int, sequence_parallel_size: int) -> None:
+    """Raise a fix-naming error unless Ulysses can split these heads over `sequence_parallel_size` ranks."""
+    sp = sequence_parallel_size
+    if num_heads % sp != 0:
+        valid = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+        raise ValueError(
+            f"num_attention_heads({num_heads}) is not divisible by sequence_parallel_size({sp}): Ulysses gives every"
+            f" SP rank heads/sp whole heads. Use a sequence_parallel_size in {valid} (and dividing the number of"
+            " processes), or a model whose head count is a multiple of it."
+        )
+    if num_key_value_heads % sp != 0 and sp % num_key_value_heads != 0:
+        raise ValueError(
+            f"num_key_value_heads({num_key_value_heads}) and sequence_parallel_size({sp}) must divide one another:"
+            " KV heads are either split over the SP ranks (kv % sp == 0) or replicated (sp % kv == 0). Use a"
+            f" sequence_parallel_size that divides or is a multiple of {num_key_value_heads}."
+        )
+    if num_heads % num_key_value_heads != 0:
+        raise ValueError(f"num_attention_heads({num_heads}) must be a multiple of num_key_value_heads({num_key_value_heads})")
+
+
+def kv_replication_factor(num_key_value_heads: int, sequence_parallel_size: int) -> int:
+    """How many copies of each KV head are needed so that every SP rank receives at least one."""
+    return max(1, sequence_parallel_size // num_key_value_heads)
+
+
+def scatter_heads_gather_sequence(query, key, value, group, head_dim: int, seq_dim: int):
+    """Validate, replicate KV heads where needed, and run the first all-to-all on q, k and v."""
+    sp = dist.get_world_size(group)
+    validate_head_counts(query.size(head_dim), key.size(head_dim), sp)
+    factor = kv_replication_factor(key.size(head_dim), sp)
+    if factor > 1:
+        key = key.repeat_interleave(factor, dim=head_dim)
+        value = value.repeat_interleave(factor, dim=head_dim)
+    return tuple(sequence_to_heads(t, group, head_dim=head_dim, seq_dim=seq_dim) for t in (query, key, value))
+
+
+class ProcessGroupHandle:
+    """Holds a process group on a module without making the module un-copyable.
+
+    Process groups are communicator handles, not data: a deep copy of a module (EMA copies, `copy.deepcopy`
+    in callbacks) must share them rather than fail trying to copy them.
+    """
+
+    def __init__(self, group):
+        self.group = group
+
+    def __deepcopy__(self, memo):
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return 1 if self.group is None else dist.get_world_size(self.group)
+
+
+class UlyssesAttention(nn.Module):
+    """Wraps any local attention callable with the Ulysses all-to-alls, for models that are not Hugging Face's.
+
+    `local_attention(query, key, value, **kwargs)` takes and returns `[batch, heads, seq, head_dim]` tensors
+    (the layout of `F.scaled_dot_product_attention`, the default); with fewer KV heads than query heads it must
+    handle GQA itself (e.g. `enable_gqa=True` for SDPA). `UlyssesDeepSpeedStrategy` binds the SP group at
+    setup; unbound (or with an SP group of one rank) this is exactly `local_attention`.
+    """
+
+    def __init__(self, local_attention: Callable[..., torch.Tensor] = F.scaled_dot_product_attention):
+        super().__init__()
+        self.local_attention = local_attention
+        self._group = ProcessGroupHandle(None)
+
+    def bind(self, sequence_parallel_group) -> None:
+        self._group = ProcessGroupHandle(sequence_parallel_group)
+
+    @property
+    def sequence_parallel_group(self):
+        return self._group.group
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs) -> torch.Tensor:
+        group = self._group.group
+        if self._group.world_size == 1:
+            return self.local_attention(query, key, value, **kwargs)
+        query, key, value = scatter_heads_gather_sequence(query, key, value, group, head_dim=1, seq_dim=2)
+        output = self.local_attention(query, key, value, **kwargs)
+        return heads_to_sequence(output, group, head_dim=1, seq_dim=2)

@@ -1,0 +1,196 @@
+"""Ulysses attention for Hugging Face models, switched on per model instance.
+
+`transformers` picks an attention function by the name in `config._attn_implementation`. We register one name,
+`"ulysses"` (registration is the only process-wide step, and it changes no existing name), and switch a model
+to it on a *private copy* of its config: `from_config(cfg)` models share the caller's config object, and
+flipping the shared one would silently change every other model built from it. The model's own backend
+(sdpa, flash-attention 2/3) and its SP group live on its modules (`_lightning_ulysses`), so two models in one
+process can use different backends and groups, and `restore()` gives the model back exactly as it was.
+
+We do not use DeepSpeed's `UlyssesSPAttentionHF`: it registers process-wide, fixes the batch size at
+construction, can be set up once per process and drops padding masks (see DESIGN-NOTES).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from lightning_ulysses.attention.all_to_all import all_gather_sequence, heads_to_sequence
+from lightning_ulysses.attention.core import ProcessGroupHandle, scatter_heads_gather_sequence, validate_head_counts
+
+ULYSSES_ATTENTION = "ulysses"
+SUPPORTED_BACKENDS = ("sdpa", "flash_attention_2", "flash_attention_3")
+_BINDING_ATTRIBUTE = "_lightning_ulysses"
+
+
+@dataclass
+class _Binding:
+    group: ProcessGroupHandle
+    backend: str
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+class _Overlay:
+    """Reads through to `target` except for a few overridden attributes (no copy of the target)."""
+
+    def __init__(self, target: Any, **overrides: Any):
+        self.__dict__["_target"] = target
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_target"], name)
+
+
+def _causal_padding_mask(padding_mask: torch.Tensor, is_causal: bool) -> torch.Tensor:
+    """`[batch, seq]` key-padding mask → `[batch, 1, seq, seq]` boolean mask for SDPA (True = attend).
+
+    A query always sees itself so that rows of padding tokens are never empty (an empty row gives NaN, and
+    NaN × 0 still poisons gradients); padding rows carry no loss, so this changes no real token.
+    """
+    seq = padding_mask.size(-1)
+    allowed = padding_mask[:, None, None, :].expand(-1, 1, seq, -1)
+    if is_causal:
+        allowed = allowed & torch.ones(seq, seq, dtype=torch.bool, device=padding_mask.device).tril()
+    return allowed | torch.eye(seq, dtype=torch.bool, device=padding_mask.device)
+
+
+def _ulysses_attention_forward(module, query, key, value, attention_mask, **kwargs):
+    binding: _Binding | None = getattr(module, _BINDING_ATTRIBUTE, None)
+    if binding is None:
+        raise RuntimeError(
+            f"{type(module).__name__} runs with attn_implementation='{ULYSSES_ATTENTION}' but was not prepared by"
+            " lightning_ulysses (prepare_hf_model). Switch it back with model.set_attn_implementation('sdpa')."
+        )
+    group = binding.group.group
+    if binding.group.world_size == 1:
+        return ALL_ATTENTION_FUNCTIONS[binding.backend](module, query, key, value, attention_mask, **kwargs)
+    if any(name in kwargs for name in ("cu_seq_lens_q", "cu_seq_lens_k")):
+        raise NotImplementedError("Packed sequences (cu_seq_lens) are not supported under sequence parallelism yet.")
+
+    # q, k, v: [batch, heads, seq/P, dim] -> [batch, heads/P, seq, dim]
+    query, key, value = scatter_heads_gather_sequence(query, key, value, group, head_dim=1, seq_dim=2)
+    # The local backend sees whole sequences, so shard-local position ids would describe the wrong tokens; the
+    # strategy rejects packed rows, so positions carry no masking information the causal flag does not.
+    kwargs.pop("position_ids", None)
+    if attention_mask is not None:
+        # A 2-D padding mask of this shard (the flash-style mask function below keeps it 2-D): gather it whole.
+        attention_mask = all_gather_sequence(attention_mask, group, seq_dim=1)
+        if binding.backend == "sdpa":
+            attention_mask = _causal_padding_mask(attention_mask.bool(), getattr(module, "is_causal", True))
+    # After replication each rank may hold fewer query heads per KV head than the model's configuration says.
+    local_module = _Overlay(
+        module,
+        num_key_value_groups=query.size(1) // key.size(1),
+        config=_Overlay(module.config, _attn_implementation=binding.backend),
+    )
+    output, _ = ALL_ATTENTION_FUNCTIONS[binding.backend](local_module, query, key, value, attention_mask, **kwargs)
+    # output: [batch, seq, heads/P, dim] -> [batch, seq/P, heads, dim], the layout the model expects back
+    return heads_to_sequence(output, group, head_dim=2, seq_dim=1), None
+
+
+def _register_attention() -> None:
+    if ULYSSES_ATTENTION not in ALL_ATTENTION_FUNCTIONS.valid_keys():
+        AttentionInterface.register(ULYSSES_ATTENTION, _ulysses_attention_forward)
+        # Flash's mask function hands the attention a 2-D padding mask (or None when nothing is padded): exactly
+        # what we gather over the SP group. Building 4-D masks at shard length would be wrong after the all-to-all.
+        AttentionMaskInterface.register(ULYSSES_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
+
+
+_NOT_SET = object()
+
+
+@dataclass
+class PreparedHFModel:
+    """What `prepare_hf_model` changed on one model; `restore()` undoes it."""
+
+    model: PreTrainedModel
+    backend: str
+    original_configs: dict[int, Any] = field(default_factory=dict)
+    original_loss_function: Any = _NOT_SET
+
+    def restore(self) -> None:
+        for module in self.model.modules():
+            if _BINDING_ATTRIBUTE in module.__dict__:
+                del module.__dict__[_BINDING_ATTRIBUTE]
+            original = self.original_configs.get(id(module))
+            if original is not None:
+                module.config = original
+        if self.original_loss_function is _NOT_SET:
+            self.model.__dict__.pop("_loss_function", None)
+        else:
+            self.model.loss_function = self.original_loss_function
+
+
+def find_hf_models(root: torch.nn.Module) -> list[PreTrainedModel]:
+    """The outermost `PreTrainedModel`s inside `root` (a `LlamaModel` inside a `LlamaForCausalLM` is not listed)."""
+    found: list[PreTrainedModel] = []
+
+    def visit(module: torch.nn.Module) -> None:
+        if isinstance(module, PreTrainedModel):
+            found.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(root)
+    return found
+
+
+def validate_hf_model(model: PreTrainedModel, sequence_parallel_size: int) -> str:
+    """Check that `model` can run Ulysses attention at this SP size; returns its attention backend."""
+    backend = model.config._attn_implementation
+    if sequence_parallel_size > 1 and backend not in SUPPORTED_BACKENDS:
+        raise ValueError(
+            f"{type(model).__name__} uses attn_implementation={backend!r}, which sequence parallelism cannot wrap"
+            f" (supported: {', '.join(SUPPORTED_BACKENDS)}). Load or build the model with"
+            " attn_implementation='sdpa' (e.g. AutoModelForCausalLM.from_config(cfg, attn_implementation='sdpa'))."
+        )
+    text_config = model.config.get_text_config()
+    num_heads = text_config.num_attention_heads
+    num_key_value_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
+    validate_head_counts(num_heads, num_key_value_heads, sequence_parallel_size)
+    return backend
+
+
+def prepare_hf_model(
+    model: PreTrainedModel, sequence_parallel_group, loss_function: Callable | None = None
+) -> PreparedHFModel:
+    """Switch one model to Ulysses attention over `sequence_parallel_group` (and optionally swap its loss)."""
+    group = ProcessGroupHandle(sequence_parallel_group)
+    backend = validate_hf_model(model, group.world_size)
+    _register_attention()
+    if model.config._attn_implementation == ULYSSES_ATTENTION:
+        raise RuntimeError(f"{type(model).__name__} is already prepared for sequence parallelism: restore() it first.")
+    prepared = PreparedHFModel(model=model, backend=backend)
+    # Private config copy, installed on every module that referenced the shared one (or a sub-config of it).
+    memo: dict[int, Any] = {}
+    copy.deepcopy(model.config, memo)
+    for module in model.modules():
+        shared = module.__dict__.get("config")
+        if shared is not None and id(shared) in memo:
+            prepared.original_configs[id(module)] = shared
+            module.config = memo[id(shared)]
+    try:
+        model.set_attn_implementation(ULYSSES_ATTENTION)
+    except (ValueError, NotImplementedError) as error:
+        prepared.restore()
+        raise ValueError(
+            f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface, so"
+            " lightning_ulysses cannot swap it. Wrap its attention in lightning_ulysses.UlyssesAttention."
+        ) from error
+    binding = _Binding(group=group, backend=backend)
+    for module in model.modules():
+        module.__dict__[_BINDING_ATTRIBUTE] = binding
+    if loss_function is not None:
+        prepared.original_loss_function = model.__dict__.get("_loss_function", _NOT_SET)
+        model.loss_function = loss_function
+    return prepared

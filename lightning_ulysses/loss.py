@@ -1,0 +1,102 @@
+"""Token-mean cross-entropy over a sequence split across an SP group, with the right gradient on every ZeRO stage.
+
+Value: every rank returns the loss of the *whole* sequence (sum of the token losses of all shards divided by
+the number of valid targets of all shards), so the number a user logs is the same on every SP rank and equals
+the unsharded loss.
+
+Gradient: each rank back-propagates only its own shard's share (`local sum / global count`); the all-to-alls
+carry the cross-shard terms, and DeepSpeed sums the SP ranks' gradients when it reduces over DP×SP. How it then
+divides depends on the ZeRO stage (see `gradient_scale_for`), so the share is multiplied by a scale in the
+backward pass only, leaving the reported value untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+def gradient_scale_for(deepspeed_config: Mapping[str, Any] | None, sequence_parallel_size: int) -> float:
+    """Factor that makes DeepSpeed's gradient reduction return the mean over DP of full-sequence gradients.
+
+    Measured with SGD (see DESIGN-NOTES): ZeRO 0/1/2, and ZeRO-3 with `reduce_scatter: false`, sum the gradients
+    over DP×SP and divide by DP, which is already right. ZeRO-3's default reduce-scatter divides by DP×SP, so
+    each SP rank's share must be scaled up by SP to compensate.
+    """
+    zero = (deepspeed_config or {}).get("zero_optimization") or {}
+    if zero.get("stage", 0) == 3 and zero.get("reduce_scatter", True):
+        return float(sequence_parallel_size)
+    return 1.0
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) forward; backward passes the gradient to the local share only, times `gradient_scale`."""
+
+    @staticmethod
+    def forward(ctx, local_share, group, gradient_scale: float):
+        ctx.gradient_scale = gradient_scale
+        total = local_share.clone()
+        if group is not None:
+            dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output * ctx.gradient_scale, None, None
+
+
+def sequence_parallel_cross_entropy(
+    logits: torch.Tensor,
+    shift_labels: torch.Tensor,
+    group=None,
+    gradient_scale: float = 1.0,
+    ignore_index: int = IGNORE_INDEX,
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Mean next-token cross-entropy of the whole (sharded) sequence.
+
+    `logits` `[..., vocab]` and `shift_labels` `[...]` are this rank's shard, already aligned (the target of
+    position t is the token t+1, as `UlyssesDeepSpeedStrategy` provides in `batch["labels"]`). `group` is the
+    SP group (None: no sequence parallelism). `num_items_in_batch`, when given, is the global number of valid
+    targets to divide by (e.g. over gradient-accumulation steps), as in Hugging Face's loss functions.
+    """
+    token_loss_sum = F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)).float(),
+        shift_labels.reshape(-1).to(logits.device),
+        ignore_index=ignore_index,
+        reduction="sum",
+    )
+    if num_items_in_batch is None:
+        count = (shift_labels != ignore_index).sum().to(token_loss_sum.device)
+        if group is not None:
+            dist.all_reduce(count, group=group)
+    else:
+        count = torch.as_tensor(num_items_in_batch, device=token_loss_sum.device)
+    # A sequence with no valid target contributes a zero loss (and zero gradient), not NaN.
+    local_share = token_loss_sum / count.clamp(min=1).to(token_loss_sum.dtype)
+    if group is None and gradient_scale == 1.0:
+        return local_share
+    return _SumOverGroup.apply(local_share, group, gradient_scale)
+
+
+class SequenceParallelCausalLMLoss:
+    """Drop-in for a Hugging Face model's `loss_function` when `labels` arrive pre-shifted and sharded."""
+
+    def __init__(self, group, gradient_scale: float):
+        self.group = group
+        self.gradient_scale = gradient_scale
+
+    def __call__(self, logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=IGNORE_INDEX,
+                 shift_labels=None, **kwargs):
+        targets = shift_labels if shift_labels is not None else labels
+        return sequence_parallel_cross_entropy(
+            logits, targets, self.group, self.gradient_scale, ignore_index, num_items_in_batch
+        )
+
+    def __deepcopy__(self, memo):  # holds a process group: share it, see ProcessGroupHandle
+        return self

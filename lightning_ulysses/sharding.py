@@ -1,0 +1,121 @@
+"""Cut a full-length batch along the sequence for one SP rank.
+
+Everything here is local arithmetic on the batch (no communication), so a bad batch fails on every rank of the
+SP group alike, before any collective.
+
+- `labels` are shifted *before* cutting (position t gets the target t+1), so the target of the last token of
+  a shard, which lives in the next shard, is not lost. The batch's `labels` are therefore already aligned with
+  the local logits under this strategy; `sequence_parallel_cross_entropy` and the swapped HF loss expect that.
+- `position_ids` are made global (`0..seq-1`) when absent: a model left to itself would number each shard from 0.
+- `attention_mask` (a 2-D padding mask) is cut like the tokens; the attention gathers it back whole.
+- Every other entry passes through untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+
+from lightning_ulysses.loss import IGNORE_INDEX
+
+SEQUENCE_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
+SequencePadding = Literal["pad", "error"]
+
+
+class SequenceSharder:
+    """Shifts labels, fills in global positions, pads (or rejects) lengths and keeps this rank's slice."""
+
+    def __init__(
+        self,
+        sequence_parallel_size: int,
+        sequence_parallel_rank: int,
+        sequence_padding: SequencePadding = "pad",
+        pad_token_id: int = 0,
+    ):
+        if sequence_padding not in ("pad", "error"):
+            raise ValueError(f"sequence_padding must be 'pad' or 'error', got {sequence_padding!r}")
+        self.sequence_parallel_size = sequence_parallel_size
+        self.sequence_parallel_rank = sequence_parallel_rank
+        self.sequence_padding = sequence_padding
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, batch: Any) -> Any:
+        if not isinstance(batch, Mapping) or "input_ids" not in batch:
+            if self.sequence_parallel_size == 1:
+                return batch  # nothing to cut: the user's module sees exactly what it returned
+            raise TypeError(
+                "Under sequence parallelism each batch must be a dict with at least 'input_ids' [batch, seq] (plus"
+                f" optional {', '.join(SEQUENCE_KEYS[1:])}), so the strategy knows what to cut along the sequence;"
+                f" got {type(batch).__name__}{'' if not isinstance(batch, Mapping) else ' without input_ids'}."
+                " Return such a dict from your Dataset/collate_fn."
+            )
+        batch = dict(batch)
+        seq_len = batch["input_ids"].size(1)
+        self._check_shapes(batch, seq_len)
+        padded_len = self._padded_length(seq_len)
+        if padded_len != seq_len:
+            batch = _pad(batch, padded_len - seq_len, self.pad_token_id)
+        if "labels" in batch:
+            labels = batch["labels"]
+            batch["labels"] = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
+        if "position_ids" not in batch:
+            input_ids = batch["input_ids"]
+            batch["position_ids"] = torch.arange(padded_len, device=input_ids.device).expand(input_ids.size(0), -1)
+        shard = padded_len // self.sequence_parallel_size
+        start = self.sequence_parallel_rank * shard
+        for key in SEQUENCE_KEYS:
+            if key in batch:
+                batch[key] = batch[key][:, start : start + shard]
+        return batch
+
+    def _padded_length(self, seq_len: int) -> int:
+        sp = self.sequence_parallel_size
+        if seq_len % sp == 0:
+            return seq_len
+        if self.sequence_padding == "error":
+            raise ValueError(
+                f"sequence length {seq_len} is not divisible by sequence_parallel_size({sp}). Pad your batches to a"
+                f" multiple of {sp} (e.g. a collator with pad_to_multiple_of={sp}) or construct the strategy with"
+                " sequence_padding='pad' to let it pad with ignored labels."
+            )
+        return seq_len + (sp - seq_len % sp)
+
+    @staticmethod
+    def _check_shapes(batch: dict, seq_len: int) -> None:
+        for key in SEQUENCE_KEYS:
+            value = batch.get(key)
+            if value is None:
+                batch.pop(key, None)
+                continue
+            if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.size(1) != seq_len:
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(
+                    f"batch[{key!r}] must be a [batch, seq] tensor with seq = input_ids.size(1) = {seq_len};"
+                    f" got {shape}."
+                )
+        positions = batch.get("position_ids")
+        if positions is not None and positions.size(1) > 1 and not bool((positions.diff(dim=1) == 1).all()):
+            raise NotImplementedError(
+                "position_ids restart inside a row (packed documents). Packed sequences are not supported under"
+                " sequence parallelism yet: one document per row, or leave position_ids out."
+            )
+
+
+def _pad(batch: dict, extra: int, pad_token_id: int) -> dict:
+    """Append `extra` positions at the end: ignored labels, masked-out tokens, continuing positions."""
+
+    def extend(tensor: torch.Tensor, fill) -> torch.Tensor:
+        return torch.cat([tensor, torch.full_like(tensor[:, :1], fill).expand(-1, extra)], dim=1)
+
+    batch["input_ids"] = extend(batch["input_ids"], pad_token_id)
+    if "labels" in batch:
+        batch["labels"] = extend(batch["labels"], IGNORE_INDEX)
+    if "attention_mask" in batch:
+        batch["attention_mask"] = extend(batch["attention_mask"], 0)
+    if "position_ids" in batch:
+        positions = batch["position_ids"]
+        steps = torch.arange(1, extra + 1, device=positions.device, dtype=positions.dtype)
+        batch["position_ids"] = torch.cat([positions, positions[:, -1:] + steps], dim=1)
+    return batch

@@ -1,0 +1,277 @@
+"""`UlyssesDeepSpeedStrategy`: Lightning glue only.
+
+groups (layout.py) → DP-only sampler → sequence sharding (sharding.py) → Ulysses attention (attention/) →
+SP-aware loss (loss.py) → DeepSpeed with an `mpu`, so ZeRO partitions and reduces over all DP×SP ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping, Optional, Union
+
+import lightning.pytorch as pl
+from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from lightning_ulysses.attention.core import UlyssesAttention
+from lightning_ulysses.attention.hf import PreparedHFModel, find_hf_models, prepare_hf_model, validate_hf_model
+from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, check_sequence_parallel_size
+from lightning_ulysses.loss import SequenceParallelCausalLMLoss, gradient_scale_for
+from lightning_ulysses.sharding import SequencePadding, SequenceSharder
+
+_ULYSSES_CONFIG_KEYS = {"enable", "sequence_parallel_world_size"}
+
+
+def _split_ulysses_block(config: Mapping[str, Any]) -> tuple[dict[str, Any], Optional[int]]:
+    """Strip the `"ulysses"` block of a DeepSpeed-Ulysses style config; return (config, its SP size or None)."""
+    config = dict(config)  # the caller's dict is left as it was
+    block = config.pop("ulysses", None)
+    if block is None:
+        return config, None
+    if not isinstance(block, Mapping) or set(block) - _ULYSSES_CONFIG_KEYS:
+        raise ValueError(
+            f'The DeepSpeed config\'s "ulysses" block must look like {{"enable": true, "sequence_parallel_world_size": 8}};'
+            f" got {block!r}."
+        )
+    if not block.get("enable", True):
+        return config, 1
+    size = block.get("sequence_parallel_world_size")
+    if size is None:
+        raise ValueError('The DeepSpeed config\'s "ulysses" block enables Ulysses but sets no "sequence_parallel_world_size".')
+    return config, size
+
+
+class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
+    """DeepSpeed (ZeRO) with DeepSpeed-Ulysses sequence parallelism.
+
+    Args:
+        sequence_parallel_size: ranks that share one sequence (each holds `seq / sequence_parallel_size`
+            tokens). Must divide the number of processes and the model's head count. `None` (the default):
+            the number of devices per node, so every SP group is one node and DP runs across nodes. `1`: plain
+            ZeRO. May also come from a DeepSpeed config block `"ulysses": {"enable": true,
+            "sequence_parallel_world_size": N}`, which is removed before DeepSpeed sees the config.
+        sequence_padding: `"pad"` (default) pads sequences whose length is not a multiple of the SP size at the
+            end, with ignored labels; `"error"` rejects them.
+        stage: ZeRO stage; 3 by default (parameters, gradients and optimizer state sharded over all ranks).
+        **kwargs: every other `lightning.pytorch.strategies.DeepSpeedStrategy` argument.
+    """
+
+    strategy_name = "ulysses"
+
+    def __init__(
+        self,
+        sequence_parallel_size: Optional[int] = None,
+        *,
+        sequence_padding: SequencePadding = "pad",
+        stage: int = 3,
+        config: Optional[Union[str, dict[str, Any]]] = None,
+        **kwargs: Any,
+    ) -> None:
+        config = self._load_config(config)
+        if config is not None:
+            config, configured_size = _split_ulysses_block(config)
+            if sequence_parallel_size is None:
+                sequence_parallel_size = configured_size
+            elif configured_size is not None and configured_size != sequence_parallel_size:
+                raise ValueError(
+                    f"sequence_parallel_size={sequence_parallel_size} disagrees with the DeepSpeed config's"
+                    f" ulysses.sequence_parallel_world_size={configured_size}: set only one of them, or make them equal."
+                )
+        if sequence_parallel_size is not None:
+            check_sequence_parallel_size(sequence_parallel_size)
+        if sequence_padding not in ("pad", "error"):
+            raise ValueError(f"sequence_padding must be 'pad' or 'error', got {sequence_padding!r}")
+        super().__init__(stage=stage, config=config, **kwargs)
+        self._requested_sequence_parallel_size = sequence_parallel_size
+        self.sequence_padding = sequence_padding
+        self._groups: Optional[SequenceParallelGroups] = None
+        self._sharder: Optional[SequenceSharder] = None
+        self._prepared_models: list[PreparedHFModel] = []
+
+    # -- the parallel layout ------------------------------------------------------------------------------------
+    @property
+    def parallel_groups(self) -> SequenceParallelGroups:
+        """The SP/DP groups of this rank; available once the strategy has set up distributed training."""
+        if self._groups is None:
+            raise RuntimeError(
+                "The sequence-parallel groups are created when the Trainer sets up distributed training. Access them"
+                " inside fit/validate/test/predict (e.g. in LightningModule.setup, configure_model or a step)."
+            )
+        return self._groups
+
+    @property
+    def sequence_parallel_group(self):
+        return self.parallel_groups.sequence_parallel_group
+
+    @property
+    def sequence_parallel_rank(self) -> int:
+        return self.parallel_groups.sequence_parallel_rank
+
+    @property
+    def sequence_parallel_world_size(self) -> int:
+        return self.parallel_groups.sequence_parallel_world_size
+
+    @property
+    def data_parallel_group(self):
+        return self.parallel_groups.data_parallel_group
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.parallel_groups.data_parallel_rank
+
+    @property
+    def data_parallel_world_size(self) -> int:
+        return self.parallel_groups.data_parallel_world_size
+
+    @property
+    def loss_function(self) -> SequenceParallelCausalLMLoss:
+        """`loss_function(logits, labels)`: the whole-sequence token-mean loss with the right ZeRO gradient, for
+        modules that compute their loss from logits (labels as this strategy delivers them: shifted, sharded)."""
+        groups = self.parallel_groups
+        group = groups.sequence_parallel_group if groups.sequence_parallel_world_size > 1 else None
+        return SequenceParallelCausalLMLoss(group, gradient_scale_for(self.config, groups.sequence_parallel_world_size))
+
+    # -- environment and groups -------------------------------------------------------------------------------
+    @override
+    def setup_environment(self) -> None:
+        if isinstance(self.accelerator, CUDAAccelerator):
+            super().setup_environment()
+        else:
+            # DeepSpeedStrategy refuses non-CUDA accelerators; DeepSpeed itself runs on CPU with gloo.
+            DDPStrategy.setup_environment(self)
+
+    @override
+    def setup_distributed(self) -> None:
+        assert self.parallel_devices is not None
+        if isinstance(self.accelerator, CUDAAccelerator):
+            _validate_device_index_selection(self.parallel_devices)  # CPU devices have no index to validate
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+        self._setup_parallel_groups()
+
+    def _setup_parallel_groups(self) -> None:
+        size = self._requested_sequence_parallel_size or self.num_processes
+        layout = ParallelLayout(world_size=self.world_size, sequence_parallel_size=size)  # raises before any collective
+        if self._groups is None or self._groups.layout != layout:  # fit → validate reuses the groups
+            self._groups = SequenceParallelGroups.build(layout)
+            rank_zero_info(f"lightning_ulysses: {layout}, SP groups {layout.sequence_parallel_groups()}")
+        self._sharder = SequenceSharder(size, self._groups.sequence_parallel_rank, self.sequence_padding)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        # Every rank of an SP group must see the same samples; only DP groups get different ones.
+        groups = self.parallel_groups
+        return {"num_replicas": groups.data_parallel_world_size, "rank": groups.data_parallel_rank}
+
+    # -- model preparation --------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        self._prepare_modules()
+        super().setup(trainer)
+
+    def _prepare_modules(self) -> None:
+        self._restore_modules()
+        groups = self.parallel_groups
+        size = groups.sequence_parallel_world_size
+        group = groups.sequence_parallel_group if size > 1 else None
+        module = self.lightning_module
+        hf_models = find_hf_models(module)
+        native = [m for m in module.modules() if isinstance(m, UlyssesAttention)]
+        if size > 1 and not hf_models and not native:
+            raise ValueError(
+                f"sequence_parallel_size={size} but {type(module).__name__} holds no Hugging Face PreTrainedModel and"
+                " no lightning_ulysses.UlyssesAttention, so nothing would exchange tokens between shards. Wrap your"
+                " attention function: UlyssesAttention(F.scaled_dot_product_attention)."
+            )
+        for model in hf_models:  # all checks first: a failure leaves no model half-prepared
+            validate_hf_model(model, size)
+        for attention in native:
+            attention.bind(group)
+        loss = self.loss_function
+        self._prepared_models = [prepare_hf_model(model, group, loss) for model in hf_models]
+
+    def _restore_modules(self) -> None:
+        for prepared in self._prepared_models:
+            prepared.restore()
+        self._prepared_models = []
+
+    @override
+    def teardown(self) -> None:
+        # The user's models leave the Trainer with their own attention and loss again.
+        self._restore_modules()
+        super().teardown()
+
+    # -- DeepSpeed engine -----------------------------------------------------------------------------------------
+    @contextmanager
+    def _deepspeed_initialize_with_groups(self) -> Iterator[None]:
+        """Route Lightning's two `deepspeed.initialize` call sites through our `mpu` and device rank.
+
+        Lightning calls `deepspeed.initialize` without `mpu` (ZeRO would then reduce and partition as if every
+        rank held different data) and with `device_rank=None` on CPU (DeepSpeed crashes comparing None >= 0).
+        Wrapping the function for the duration of the call fixes both sites without copying Lightning's code.
+        """
+        import deepspeed
+        from deepspeed.utils import groups as deepspeed_groups
+
+        original = deepspeed.initialize
+        groups = self.parallel_groups
+        mpu = groups.deepspeed_mpu() if groups.sequence_parallel_world_size > 1 else None
+        device_rank = self.root_device.index if self.root_device.index is not None else self.local_rank
+
+        def initialize(*args: Any, **kwargs: Any):
+            kwargs["args"] = argparse.Namespace(device_rank=device_rank)
+            kwargs["mpu"] = mpu
+            # DeepSpeed keeps the last engine's mpu in a module global and only overwrites it with a non-None one:
+            # clear it so an SP-1 engine after an SP-2 engine in one process does not reduce over stale groups.
+            deepspeed_groups.mpu = mpu
+            return original(*args, **kwargs)
+
+        deepspeed.initialize = initialize
+        try:
+            yield
+        finally:
+            deepspeed.initialize = original
+
+    @override
+    def _setup_model_and_optimizer(self, *args: Any, **kwargs: Any):
+        with self._deepspeed_initialize_with_groups():
+            return super()._setup_model_and_optimizer(*args, **kwargs)
+
+    @override
+    def _initialize_deepspeed_inference(self, model) -> None:
+        with self._deepspeed_initialize_with_groups():
+            super()._initialize_deepspeed_inference(model)
+
+    # -- data ---------------------------------------------------------------------------------------------------
+    @override
+    def batch_to_device(self, batch: Any, device=None, dataloader_idx: int = 0) -> Any:
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        return self._sharder(batch) if self._sharder is not None else batch
+
+    # -- registry -----------------------------------------------------------------------------------------------
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry) -> None:
+        # Not calling super(): it would re-register the "deepspeed*" names, which the registry refuses.
+        strategy_registry.register(
+            "ulysses", cls, description="DeepSpeed-Ulysses sequence parallelism, ZeRO-3, SP = devices per node"
+        )
+        for stage in (1, 2, 3):
+            strategy_registry.register(
+                f"ulysses_stage_{stage}", cls, description=f"DeepSpeed-Ulysses with ZeRO stage {stage}", stage=stage
+            )
+        strategy_registry.register(
+            "ulysses_stage_3_offload",
+            cls,
+            description="DeepSpeed-Ulysses with ZeRO-3, optimizer and parameters offloaded to CPU",
+            stage=3,
+            offload_optimizer=True,
+            offload_parameters=True,
+        )

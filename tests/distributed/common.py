@@ -1,0 +1,83 @@
+"""What the distributed workers and the single-process references share: model, data, module."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch.utils.data import Dataset
+from transformers import LlamaConfig, LlamaForCausalLM
+
+VOCAB = 64
+NUM_HEADS = 4
+
+
+def tiny_llama(num_key_value_heads: int, seed: int = 0, attn_implementation: str = "sdpa") -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=NUM_HEADS,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        attn_implementation=attn_implementation,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).float()
+
+
+class UnevenlyMaskedTokens(Dataset):
+    """Random tokens whose labels are masked unevenly, so the shards of one row hold different numbers of targets.
+
+    Every fourth row has its whole first half masked (a shard with no target at all at SP 2 and 4); the others
+    have a varying masked prefix plus scattered masked positions.
+    """
+
+    def __init__(self, num_samples: int, seq_len: int):
+        self.num_samples, self.seq_len = num_samples, seq_len
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict:
+        generator = torch.Generator().manual_seed(1000 + index)
+        input_ids = torch.randint(0, VOCAB, (self.seq_len,), generator=generator)
+        labels = input_ids.clone()
+        if index % 4 == 0:
+            labels[: self.seq_len // 2] = -100
+        else:
+            labels[: (index * 3) % (self.seq_len // 2)] = -100
+            labels[torch.rand(self.seq_len, generator=generator) < 0.2] = -100
+        return {"input_ids": input_ids, "labels": labels, "sample_index": torch.tensor(index)}
+
+
+def collate(samples: list[dict]) -> dict:
+    return {key: torch.stack([sample[key] for sample in samples]) for key in samples[0]}
+
+
+class CausalLM(L.LightningModule):
+    """A LightningModule written exactly as without sequence parallelism (plus bookkeeping for the tests)."""
+
+    def __init__(self, num_key_value_heads: int, lr: float = 0.5):
+        super().__init__()
+        self.model = tiny_llama(num_key_value_heads)
+        self.lr = lr
+        self.records: list[dict] = []
+
+    def training_step(self, batch, batch_idx):
+        inputs = {key: value for key, value in batch.items() if key != "sample_index"}
+        loss = self.model(**inputs).loss
+        self.records.append(
+            {
+                "loss": loss.detach().item(),
+                "sample_index": batch["sample_index"].tolist(),
+                "input_ids": batch["input_ids"].clone(),
+                "labels": batch["labels"].clone(),
+                "position_ids": batch["position_ids"].clone(),
+            }
+        )
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)

@@ -1,0 +1,82 @@
+"""Launch N real CPU ranks (gloo) of a worker script, the way torchrun would, and collect what they wrote.
+
+Each rank is a fresh Python process with MASTER_ADDR/PORT, RANK, LOCAL_RANK and WORLD_SIZE set, so Lightning
+treats the processes as externally launched. A rank that fails or hangs takes the whole launch down: the
+others are killed and the log tails of every rank are raised, so a test can never hang the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class DistributedLaunchError(RuntimeError):
+    pass
+
+
+def launch(script: Path, world_size: int, spec: dict, workdir: Path, timeout: float = 600) -> list[dict]:
+    """Run `script` on `world_size` ranks with `spec` (JSON) and return what each rank saved to `result_<rank>.pt`."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec_path = workdir / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    port = _free_port()
+    processes, logs = [], []
+    for rank in range(world_size):
+        env = dict(os.environ)
+        env.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            WORLD_SIZE=str(world_size),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world_size),
+            NODE_RANK="0",
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
+        )
+        env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+        log = open(workdir / f"rank_{rank}.log", "w")
+        logs.append(log)
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, str(script), str(spec_path), str(workdir)],
+                env=env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
+            )
+        )
+    deadline = time.monotonic() + timeout
+    failure = None
+    while any(p.poll() is None for p in processes):
+        if any(p.returncode not in (None, 0) for p in processes) or time.monotonic() > deadline:
+            failure = "timeout" if time.monotonic() > deadline else "a rank failed"
+            time.sleep(2)  # let the failing rank's siblings report their own errors first
+            break
+        time.sleep(0.2)
+    for p in processes:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    for log in logs:
+        log.close()
+    if failure or any(p.returncode != 0 for p in processes):
+        tails = []
+        for rank, p in enumerate(processes):
+            text = (workdir / f"rank_{rank}.log").read_text()
+            tails.append(f"--- rank {rank} (exit {p.returncode}) ---\n{text[-4000:]}")
+        raise DistributedLaunchError(f"{failure or 'a rank failed'}\n" + "\n".join(tails))
+    return [torch.load(workdir / f"result_{rank}.pt") for rank in range(world_size)]

@@ -1,0 +1,39 @@
+"""Single-process, full-sequence fp32 references: plain Hugging Face, plain torch SGD, no DeepSpeed."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.distributed.common import UnevenlyMaskedTokens, collate, tiny_llama
+
+
+def reference_training(
+    num_key_value_heads: int,
+    seq_len: int,
+    steps: list[list[list[int]]],
+    lr: float = 0.5,
+    gradient_clip_val: float | None = None,
+) -> dict:
+    """Train on `steps[t][dp_rank]` = sample indices, averaging the DP replicas' losses as DDP/ZeRO do.
+
+    Uses eager attention and Hugging Face's own shifted loss, independent of everything under test.
+    """
+    dataset = UnevenlyMaskedTokens(10_000, seq_len)
+    model = tiny_llama(num_key_value_heads, attn_implementation="eager")
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for replicas in steps:
+        optimizer.zero_grad()
+        replica_losses = []
+        for indices in replicas:
+            batch = collate([dataset[i] for i in indices])
+            replica_losses.append(model(input_ids=batch["input_ids"], labels=batch["labels"]).loss)
+        torch.stack(replica_losses).mean().backward()
+        if gradient_clip_val:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), gradient_clip_val)
+            assert norm > gradient_clip_val, "the clipping case must actually clip"
+        optimizer.step()
+        losses.append([loss.item() for loss in replica_losses])
+    final = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return {"losses": losses, "initial": initial, "final": final}

@@ -1,0 +1,60 @@
+"""Worker: train several cases with UlyssesDeepSpeedStrategy on this rank; save what each step saw and the weights.
+
+Each case builds its own Trainer and its own SP/DP groups on the shared world process group.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+import lightning_ulysses
+from tests.distributed.common import CausalLM, UnevenlyMaskedTokens, collate
+
+
+class CaptureWeights(L.Callback):
+    def on_train_end(self, trainer, pl_module):
+        import deepspeed
+
+        params = dict(pl_module.model.named_parameters())
+        with deepspeed.zero.GatheredParameters(list(params.values()), enabled=trainer.strategy.zero_stage_3):
+            pl_module.final_weights = {name: p.detach().clone() for name, p in params.items()}
+
+
+def run_case(case: dict, world_size: int) -> dict:
+    module = CausalLM(num_key_value_heads=case["kv_heads"], lr=case.get("lr", 0.5))
+    strategy = lightning_ulysses.UlyssesDeepSpeedStrategy(
+        sequence_parallel_size=case["sp"], stage=case["stage"], **case.get("strategy_kwargs", {})
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=case["steps"], precision="32-true",
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[CaptureWeights()], **case.get("trainer_kwargs", {}),
+    )
+    batch_size = case["batch_size"]
+    dataset = UnevenlyMaskedTokens(batch_size * case["steps"] * (world_size // case["sp"]), case["seq_len"])
+    trainer.fit(module, DataLoader(dataset, batch_size=batch_size, collate_fn=collate))
+    weights = module.final_weights
+    return {
+        "records": module.records,
+        "sequence_parallel_rank": strategy.sequence_parallel_rank,
+        "data_parallel_rank": strategy.data_parallel_rank,
+        "weights": weights if dist.get_rank() == 0 else None,
+        "weights_checksum": sum(w.double().abs().sum().item() for w in weights.values()),
+    }
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    workdir = Path(sys.argv[2])
+    world_size = int(spec["world_size"])
+    results = {case["name"]: run_case(case, world_size) for case in spec["cases"]}
+    torch.save(results, workdir / f"result_{dist.get_rank()}.pt")
+
+
+if __name__ == "__main__":
+    main()
