@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from lightning_ulysses.attention.all_to_all import all_gather_sequence, heads_to_sequence
@@ -53,14 +53,14 @@ class _Overlay:
 def _causal_padding_mask(padding_mask: torch.Tensor, is_causal: bool) -> torch.Tensor:
     """`[batch, seq]` key-padding mask → `[batch, 1, seq, seq]` boolean mask for SDPA (True = attend).
 
-    A query always sees itself so that rows of padding tokens are never empty (an empty row gives NaN, and
-    NaN × 0 still poisons gradients); padding rows carry no loss, so this changes no real token.
+    Rows of left-padding queries come out empty; SDPA (torch >= 2.5) returns zeros for them with finite
+    gradients, which is also what Hugging Face's own SDPA path computes, so padded outputs match it exactly.
     """
     seq = padding_mask.size(-1)
     allowed = padding_mask[:, None, None, :].expand(-1, 1, seq, -1)
     if is_causal:
         allowed = allowed & torch.ones(seq, seq, dtype=torch.bool, device=padding_mask.device).tril()
-    return allowed | torch.eye(seq, dtype=torch.bool, device=padding_mask.device)
+    return allowed
 
 
 def _ulysses_attention_forward(module, query, key, value, attention_mask, **kwargs):
@@ -82,10 +82,12 @@ def _ulysses_attention_forward(module, query, key, value, attention_mask, **kwar
     # strategy rejects packed rows, so positions carry no masking information the causal flag does not.
     kwargs.pop("position_ids", None)
     if attention_mask is not None:
-        # A 2-D padding mask of this shard (the flash-style mask function below keeps it 2-D): gather it whole.
-        attention_mask = all_gather_sequence(attention_mask, group, seq_dim=1)
-        if binding.backend == "sdpa":
-            attention_mask = _causal_padding_mask(attention_mask.bool(), getattr(module, "is_causal", True))
+        # This shard's 2-D padding mask (see _shard_padding_mask): gather it whole, on every SP rank alike.
+        attention_mask = all_gather_sequence(attention_mask.bool(), group, seq_dim=1)
+        if bool(attention_mask.all()):
+            attention_mask = None  # nothing padded: keep the backends' fast causal path
+        elif binding.backend == "sdpa":
+            attention_mask = _causal_padding_mask(attention_mask, getattr(module, "is_causal", True))
     # After replication each rank may hold fewer query heads per KV head than the model's configuration says.
     local_module = _Overlay(
         module,
@@ -97,12 +99,21 @@ def _ulysses_attention_forward(module, query, key, value, attention_mask, **kwar
     return heads_to_sequence(output, group, head_dim=2, seq_dim=1), None
 
 
+def _shard_padding_mask(*args, attention_mask=None, **kwargs):
+    """Mask function for the "ulysses" key: hand the attention this shard's 2-D padding mask as it is.
+
+    A 4-D mask built at shard length would be wrong after the all-to-all, so the attention gathers the 2-D mask
+    and builds its own. The mask is kept even when this shard holds no padding (flash's mask function would
+    drop it): gathering is a collective, so the decision must be the same on every rank of the SP group, and
+    only "the batch has an attention_mask" is.
+    """
+    return attention_mask
+
+
 def _register_attention() -> None:
     if ULYSSES_ATTENTION not in ALL_ATTENTION_FUNCTIONS.valid_keys():
         AttentionInterface.register(ULYSSES_ATTENTION, _ulysses_attention_forward)
-        # Flash's mask function hands the attention a 2-D padding mask (or None when nothing is padded): exactly
-        # what we gather over the SP group. Building 4-D masks at shard length would be wrong after the all-to-all.
-        AttentionMaskInterface.register(ULYSSES_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
+        AttentionMaskInterface.register(ULYSSES_ATTENTION, _shard_padding_mask)
 
 
 _NOT_SET = object()

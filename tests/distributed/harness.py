@@ -30,7 +30,7 @@ class DistributedLaunchError(RuntimeError):
     pass
 
 
-def launch(script: Path, world_size: int, spec: dict, workdir: Path, timeout: float = 600) -> list[dict]:
+def launch(script: Path, world_size: int, spec: dict, workdir: Path, timeout: float = 300) -> list[dict]:
     """Run `script` on `world_size` ranks with `spec` (JSON) and return what each rank saved to `result_<rank>.pt`."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path = workdir / "spec.json"

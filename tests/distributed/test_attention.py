@@ -1,0 +1,40 @@
+"""The all-to-all round trip is exact; Ulysses attention and Ulysses HF models equal full attention.
+
+4 ranks: SP 2 (two SP groups, each smaller than the world) and SP 4; MHA, GQA (2 KV heads < SP 4) and MQA;
+an HF model with a left-padded and a right-padded row.
+"""
+
+import pytest
+
+from tests.distributed.harness import ROOT, launch
+
+WORKER = ROOT / "tests" / "distributed" / "workers" / "attention_exactness.py"
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return launch(WORKER, 4, {"sequence_parallel_sizes": [2, 4]}, tmp_path_factory.mktemp("attention"))
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_all_to_all_is_exact(results, sp):
+    for rank in results:
+        assert rank[sp]["seq_to_heads_vs_slice"] == 0.0
+        assert rank[sp]["round_trip"] == 0.0
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("sp", [2, 4])
+def test_ulysses_attention_equals_full_attention(results, sp, kv_heads):
+    for rank in results:
+        assert rank[sp][f"ulysses_out_kv{kv_heads}"] < 1e-5
+        for name in "qkv":
+            assert rank[sp][f"ulysses_grad_{name}_kv{kv_heads}"] < 1e-5
+
+
+@pytest.mark.parametrize("kv_heads", [4, 1])
+@pytest.mark.parametrize("sp", [2, 4])
+def test_hf_model_with_padding_equals_full_model(results, sp, kv_heads):
+    for rank in results:
+        assert rank[sp][f"hf_loss_kv{kv_heads}"] < 1e-5
+        assert rank[sp][f"hf_grad_relative_kv{kv_heads}"] < 1e-5

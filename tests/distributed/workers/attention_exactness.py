@@ -1,0 +1,105 @@
+"""Worker: exactness of the all-to-all, of UlyssesAttention and of Ulysses HF models, without Lightning.
+
+Runs on 4 ranks with SP 2 (two SP groups: a group smaller than the world) and SP 4. Every rank builds the same
+full-sequence inputs, keeps its shard, and measures the largest deviation from the unsharded computation.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lightning_ulysses import SequenceSharder, UlyssesAttention, prepare_hf_model
+from lightning_ulysses.attention import heads_to_sequence, sequence_to_heads
+from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
+from lightning_ulysses.loss import SequenceParallelCausalLMLoss
+from tests.distributed.common import tiny_llama
+
+
+def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def check_all_to_all(groups, results):
+    sp, rank = groups.sequence_parallel_world_size, groups.sequence_parallel_rank
+    full = torch.randn(2, 8, 12, 3, generator=torch.Generator().manual_seed(1))  # [batch, heads, seq, dim]
+    shard = full.chunk(sp, dim=2)[rank]
+    heads = sequence_to_heads(shard, groups.sequence_parallel_group, head_dim=1, seq_dim=2)
+    results["seq_to_heads_vs_slice"] = max_error(heads, full.chunk(sp, dim=1)[rank])
+    back = heads_to_sequence(heads, groups.sequence_parallel_group, head_dim=1, seq_dim=2)
+    results["round_trip"] = max_error(back, shard)
+
+
+def check_ulysses_attention(groups, results):
+    sp, rank = groups.sequence_parallel_world_size, groups.sequence_parallel_rank
+    attention = UlyssesAttention(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    attention.bind(groups.sequence_parallel_group)
+    for kv_heads in (4, 2, 1):
+        generator = torch.Generator().manual_seed(kv_heads)
+        q = torch.randn(2, 4, 16, 8, generator=generator, requires_grad=True)
+        k = torch.randn(2, kv_heads, 16, 8, generator=generator, requires_grad=True)
+        v = torch.randn(2, kv_heads, 16, 8, generator=generator, requires_grad=True)
+        grad_out = torch.randn(2, 4, 16, 8, generator=generator)
+        reference = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        reference.backward(grad_out)
+
+        local = [t.detach().chunk(sp, dim=2)[rank].requires_grad_() for t in (q, k, v)]
+        out = attention(*local)
+        out.backward(grad_out.chunk(sp, dim=2)[rank])
+        results[f"ulysses_out_kv{kv_heads}"] = max_error(out, reference.chunk(sp, dim=2)[rank])
+        for name, mine, full in zip("qkv", local, (q, k, v)):
+            results[f"ulysses_grad_{name}_kv{kv_heads}"] = max_error(mine.grad, full.grad.chunk(sp, dim=2)[rank])
+
+
+def padded_batch(seq_len=16):
+    generator = torch.Generator().manual_seed(7)
+    input_ids = torch.randint(0, 64, (2, seq_len), generator=generator)
+    attention_mask = torch.ones(2, seq_len, dtype=torch.long)
+    attention_mask[0, :5] = 0  # left padding
+    attention_mask[1, -3:] = 0  # right padding
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def check_hf_model(groups, results):
+    sp, group = groups.sequence_parallel_world_size, groups.sequence_parallel_group
+    for kv_heads in (4, 1):
+        batch = padded_batch()
+        reference = tiny_llama(kv_heads)  # sdpa with Hugging Face's own padding mask, full sequence
+        reference_loss = reference(**batch).loss
+        reference_loss.backward()
+
+        model = tiny_llama(kv_heads)
+        prepare_hf_model(model, group, SequenceParallelCausalLMLoss(group, gradient_scale=1.0))
+        shard = SequenceSharder(sp, groups.sequence_parallel_rank)(batch)
+        loss = model(**shard).loss
+        loss.backward()
+        results[f"hf_loss_kv{kv_heads}"] = abs(loss.item() - reference_loss.item())
+        worst = 0.0
+        for (name, mine), full in zip(model.named_parameters(), reference.parameters()):
+            grad = mine.grad.clone()
+            dist.all_reduce(grad, group=group)  # what DeepSpeed's reduction over the SP ranks adds up
+            worst = max(worst, max_error(grad, full.grad) / full.grad.abs().max().item())
+        results[f"hf_grad_relative_kv{kv_heads}"] = worst
+
+
+def main():
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    dist.init_process_group("gloo")
+    output = {}
+    for sp in spec["sequence_parallel_sizes"]:
+        groups = SequenceParallelGroups.build(ParallelLayout(dist.get_world_size(), sp))
+        results = {}
+        check_all_to_all(groups, results)
+        check_ulysses_attention(groups, results)
+        check_hf_model(groups, results)
+        output[sp] = results
+    torch.save(output, Path(sys.argv[2]) / f"result_{dist.get_rank()}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
