@@ -71,8 +71,6 @@ def _ulysses_attention_forward(module, query, key, value, attention_mask, **kwar
             " lightning_ulysses (prepare_hf_model). Switch it back with model.set_attn_implementation('sdpa')."
         )
     group = binding.group.group
-    if binding.group.world_size == 1:
-        return ALL_ATTENTION_FUNCTIONS[binding.backend](module, query, key, value, attention_mask, **kwargs)
     if any(name in kwargs for name in ("cu_seq_lens_q", "cu_seq_lens_k")):
         raise NotImplementedError("Packed sequences (cu_seq_lens) are not supported under sequence parallelism yet.")
 
@@ -178,10 +176,15 @@ def prepare_hf_model(
     """Switch one model to Ulysses attention over `sequence_parallel_group` (and optionally swap its loss)."""
     group = ProcessGroupHandle(sequence_parallel_group)
     backend = validate_hf_model(model, group.world_size)
-    _register_attention()
     if model.config._attn_implementation == ULYSSES_ATTENTION:
         raise RuntimeError(f"{type(model).__name__} is already prepared for sequence parallelism: restore() it first.")
     prepared = PreparedHFModel(model=model, backend=backend)
+    if loss_function is not None:
+        prepared.original_loss_function = model.__dict__.get("_loss_function", _NOT_SET)
+        model.loss_function = loss_function
+    if group.world_size == 1:
+        return prepared  # nothing to exchange: the model keeps its own attention untouched
+    _register_attention()
     # Private config copy, installed on every module that referenced the shared one (or a sub-config of it).
     memo: dict[int, Any] = {}
     copy.deepcopy(model.config, memo)
@@ -201,7 +204,4 @@ def prepare_hf_model(
     binding = _Binding(group=group, backend=backend)
     for module in model.modules():
         module.__dict__[_BINDING_ATTRIBUTE] = binding
-    if loss_function is not None:
-        prepared.original_loss_function = model.__dict__.get("_loss_function", _NOT_SET)
-        model.loss_function = loss_function
     return prepared

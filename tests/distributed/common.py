@@ -64,6 +64,7 @@ class CausalLM(L.LightningModule):
         self.model = tiny_llama(num_key_value_heads)
         self.lr = lr
         self.records: list[dict] = []
+        self.validation_records: list[dict] = []
 
     def training_step(self, batch, batch_idx):
         inputs = {key: value for key, value in batch.items() if key != "sample_index"}
@@ -78,6 +79,11 @@ class CausalLM(L.LightningModule):
             }
         )
         return loss
+
+    def validation_step(self, batch, batch_idx):
+        inputs = {key: value for key, value in batch.items() if key != "sample_index"}
+        loss = self.model(**inputs).loss
+        self.validation_records.append({"loss": loss.item(), "sample_index": batch["sample_index"].tolist()})
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)

@@ -38,3 +38,11 @@ def test_hf_model_with_padding_equals_full_model(results, sp, kv_heads):
     for rank in results:
         assert rank[sp][f"hf_loss_kv{kv_heads}"] < 1e-5
         assert rank[sp][f"hf_grad_relative_kv{kv_heads}"] < 1e-5
+
+
+@pytest.mark.parametrize("kv_heads", [4, 1])
+@pytest.mark.parametrize("sp", [2, 4])
+def test_prepare_is_per_model_and_restorable(results, sp, kv_heads):
+    for rank in results:
+        assert rank[sp][f"bystander_keeps_sdpa_kv{kv_heads}"] is True
+        assert rank[sp][f"restored_kv{kv_heads}"] is True

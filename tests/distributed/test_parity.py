@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.common import NUM_HEADS, UnevenlyMaskedTokens, collate
+from tests.distributed.common import NUM_HEADS, UnevenlyMaskedTokens, collate, tiny_llama
 from tests.distributed.harness import ROOT, launch
 from tests.distributed.reference import reference_training
 
@@ -41,6 +41,9 @@ def _matrix():
         _case(4, 2, 0, "mha", suffix="-clip", trainer_kwargs={"gradient_clip_val": 0.05}),
         _case(4, 2, 2, "mqa", suffix="-clip", trainer_kwargs={"gradient_clip_val": 0.05}),
         _case(4, 2, 3, "mha", suffix="-clip", trainer_kwargs={"gradient_clip_val": 0.05}),
+        # fit, then validate in the same process with the same Trainer.
+        _case(2, 2, 3, "mqa", suffix="-then-validate", validate=True),
+        _case(4, 2, 2, "mha", suffix="-then-validate", validate=True),
     ]
     return cases
 
@@ -105,6 +108,18 @@ def test_parity_with_single_process_reference(case, tmp_path_factory):
         error = (weights[name] - final).norm()
         assert update > 0, name
         assert error <= 1e-4 * update, f"{name}: error {error:.3e} vs update {update:.3e}"
+
+    # Validation after fit: each batch's loss equals the trained reference model's loss on it.
+    if case.get("validate"):
+        model = tiny_llama(case["kv_heads"], attn_implementation="eager")
+        model.load_state_dict(reference["final"], strict=False)
+        for rank in ranks:
+            assert len(rank["validation_records"]) == 2
+            for record in rank["validation_records"]:
+                batch = collate([dataset[i] for i in record["sample_index"]])
+                with torch.no_grad():
+                    expected = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss.item()
+                assert abs(record["loss"] - expected) < 1e-5
 
     # No replica drifted: every rank ends with the same weights.
     checksums = [rank["weights_checksum"] for rank in ranks]

@@ -73,7 +73,11 @@ def check_hf_model(groups, results):
         reference_loss.backward()
 
         model = tiny_llama(kv_heads)
-        prepare_hf_model(model, group, SequenceParallelCausalLMLoss(group, gradient_scale=1.0))
+        bystander = type(model)(model.config)  # built from the same config object, never prepared
+        prepared = prepare_hf_model(model, group, SequenceParallelCausalLMLoss(group, gradient_scale=1.0))
+        results[f"bystander_keeps_sdpa_kv{kv_heads}"] = bystander.config._attn_implementation == "sdpa" and all(
+            getattr(m, "config", bystander.config)._attn_implementation == "sdpa" for m in bystander.modules()
+        )
         shard = SequenceSharder(sp, groups.sequence_parallel_rank)(batch)
         loss = model(**shard).loss
         loss.backward()
@@ -84,6 +88,11 @@ def check_hf_model(groups, results):
             dist.all_reduce(grad, group=group)  # what DeepSpeed's reduction over the SP ranks adds up
             worst = max(worst, max_error(grad, full.grad) / full.grad.abs().max().item())
         results[f"hf_grad_relative_kv{kv_heads}"] = worst
+        prepared.restore()
+        results[f"restored_kv{kv_heads}"] = (
+            model.config._attn_implementation == "sdpa" and "_loss_function" not in model.__dict__
+            and abs(model(**batch).loss.item() - reference_loss.item()) < 1e-6
+        )
 
 
 def main():

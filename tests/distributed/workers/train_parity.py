@@ -39,8 +39,13 @@ def run_case(case: dict, world_size: int) -> dict:
     dataset = UnevenlyMaskedTokens(batch_size * case["steps"] * (world_size // case["sp"]), case["seq_len"])
     trainer.fit(module, DataLoader(dataset, batch_size=batch_size, collate_fn=collate))
     weights = module.final_weights
+    if case.get("validate"):
+        # Same process, same Trainer: the groups and the attention must be set up again cleanly.
+        validation = UnevenlyMaskedTokens(4 * (world_size // case["sp"]), case["seq_len"])
+        trainer.validate(module, DataLoader(validation, batch_size=batch_size, collate_fn=collate), verbose=False)
     return {
         "records": module.records,
+        "validation_records": module.validation_records,
         "sequence_parallel_rank": strategy.sequence_parallel_rank,
         "data_parallel_rank": strategy.data_parallel_rank,
         "weights": weights if dist.get_rank() == 0 else None,

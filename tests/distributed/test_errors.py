@@ -1,0 +1,38 @@
+"""Every invalid configuration fails on every rank, fast, with a message that says how to fix it (no hang).
+
+All cases run in one 2-rank launch; the harness kills the launch (and fails the test) if any rank hangs.
+"""
+
+import pytest
+
+from tests.distributed.harness import ROOT, launch
+
+WORKER = ROOT / "tests" / "distributed" / "workers" / "expect_error.py"
+
+CASES = {
+    "sp_does_not_divide_world": ({"sp": 4}, "ValueError", ["sp(4) does not divide world_size(2)", "Valid sequence_parallel_size values here: [1, 2]"]),
+    "heads_not_divisible": ({}, "ValueError", ["num_attention_heads(3) is not divisible by sequence_parallel_size(2)", "Use a sequence_parallel_size in [1, 3]"]),
+    "kv_heads_incompatible": ({}, "ValueError", ["num_key_value_heads(3) and sequence_parallel_size(2) must divide one another"]),
+    "eager_attention": ({}, "ValueError", ["attn_implementation='eager'", "attn_implementation='sdpa'"]),
+    "no_attention_to_wrap": ({}, "ValueError", ["no Hugging Face PreTrainedModel and no lightning_ulysses.UlyssesAttention", "UlyssesAttention(F.scaled_dot_product_attention)"]),
+    "length_not_divisible": ({"stage": 2}, "ValueError", ["sequence length 15 is not divisible by sequence_parallel_size(2)", "pad_to_multiple_of=2", "sequence_padding='pad'"]),
+    "tuple_batch": ({"stage": 1}, "TypeError", ["must be a dict with at least 'input_ids'", "got list"]),
+    "packed_rows": ({"stage": 0}, "NotImplementedError", ["Packed sequences are not supported"]),
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    cases = [{"kind": kind, **options} for kind, (options, _, _) in CASES.items()]
+    return launch(WORKER, 2, {"world_size": 2, "cases": cases}, tmp_path_factory.mktemp("errors"), timeout=240)
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_fails_fast_with_fix(results, kind):
+    _, error_type, fragments = CASES[kind]
+    for rank in results:
+        outcome = rank[kind]
+        assert outcome["raised"] == error_type, outcome
+        for fragment in fragments:
+            assert fragment in outcome["message"], outcome["message"]
+        assert outcome["seconds"] < 60

@@ -1,0 +1,98 @@
+"""Worker: each case is a misconfiguration; every rank must raise (never hang). Saves type, message and time."""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import lightning_ulysses
+from tests.distributed.common import CausalLM, UnevenlyMaskedTokens, collate
+
+
+class PlainModule(L.LightningModule):
+    """Attention written by hand, not wrapped in UlyssesAttention."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 8)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch["input_ids"].float().unsqueeze(-1).expand(-1, -1, 8)).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def llama_module(num_heads: int, num_key_value_heads: int, attn_implementation: str = "sdpa") -> CausalLM:
+    module = CausalLM(num_key_value_heads=1)
+    module.model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=8 * num_heads, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=num_heads, num_key_value_heads=num_key_value_heads, attn_implementation=attn_implementation,
+    ))
+    return module
+
+
+class TupleBatches(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return torch.arange(16), torch.arange(16)
+
+
+class PackedRows(UnevenlyMaskedTokens):
+    def __getitem__(self, index):
+        sample = super().__getitem__(index)
+        sample["position_ids"] = torch.cat([torch.arange(10), torch.arange(self.seq_len - 10)])
+        return sample
+
+
+def build(case):
+    data = DataLoader(UnevenlyMaskedTokens(8, 16), batch_size=2, collate_fn=collate)
+    strategy_kwargs = {"sequence_parallel_size": case.get("sp", 2)}
+    kind = case["kind"]
+    module = CausalLM(num_key_value_heads=4)
+    if kind == "heads_not_divisible":
+        module = llama_module(num_heads=3, num_key_value_heads=3)
+    elif kind == "kv_heads_incompatible":
+        module = llama_module(num_heads=6, num_key_value_heads=3)
+    elif kind == "eager_attention":
+        module = llama_module(num_heads=4, num_key_value_heads=4, attn_implementation="eager")
+    elif kind == "no_attention_to_wrap":
+        module = PlainModule()
+    elif kind == "length_not_divisible":
+        strategy_kwargs["sequence_padding"] = "error"
+        data = DataLoader(UnevenlyMaskedTokens(8, 15), batch_size=2, collate_fn=collate)
+    elif kind == "tuple_batch":
+        data = DataLoader(TupleBatches(), batch_size=2)
+    elif kind == "packed_rows":
+        data = DataLoader(PackedRows(8, 16), batch_size=2, collate_fn=collate)
+    return module, lightning_ulysses.UlyssesDeepSpeedStrategy(stage=case.get("stage", 3), **strategy_kwargs), data
+
+
+def main():
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    results = {}
+    for case in spec["cases"]:
+        module, strategy, data = build(case)
+        trainer = L.Trainer(accelerator="cpu", devices=spec["world_size"], strategy=strategy, max_steps=2,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)
+        start = time.monotonic()
+        try:
+            trainer.fit(module, data)
+            results[case["kind"]] = {"raised": None}
+        except Exception as error:  # noqa: BLE001 - the test inspects what was raised
+            results[case["kind"]] = {"raised": type(error).__name__, "message": str(error),
+                                     "seconds": time.monotonic() - start}
+    torch.save(results, Path(sys.argv[2]) / f"result_{dist.get_rank()}.pt")
+
+
+if __name__ == "__main__":
+    main()

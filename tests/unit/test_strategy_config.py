@@ -1,0 +1,63 @@
+import json
+
+import pytest
+from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
+
+import lightning_ulysses
+from lightning_ulysses import UlyssesDeepSpeedStrategy
+
+
+def test_registry_names_and_deepspeed_names_survive():
+    for name in ("ulysses", "ulysses_stage_1", "ulysses_stage_2", "ulysses_stage_3", "ulysses_stage_3_offload"):
+        assert StrategyRegistry[name]["strategy"] is UlyssesDeepSpeedStrategy
+    assert StrategyRegistry["deepspeed_stage_3"]["strategy"] is DeepSpeedStrategy
+    assert StrategyRegistry["ulysses_stage_2"]["init_params"] == {"stage": 2}
+
+
+def test_registration_is_idempotent():
+    import importlib
+
+    importlib.reload(lightning_ulysses)  # a second import must not raise "already present"
+
+
+def test_defaults():
+    strategy = UlyssesDeepSpeedStrategy()
+    assert strategy.config["zero_optimization"]["stage"] == 3
+    assert strategy.sequence_padding == "pad"
+
+
+def test_ulysses_block_is_read_and_stripped(tmp_path):
+    user_config = {"zero_optimization": {"stage": 2}, "ulysses": {"enable": True, "sequence_parallel_world_size": 4}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(user_config))
+    for config in (user_config, str(path)):
+        strategy = UlyssesDeepSpeedStrategy(config=config)
+        assert "ulysses" not in strategy.config
+        assert strategy._requested_sequence_parallel_size == 4
+    assert "ulysses" in user_config  # the caller's dict is left alone
+
+
+def test_disabled_block_means_sp_1():
+    strategy = UlyssesDeepSpeedStrategy(config={"ulysses": {"enable": False, "sequence_parallel_world_size": 4}})
+    assert strategy._requested_sequence_parallel_size == 1
+
+
+def test_block_disagreeing_with_argument():
+    with pytest.raises(ValueError, match="sequence_parallel_size=2 disagrees.*sequence_parallel_world_size=4"):
+        UlyssesDeepSpeedStrategy(sequence_parallel_size=2, config={"ulysses": {"sequence_parallel_world_size": 4}})
+
+
+def test_malformed_block():
+    with pytest.raises(ValueError, match='"ulysses" block must look like'):
+        UlyssesDeepSpeedStrategy(config={"ulysses": {"sp_size": 4}})
+
+
+@pytest.mark.parametrize("size", [0, -1, "4"])
+def test_bad_sequence_parallel_size(size):
+    with pytest.raises(ValueError, match="sequence_parallel_size must be an integer >= 1"):
+        UlyssesDeepSpeedStrategy(sequence_parallel_size=size)
+
+
+def test_groups_used_too_early_explain_when():
+    with pytest.raises(RuntimeError, match="created when the Trainer sets up distributed training"):
+        UlyssesDeepSpeedStrategy(sequence_parallel_size=2).sequence_parallel_rank
