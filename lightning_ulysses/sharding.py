@@ -6,7 +6,8 @@ SP group alike, before any collective.
 - `labels` are shifted *before* cutting (position t gets the target t+1), so the target of the last token of
   a shard, which lives in the next shard, is not lost. The batch's `labels` are therefore already aligned with
   the local logits under this strategy; `sequence_parallel_cross_entropy` and the swapped HF loss expect that.
-- `position_ids` are made global (`0..seq-1`) when absent: a model left to itself would number each shard from 0.
+- `position_ids` are made global (`0..seq-1`) when absent and the sequence is cut: a model left to itself would
+  number each shard from 0.
 - `attention_mask` (a 2-D padding mask) is cut like the tokens; the attention gathers it back whole.
 - Every other entry passes through untouched.
 """
@@ -60,7 +61,9 @@ class SequenceSharder:
         if "labels" in batch:
             labels = batch["labels"]
             batch["labels"] = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
-        if "position_ids" not in batch:
+        if "position_ids" not in batch and self.sequence_parallel_size > 1:
+            # Unsharded (SP 1), the model's own 0..seq-1 are right, and passing positions would make Hugging Face
+            # check them for packing with a GPU→CPU sync at every forward (measured: +1.7% step time at 32K).
             input_ids = batch["input_ids"]
             batch["position_ids"] = torch.arange(padded_len, device=input_ids.device).expand(input_ids.size(0), -1)
         shard = padded_len // self.sequence_parallel_size

@@ -75,7 +75,7 @@ class CausalLM(L.LightningModule):
                 "sample_index": batch["sample_index"].tolist(),
                 "input_ids": batch["input_ids"].clone(),
                 "labels": batch["labels"].clone(),
-                "position_ids": batch["position_ids"].clone(),
+                "position_ids": batch.get("position_ids"),
             }
         )
         return loss

@@ -67,3 +67,11 @@ def test_sp1_passes_non_dict_batches_untouched():
     assert SequenceSharder(1, 0)(data) is data
     with pytest.raises(TypeError, match="must be a dict"):
         SequenceSharder(2, 0)(data)
+
+
+def test_sp1_only_shifts_labels():
+    full = batch()
+    out = SequenceSharder(1, 0)(full)
+    assert "position_ids" not in out  # the model's own positions are right when nothing is cut
+    assert torch.equal(out["input_ids"], full["input_ids"])
+    assert torch.equal(out["labels"][:, :-1], full["labels"][:, 1:])
