@@ -1,5 +1,6 @@
 """Step time of (a) a plain DeepSpeed ZeRO-3 + Hugging Face loop against (b) UlyssesDeepSpeedStrategy through
-Lightning, same model, same DeepSpeed config, same data; one JSON line per run.
+Lightning (and (c) Lightning's stock DeepSpeedStrategy), same model, same DeepSpeed config, same data; one JSON
+line per run.
 
     python benchmarks/strategy_overhead.py --variant raw --shape 1b --seq 8192
     python benchmarks/strategy_overhead.py --variant lightning --shape 1b --seq 8192 --sequence-parallel-size 1
@@ -81,9 +82,11 @@ def run_raw(args, config) -> list[float]:
         dataset, sampler=torch.utils.data.DistributedSampler(dataset, shuffle=False), batch_size=1
     )
     times = []
+    profiler = StepProfiler(args)
     torch.cuda.synchronize()
     last = time.perf_counter()
     for batch in data:
+        profiler.step(len(times))
         batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
         loss = engine(**batch).loss
         engine.backward(loss)
@@ -92,7 +95,34 @@ def run_raw(args, config) -> list[float]:
         now = time.perf_counter()
         times.append(now - last)
         last = now
+    profiler.finish()
     return times[args.warmup:]
+
+
+class StepProfiler:
+    """With --profile: torch.profiler over two steps after warm-up; prints the top kernels and CPU ops."""
+
+    def __init__(self, args):
+        self.enabled, self.start, self.profiler = args.profile, args.warmup, None
+
+    def step(self, index: int) -> None:
+        if not self.enabled:
+            return
+        if index == self.start:
+            self.profiler = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+            self.profiler.__enter__()
+        elif index == self.start + 2:
+            self.finish()
+
+    def finish(self) -> None:
+        if self.profiler is not None:
+            torch.cuda.synchronize()
+            self.profiler.__exit__(None, None, None)
+            averages = self.profiler.key_averages()
+            print("PROFILE cuda\n" + averages.table(sort_by="cuda_time_total", row_limit=25), flush=True)
+            print("PROFILE cpu\n" + averages.table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+            self.profiler = None
 
 
 def run_lightning(args, config) -> list[float]:
@@ -104,8 +134,10 @@ def run_lightning(args, config) -> list[float]:
     class StepTimer(L.Callback):
         def __init__(self):
             self.times, self.last = [], None
+            self.profiler = StepProfiler(args)
 
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            self.profiler.step(batch_idx)
             if self.last is None:
                 torch.cuda.synchronize()
                 self.last = time.perf_counter()
@@ -133,24 +165,31 @@ def run_lightning(args, config) -> list[float]:
                or key in ("max_position_embeddings", "rope_theta")}
     module = Module(model={"model_type": "llama", **options}, attn_implementation="sdpa")
     timer = StepTimer()
-    strategy = UlyssesDeepSpeedStrategy(sequence_parallel_size=args.sequence_parallel_size, config=deepspeed_config())
+    if args.variant == "lightning-stock":  # Lightning's own DeepSpeedStrategy: isolates Lightning's share of the cost
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        strategy = DeepSpeedStrategy(config=deepspeed_config())
+    else:
+        strategy = UlyssesDeepSpeedStrategy(sequence_parallel_size=args.sequence_parallel_size, config=deepspeed_config())
     trainer = L.Trainer(accelerator="cuda", devices=world, strategy=strategy, precision="bf16-mixed",
                         max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
     data = torch.utils.data.DataLoader(RandomTokens(args.seq, config.vocab_size, (args.warmup + args.steps) * dp),
                                        batch_size=1)
     trainer.fit(module, data)
+    timer.profiler.finish()
     return timer.times[args.warmup:]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--variant", choices=["raw", "lightning"], required=True)
+    parser.add_argument("--variant", choices=["raw", "lightning", "lightning-stock"], required=True)
     parser.add_argument("--shape", choices=list(SHAPES), required=True)
     parser.add_argument("--seq", type=int, required=True)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--sequence-parallel-size", type=int, default=1)
+    parser.add_argument("--profile", action="store_true", help="print torch.profiler tables of two steps")
     args = parser.parse_args()
     config = llama_config(args.shape, args.seq)
     torch.cuda.reset_peak_memory_stats()
