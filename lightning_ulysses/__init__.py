@@ -1,7 +1,8 @@
 """lightning-ulysses: DeepSpeed-Ulysses sequence parallelism for PyTorch Lightning.
 
-`import lightning_ulysses` registers the strategy names "ulysses", "ulysses_stage_{1,2,3}" and
-"ulysses_stage_3_offload" in Lightning's StrategyRegistry (Lightning has no entry points for strategies).
+`import lightning_ulysses` registers the strategy names "ulysses", "ulysses_stage_{1,2,3}",
+"ulysses_stage_3_offload" and "ulysses_notebook" in Lightning's StrategyRegistry (Lightning has no entry points
+for strategies).
 """
 
 from lightning.pytorch.strategies import StrategyRegistry

@@ -12,7 +12,7 @@ backward pass only, leaving the reported value untouched.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -100,3 +100,29 @@ class SequenceParallelCausalLMLoss:
 
     def __deepcopy__(self, memo):  # holds a process group: share it, see ProcessGroupHandle
         return self
+
+
+class LossFunctionHost:
+    """Marks a model whose loss comes from its `loss_function(logits, labels, vocab_size=...)` attribute.
+
+    Hugging Face models work this way already; a native model that inherits this marker gets the same treatment
+    from `UlyssesDeepSpeedStrategy`: its `loss_function` is swapped for `SequenceParallelCausalLMLoss` during
+    training and restored at teardown, with no change to the strategy per model family.
+    """
+
+    loss_function: Callable
+
+
+def swap_loss_function(host: Any, loss_function: Callable) -> Callable[[], None]:
+    """Install `loss_function` on `host`; return the callable that puts the original back."""
+    missing = object()
+    original = host.__dict__.get("loss_function", missing)
+    host.loss_function = loss_function
+
+    def restore() -> None:
+        if original is missing:
+            host.__dict__.pop("loss_function", None)
+        else:
+            host.loss_function = original
+
+    return restore

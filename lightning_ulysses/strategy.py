@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping, Optional, Union
+from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
+from lightning.fabric.utilities import imports as _fabric_imports
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
@@ -19,9 +20,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_ulysses.attention.core import UlyssesAttention
-from lightning_ulysses.attention.hf import PreparedHFModel, find_hf_models, prepare_hf_model, validate_hf_model
+from lightning_ulysses.attention.hf import find_hf_models, prepare_hf_model, validate_hf_model
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, check_sequence_parallel_size
-from lightning_ulysses.loss import SequenceParallelCausalLMLoss, gradient_scale_for
+from lightning_ulysses.loss import (
+    LossFunctionHost,
+    SequenceParallelCausalLMLoss,
+    gradient_scale_for,
+    swap_loss_function,
+)
+from lightning_ulysses.notebook import UlyssesForkLauncher
 from lightning_ulysses.sharding import SequencePadding, SequenceSharder
 
 _ULYSSES_CONFIG_KEYS = {"enable", "sequence_parallel_world_size"}
@@ -46,6 +53,18 @@ def _split_ulysses_block(config: Mapping[str, Any]) -> tuple[dict[str, Any], Opt
     return config, size
 
 
+def _deep_merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in overrides.items():
+        if value is None:  # "not set": lets a recipe list a knob without forcing a value on DeepSpeed
+            continue
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
 class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     """DeepSpeed (ZeRO) with DeepSpeed-Ulysses sequence parallelism.
 
@@ -58,6 +77,12 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         sequence_padding: `"pad"` (default) pads sequences whose length is not a multiple of the SP size at the
             end, with ignored labels; `"error"` rejects them.
         stage: ZeRO stage; 3 by default (parameters, gradients and optimizer state sharded over all ranks).
+        config_overrides: merged (recursively) into the DeepSpeed config built from the other arguments, for
+            settings that have no argument, e.g. `{"data_types": {"grad_accum_dtype": "fp32"}}`; `None` values
+            are skipped.
+        start_method: how the ranks are started. `None` (the default): Lightning's script launch (re-runs the
+            script, or ranks come from torchrun/SLURM). `"fork"`: fork the current process, for Jupyter notebooks
+            (`strategy="ulysses_notebook"`); see `lightning_ulysses.notebook`.
         **kwargs: every other `lightning.pytorch.strategies.DeepSpeedStrategy` argument.
     """
 
@@ -70,6 +95,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         sequence_padding: SequencePadding = "pad",
         stage: int = 3,
         config: Optional[Union[str, dict[str, Any]]] = None,
+        config_overrides: Optional[Mapping[str, Any]] = None,
+        start_method: Optional[Literal["fork"]] = None,
         **kwargs: Any,
     ) -> None:
         config = self._load_config(config)
@@ -86,12 +113,20 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             check_sequence_parallel_size(sequence_parallel_size)
         if sequence_padding not in ("pad", "error"):
             raise ValueError(f"sequence_padding must be 'pad' or 'error', got {sequence_padding!r}")
+        if start_method not in (None, "fork"):
+            raise ValueError(
+                f"start_method must be None (script launch) or 'fork' (notebooks), got {start_method!r}."
+            )
         super().__init__(stage=stage, config=config, **kwargs)
+        if config_overrides:
+            self.config = _deep_merge(self.config, config_overrides)
         self._requested_sequence_parallel_size = sequence_parallel_size
         self.sequence_padding = sequence_padding
         self._groups: Optional[SequenceParallelGroups] = None
         self._sharder: Optional[SequenceSharder] = None
-        self._prepared_models: list[PreparedHFModel] = []
+        self._restore_callbacks: list[Callable[[], None]] = []
+        # DeepSpeedStrategy does not forward DDPStrategy's start_method (it stays "popen", the script launch).
+        self._start_method = start_method or "popen"
 
     # -- the parallel layout ------------------------------------------------------------------------------------
     @property
@@ -136,7 +171,27 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         group = groups.sequence_parallel_group if groups.sequence_parallel_world_size > 1 else None
         return SequenceParallelCausalLMLoss(group, gradient_scale_for(self.config, groups.sequence_parallel_world_size))
 
-    # -- environment and groups -------------------------------------------------------------------------------
+    # -- launch, environment and groups ------------------------------------------------------------------------
+    @override
+    def _configure_launcher(self) -> None:
+        if self._start_method == "fork":
+            # Forked children run setup_environment → setup_distributed below, exactly like script ranks.
+            self._launcher = UlyssesForkLauncher(self)
+            return
+        if _fabric_imports._IS_INTERACTIVE:
+            if self.num_processes * self.num_nodes == 1:
+                # One rank needs no launch: run in this process, so a single-GPU notebook works unchanged
+                # (Lightning would refuse any script launcher in a notebook, even one that starts nothing).
+                self._launcher = None
+                return
+            # Lightning's own refusal that follows suggests strategy='ddp_notebook', which has no sequence parallelism.
+            raise RuntimeError(
+                f"{type(self).__name__} with the script launch cannot start ranks from a notebook or an interactive"
+                " session. Use Trainer(strategy='ulysses_notebook') or UlyssesDeepSpeedStrategy(..., start_method="
+                "'fork'), which forks this process, or run the training as a script."
+            )
+        super()._configure_launcher()
+
     @override
     def setup_environment(self) -> None:
         if isinstance(self.accelerator, CUDAAccelerator):
@@ -192,15 +247,19 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             )
         for model in hf_models:  # all checks first: a failure leaves no model half-prepared
             validate_hf_model(model, size)
-        for attention in native:
-            attention.bind(group)
+        for bindable in module.modules():  # UlyssesAttention, SequenceParallel metrics, ...
+            if callable(getattr(bindable, "bind_parallel_groups", None)):
+                bindable.bind_parallel_groups(groups)
         loss = self.loss_function
-        self._prepared_models = [prepare_hf_model(model, group, loss) for model in hf_models]
+        self._restore_callbacks = [prepare_hf_model(model, group, loss).restore for model in hf_models]
+        self._restore_callbacks += [
+            swap_loss_function(host, loss) for host in module.modules() if isinstance(host, LossFunctionHost)
+        ]
 
     def _restore_modules(self) -> None:
-        for prepared in self._prepared_models:
-            prepared.restore()
-        self._prepared_models = []
+        for restore in reversed(self._restore_callbacks):
+            restore()
+        self._restore_callbacks = []
 
     @override
     def teardown(self) -> None:
@@ -267,6 +326,12 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             strategy_registry.register(
                 f"ulysses_stage_{stage}", cls, description=f"DeepSpeed-Ulysses with ZeRO stage {stage}", stage=stage
             )
+        strategy_registry.register(
+            "ulysses_notebook",
+            cls,
+            description="DeepSpeed-Ulysses with ZeRO-3, ranks forked from the current process (Jupyter notebooks)",
+            start_method="fork",
+        )
         strategy_registry.register(
             "ulysses_stage_3_offload",
             cls,

@@ -1,8 +1,10 @@
 """Hydra entry point: compose the config, build data, model, strategy and Trainer, fit.
 
-    python recipes/train.py                                   # tiny Llama, copy task, SP 2 on 2 CPU processes
+    python recipes/train.py                                            # experiment=tiny_cpu (CPU, SP 2)
     python recipes/train.py data.seq_len=1024 trainer.max_steps=50
-    python recipes/train.py -m data.seq_len=256,512           # a Hydra sweep
+    python recipes/train.py experiment=gpt3_176b_32k plan=true         # no hardware: parameters, layout, memory
+    python recipes/train.py experiment=gpt3_176b_32k strategy.sequence_parallel_size=16 trainer.num_nodes=4
+    python recipes/train.py -m data.seq_len=256,512                    # a Hydra sweep
 """
 
 from __future__ import annotations
@@ -19,20 +21,29 @@ from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig
 
 import lightning_ulysses  # noqa: F401  (registers the "ulysses" strategy names)
+from lightning_ulysses.config import register_resolvers
+from lightning_ulysses.recipe import apply_runtime_environment, check_recipe, plan
 
-CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+ROOT = Path(__file__).resolve().parents[1]
+register_resolvers()
 
 
-@hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")
+@hydra.main(config_path=str(ROOT / "conf"), config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    if cfg.plan:
+        print(plan(cfg))
+        return
     # DeepSpeed JIT-builds ops on first use: keep the cache in the project's ignored folders.
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"))
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+    apply_runtime_environment(cfg.runtime)
     # Deprecation chatter from DeepSpeed's and Lightning's internals, once per collective; nothing users can act on.
     warnings.filterwarnings("ignore", message=r"`torch.distributed.\w+` is deprecated")
     warnings.filterwarnings("ignore", message=r".*LeafSpec.*is deprecated")
     L.seed_everything(cfg.seed, workers=True)
-    data = instantiate(cfg.data)
+
     module = instantiate(cfg.model)
+    check_recipe(cfg, module.spec)  # bad overrides fail here, before Lightning starts any other rank
+    data = instantiate(cfg.data)
     strategy = instantiate(cfg.strategy)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     trainer = instantiate(cfg.trainer, strategy=strategy, logger=CSVLogger(save_dir=run_dir, name="logs"),
@@ -41,9 +52,10 @@ def main(cfg: DictConfig) -> None:
     if trainer.is_global_zero:
         print(f"\nRun directory: {run_dir}")
         print(f"Metrics (CSV): {trainer.logger.log_dir}/metrics.csv")
-        if trainer.checkpoint_callback is not None and trainer.checkpoint_callback.best_model_path:
-            print(f"Checkpoint:    {trainer.checkpoint_callback.best_model_path}")
-        print(f"Final metrics: { {k: round(float(v), 4) for k, v in trainer.callback_metrics.items()} }")
+        checkpoint = trainer.checkpoint_callback
+        if checkpoint is not None and (checkpoint.last_model_path or checkpoint.best_model_path):
+            print(f"Checkpoint:    {checkpoint.last_model_path or checkpoint.best_model_path}")
+        print(f"Final metrics: { {k: round(float(v), 4) for k, v in sorted(trainer.callback_metrics.items())} }")
 
 
 if __name__ == "__main__":

@@ -89,6 +89,10 @@ class UlyssesAttention(nn.Module):
     def bind(self, sequence_parallel_group) -> None:
         self._group = ProcessGroupHandle(sequence_parallel_group)
 
+    def bind_parallel_groups(self, groups) -> None:
+        """Called by `UlyssesDeepSpeedStrategy` at setup with its `SequenceParallelGroups`."""
+        self.bind(groups.sequence_parallel_group if groups.sequence_parallel_world_size > 1 else None)
+
     @property
     def sequence_parallel_group(self):
         return self._group.group

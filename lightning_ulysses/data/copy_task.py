@@ -1,8 +1,8 @@
 """Synthetic long-range data: the second half of every sequence repeats the first half.
 
-Only the second half carries labels, and it is predictable only by attending to the first half. Under sequence
-parallelism the halves live on different SP ranks, so the loss can fall below log(vocab) only if attention
-really crosses shard boundaries.
+Both halves carry labels: the random first half stays at ln(vocab) whatever the model does; the second half is
+predictable only by attending to the first. Under sequence parallelism the halves live on different SP ranks,
+so the second half's loss can fall below ln(vocab) only if attention really crosses shard boundaries.
 """
 
 from __future__ import annotations
@@ -25,9 +25,7 @@ class CopyTaskDataset(Dataset):
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         half = torch.randint(0, self.vocab_size, (self.seq_len // 2,), generator=generator)
         input_ids = torch.cat([half, half])
-        labels = input_ids.clone()
-        labels[: self.seq_len // 2] = -100  # random tokens: nothing to learn there
-        return {"input_ids": input_ids, "labels": labels}
+        return {"input_ids": input_ids, "labels": input_ids.clone()}
 
 
 class CopyTaskDataModule(L.LightningDataModule):

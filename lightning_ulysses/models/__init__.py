@@ -1,3 +1,5 @@
 from lightning_ulysses.models.causal_lm import CausalLMModule
+from lightning_ulysses.models.gpt import GPT, GPTConfig
+from lightning_ulysses.models.hf import HuggingFaceCausalLM
 
-__all__ = ["CausalLMModule"]
+__all__ = ["GPT", "CausalLMModule", "GPTConfig", "HuggingFaceCausalLM"]

@@ -1,4 +1,4 @@
-"""The recipes' LightningModule: any Hugging Face causal LM, random init from a config, no download.
+"""The recipes' LightningModule, for native GPTs and Hugging Face models alike.
 
 Written exactly as it would be without sequence parallelism: the strategy shards the batch, swaps the
 attention and makes `model(**batch).loss` the whole-sequence loss.
@@ -6,67 +6,89 @@ attention and makes `model(**batch).loss` the whole-sequence loss.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional, Protocol
 
 import lightning as L
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+
+from lightning_ulysses.loss import sequence_parallel_cross_entropy
+
+
+class ModelSpec(Protocol):
+    def build(self) -> torch.nn.Module: ...
+
+    def num_parameters(self) -> int: ...
 
 
 class CausalLMModule(L.LightningModule):
     """Args:
-        model: keyword arguments of a transformers config, with `model_type` (e.g. `{"model_type": "llama",
-            "hidden_size": 64, ...}`).
-        attn_implementation: the local attention backend Ulysses wraps (`sdpa`, `flash_attention_2`, ...).
+        model: what to build (`GPTConfig` or `HuggingFaceCausalLM`); built in `configure_model`, i.e. partitioned
+            from the start under ZeRO-3.
         learning_rate, weight_decay, betas: AdamW settings.
+        activation_checkpointing: recompute every layer in backward.
+        report_loss_split: also log the loss of the targets before and after this position (`loss_first`,
+            `loss_second`): the copy task's random half and copied half.
     """
 
     def __init__(
         self,
-        model: dict[str, Any],
-        attn_implementation: str = "sdpa",
+        model: ModelSpec,
         learning_rate: float = 3e-4,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
+        activation_checkpointing: bool = False,
+        report_loss_split: Optional[int] = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["model"])
+        self.spec = model
         self.model: Optional[torch.nn.Module] = None
 
     def configure_model(self) -> None:
         if self.model is not None:  # configure_model runs again for validate/test after fit
             return
-        options = dict(self.hparams.model)
-        config = AutoConfig.for_model(options.pop("model_type"), **options)
-        self.model = AutoModelForCausalLM.from_config(config, attn_implementation=self.hparams.attn_implementation)
-        self._initialize_sharded_weights()
-
-    def _initialize_sharded_weights(self) -> None:
-        """Re-run Hugging Face's weight init when the model was built partitioned under ZeRO-3.
-
-        Inside `deepspeed.zero.Init` (Lightning's `configure_model` under ZeRO-3) HF's `_init_weights` never sees
-        the real tensors, and embeddings came out with std 1.0 instead of 0.02. One module at a time is gathered,
-        initialised on rank 0 and re-partitioned, so no rank ever holds the whole model.
-        """
-        parameters = list(self.model.parameters())
-        if not parameters or not hasattr(parameters[0], "ds_id"):
-            return
-        import deepspeed
-
-        for module in self.model.modules():
-            own = list(module.parameters(recurse=False))
-            if own:
-                with deepspeed.zero.GatheredParameters(own, modifier_rank=0):
-                    if self.global_rank == 0:
-                        self.model._init_weights(module)
+        self.model = self.spec.build()
+        if self.hparams.activation_checkpointing:
+            self.model.gradient_checkpointing_enable()
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss = self.model(**batch).loss
-        self.log("train/loss", loss, prog_bar=True)
-        return loss
+        return self._step("train", batch)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self.log("val/loss", self.model(**batch).loss, prog_bar=True, sync_dist=True)
+        self._step("val", batch)
+
+    def _step(self, stage: str, batch: dict) -> torch.Tensor:
+        outputs = self.model(**batch)
+        self.log(f"{stage}/loss", outputs.loss, prog_bar=True, sync_dist=stage == "val")
+        if self.hparams.report_loss_split is not None:
+            first, second = self._split_losses(outputs.logits.detach(), batch)
+            self.log(f"{stage}/loss_first", first, prog_bar=True, sync_dist=stage == "val")
+            self.log(f"{stage}/loss_second", second, prog_bar=True, sync_dist=stage == "val")
+        return outputs.loss
+
+    @torch.no_grad()
+    def _split_losses(self, logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole-sequence losses of the targets before / after `report_loss_split`, correct under SP."""
+        from lightning_ulysses.strategy import UlyssesDeepSpeedStrategy
+
+        strategy = self.trainer.strategy
+        labels = batch["labels"]
+        positions = batch.get("position_ids")
+        if positions is None:
+            positions = torch.arange(labels.size(1), device=labels.device).expand_as(labels)
+        group = None
+        if isinstance(strategy, UlyssesDeepSpeedStrategy):
+            # Labels arrive shifted: the target at local position t is the token at global position t + 1.
+            target_positions = positions + 1
+            if strategy.sequence_parallel_world_size > 1:
+                group = strategy.sequence_parallel_group
+        else:
+            logits, labels, target_positions = logits[:, :-1], labels[:, 1:], positions[:, 1:]
+        second = target_positions >= self.hparams.report_loss_split
+        return (
+            sequence_parallel_cross_entropy(logits, labels.masked_fill(second, -100), group),
+            sequence_parallel_cross_entropy(logits, labels.masked_fill(~second, -100), group),
+        )
 
     def configure_optimizers(self):
         return torch.optim.AdamW(

@@ -27,6 +27,21 @@ def tiny_llama(num_key_value_heads: int, seed: int = 0, attn_implementation: str
     return LlamaForCausalLM(config).float()
 
 
+def tiny_gpt(num_key_value_heads: int, seed: int = 0):
+    """The package's native GPT (UlyssesAttention, RoPE from global positions, tied embeddings)."""
+    from lightning_ulysses.models import GPTConfig
+
+    torch.manual_seed(seed)
+    return GPTConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=NUM_HEADS,
+                     num_key_value_heads=num_key_value_heads).build().float()
+
+
+def build_model(kind: str, num_key_value_heads: int, reference: bool = False):
+    if kind == "gpt":
+        return tiny_gpt(num_key_value_heads)
+    return tiny_llama(num_key_value_heads, attn_implementation="eager" if reference else "sdpa")
+
+
 class UnevenlyMaskedTokens(Dataset):
     """Random tokens whose labels are masked unevenly, so the shards of one row hold different numbers of targets.
 
@@ -59,12 +74,19 @@ def collate(samples: list[dict]) -> dict:
 class CausalLM(L.LightningModule):
     """A LightningModule written exactly as without sequence parallelism (plus bookkeeping for the tests)."""
 
-    def __init__(self, num_key_value_heads: int, lr: float = 0.5):
+    def __init__(self, num_key_value_heads: int, lr: float = 0.5, kind: str = "llama", in_configure_model=False):
         super().__init__()
-        self.model = tiny_llama(num_key_value_heads)
+        # in_configure_model: build under Lightning's model_sharded_context (deepspeed.zero.Init on ZeRO-3), where
+        # every tensor is partitioned at construction: checks that initialisation survives partitioning.
+        self.kind, self.num_key_value_heads = kind, num_key_value_heads
+        self.model = None if in_configure_model else build_model(kind, num_key_value_heads)
         self.lr = lr
         self.records: list[dict] = []
         self.validation_records: list[dict] = []
+
+    def configure_model(self):
+        if self.model is None:
+            self.model = build_model(self.kind, self.num_key_value_heads)
 
     def training_step(self, batch, batch_idx):
         inputs = {key: value for key, value in batch.items() if key != "sample_index"}
@@ -81,9 +103,18 @@ class CausalLM(L.LightningModule):
         return loss
 
     def validation_step(self, batch, batch_idx):
+        self.validation_records.append(self._evaluate(batch, "validate"))
+
+    def test_step(self, batch, batch_idx):
+        self.validation_records.append(self._evaluate(batch, "test"))
+
+    def predict_step(self, batch, batch_idx):
+        self.validation_records.append(self._evaluate(batch, "predict"))
+
+    def _evaluate(self, batch, stage):
         inputs = {key: value for key, value in batch.items() if key != "sample_index"}
         loss = self.model(**inputs).loss
-        self.validation_records.append({"loss": loss.item(), "sample_index": batch["sample_index"].tolist()})
+        return {"stage": stage, "loss": loss.item(), "sample_index": batch["sample_index"].tolist()}
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.distributed.common import UnevenlyMaskedTokens, collate, tiny_llama
+from tests.distributed.common import UnevenlyMaskedTokens, build_model, collate
 
 
 def reference_training(
@@ -13,13 +13,15 @@ def reference_training(
     steps: list[list[list[int]]],
     lr: float = 0.5,
     gradient_clip_val: float | None = None,
+    kind: str = "llama",
 ) -> dict:
     """Train on `steps[t][dp_rank]` = sample indices, averaging the DP replicas' losses as DDP/ZeRO do.
 
-    Uses eager attention and Hugging Face's own shifted loss, independent of everything under test.
+    Uses eager attention and Hugging Face's own shifted loss (for the native GPT: its own unsharded forward and
+    shifted loss), independent of everything under test.
     """
     dataset = UnevenlyMaskedTokens(10_000, seq_len)
-    model = tiny_llama(num_key_value_heads, attn_implementation="eager")
+    model = build_model(kind, num_key_value_heads, reference=True)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []

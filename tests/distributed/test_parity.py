@@ -41,9 +41,15 @@ def _matrix():
         _case(4, 2, 0, "mha", suffix="-clip", trainer_kwargs={"gradient_clip_val": 0.05}),
         _case(4, 2, 2, "mqa", suffix="-clip", trainer_kwargs={"gradient_clip_val": 0.05}),
         _case(4, 2, 3, "mha", suffix="-clip", trainer_kwargs={"gradient_clip_val": 0.05}),
-        # fit, then validate in the same process with the same Trainer.
+        # fit, then validate, test and predict in the same process with the same Trainer.
         _case(2, 2, 3, "mqa", suffix="-then-validate", validate=True),
         _case(4, 2, 2, "mha", suffix="-then-validate", validate=True),
+        # The native GPT (UlyssesAttention, RoPE from global positions, tied embeddings, swapped loss).
+        _case(2, 2, 3, "mqa", suffix="-gpt", model="gpt"),
+        _case(4, 4, 3, "mha", suffix="-gpt", model="gpt"),
+        _case(4, 2, 2, "mqa", suffix="-gpt", model="gpt"),
+        # Built in configure_model, i.e. partitioned at construction by deepspeed.zero.Init.
+        _case(2, 2, 3, "mha", suffix="-gpt-zero-init", model="gpt", in_configure_model=True),
     ]
     return cases
 
@@ -96,7 +102,8 @@ def test_parity_with_single_process_reference(case, tmp_path_factory):
                 assert torch.equal(record["position_ids"], torch.arange(padded)[window].expand(BATCH_SIZE, -1))
 
     clip = case.get("trainer_kwargs", {}).get("gradient_clip_val")
-    reference = reference_training(case["kv_heads"], case["seq_len"], steps, gradient_clip_val=clip)
+    reference = reference_training(case["kv_heads"], case["seq_len"], steps, gradient_clip_val=clip,
+                                   kind=case.get("model", "llama"))
 
     # Every returned loss: the whole-sequence loss of this rank's DP replica, the same on every SP rank.
     for rank in ranks:
@@ -112,12 +119,14 @@ def test_parity_with_single_process_reference(case, tmp_path_factory):
         assert update > 0, name
         assert error <= 1e-4 * update, f"{name}: error {error:.3e} vs update {update:.3e}"
 
-    # Validation after fit: each batch's loss equals the trained reference model's loss on it.
+    # validate, test and predict after fit (same process, same Trainer): each batch's loss equals the trained
+    # reference model's loss on it.
     if case.get("validate"):
         model = tiny_llama(case["kv_heads"], attn_implementation="eager")
         model.load_state_dict(reference["final"], strict=False)
         for rank in ranks:
-            assert len(rank["validation_records"]) == 2
+            stages = [record["stage"] for record in rank["validation_records"]]
+            assert stages == ["validate"] * 2 + ["test"] * 2 + ["predict"] * 2
             for record in rank["validation_records"]:
                 batch = collate([dataset[i] for i in record["sample_index"]])
                 with torch.no_grad():

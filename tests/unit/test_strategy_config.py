@@ -61,3 +61,16 @@ def test_bad_sequence_parallel_size(size):
 def test_groups_used_too_early_explain_when():
     with pytest.raises(RuntimeError, match="created when the Trainer sets up distributed training"):
         UlyssesDeepSpeedStrategy(sequence_parallel_size=2).sequence_parallel_rank
+
+
+def test_single_rank_runs_in_a_notebook_and_several_ranks_point_to_ulysses_notebook(monkeypatch):
+    import lightning as L
+    from lightning.fabric.utilities import imports
+    from lightning.pytorch.trainer.connectors import accelerator_connector
+
+    monkeypatch.setattr(imports, "_IS_INTERACTIVE", True)
+    monkeypatch.setattr(accelerator_connector, "_IS_INTERACTIVE", True)
+    trainer = L.Trainer(strategy=UlyssesDeepSpeedStrategy(), accelerator="cpu", devices=1, logger=False)
+    assert trainer.strategy.launcher is None  # one rank: trains in the notebook's own process
+    with pytest.raises(RuntimeError, match="strategy='ulysses_notebook'"):
+        L.Trainer(strategy=UlyssesDeepSpeedStrategy(), accelerator="cpu", devices=2, logger=False)

@@ -26,7 +26,8 @@ class CaptureWeights(L.Callback):
 
 
 def run_case(case: dict, world_size: int) -> dict:
-    module = CausalLM(num_key_value_heads=case["kv_heads"], lr=case.get("lr", 0.5))
+    module = CausalLM(num_key_value_heads=case["kv_heads"], lr=case.get("lr", 0.5), kind=case.get("model", "llama"),
+                      in_configure_model=case.get("in_configure_model", False))
     strategy = lightning_ulysses.UlyssesDeepSpeedStrategy(
         sequence_parallel_size=case["sp"], stage=case["stage"], **case.get("strategy_kwargs", {})
     )
@@ -42,7 +43,10 @@ def run_case(case: dict, world_size: int) -> dict:
     if case.get("validate"):
         # Same process, same Trainer: the groups and the attention must be set up again cleanly.
         validation = UnevenlyMaskedTokens(4 * (world_size // case["sp"]), case["seq_len"])
-        trainer.validate(module, DataLoader(validation, batch_size=batch_size, collate_fn=collate), verbose=False)
+        loader = DataLoader(validation, batch_size=batch_size, collate_fn=collate)
+        trainer.validate(module, loader, verbose=False)
+        trainer.test(module, loader, verbose=False)
+        trainer.predict(module, loader, return_predictions=False)
     return {
         "records": module.records,
         "validation_records": module.validation_records,

@@ -1,0 +1,103 @@
+"""torchmetrics that stay exact when every sequence is split over an SP group and samples over DP groups.
+
+Token-level metrics keep *sums and counts* (never means of means): every rank adds the tokens it holds, and the
+default sync over all ranks adds every token exactly once, because SP ranks hold disjoint pieces of a sequence
+and DP groups hold disjoint samples. `labels` are aligned with `logits` (the target of position t at t), as
+`UlyssesDeepSpeedStrategy` delivers them; positions labelled `ignore_index` are skipped.
+
+Any other metric (sequence-level, or needing whole rows) goes through `SequenceParallel(metric)`: it gathers
+the row pieces over the SP group, updates the wrapped metric with whole rows on every SP rank, and syncs the
+wrapped metric over the DP group only, so each sample is counted once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torchmetrics import Metric
+
+from lightning_ulysses.attention.all_to_all import all_gather_sequence
+from lightning_ulysses.loss import IGNORE_INDEX
+
+
+class _TokenSums(Metric):
+    full_state_update = False
+
+    def __init__(self, ignore_index: int = IGNORE_INDEX, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.ignore_index = ignore_index
+        self.add_state("total", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        valid = labels != self.ignore_index
+        self.total += self._token_values(logits[valid].float(), labels[valid]).sum().double()
+        self.count += valid.sum()
+
+    def _token_values(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _mean(self) -> torch.Tensor:
+        return self.total / self.count.clamp(min=1)
+
+
+class TokenCrossEntropy(_TokenSums):
+    """Mean next-token cross-entropy over all valid tokens of all ranks."""
+
+    def _token_values(self, logits, labels):
+        return F.cross_entropy(logits, labels, reduction="none")
+
+    def compute(self) -> torch.Tensor:
+        return self._mean().float()
+
+
+class Perplexity(TokenCrossEntropy):
+    """exp(token-mean cross-entropy) over all valid tokens of all ranks."""
+
+    def compute(self) -> torch.Tensor:
+        return torch.exp(self._mean()).float()
+
+
+class NextTokenAccuracy(_TokenSums):
+    """Share of valid tokens whose arg-max prediction is the target."""
+
+    def _token_values(self, logits, labels):
+        return (logits.argmax(dim=-1) == labels).double()
+
+    def compute(self) -> torch.Tensor:
+        return self._mean().float()
+
+
+class SequenceParallel(Metric):
+    """Makes any torchmetrics metric exact under sequence parallelism (see the module docstring).
+
+    `update(*tensors)` takes this rank's pieces, `[batch, local_seq, ...]`; they are gathered along dim 1 over the
+    SP group first. `UlyssesDeepSpeedStrategy` binds the groups at setup (`bind_parallel_groups`); unbound, it is
+    the wrapped metric.
+    """
+
+    full_state_update = False
+
+    def __init__(self, metric: Metric, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.metric = metric
+        self._sequence_parallel_group: Optional[Any] = None
+
+    def bind_parallel_groups(self, groups) -> None:
+        if groups.sequence_parallel_world_size > 1:
+            self._sequence_parallel_group = groups.sequence_parallel_group
+            # SP ranks hold identical states after the gather: sync over DP only, or each sample counts SP times.
+            self.metric.process_group = groups.data_parallel_group
+
+    def update(self, *tensors: torch.Tensor, **kwargs: Any) -> None:
+        group = self._sequence_parallel_group
+        self.metric.update(*(all_gather_sequence(t, group, seq_dim=1) for t in tensors), **kwargs)
+
+    def compute(self) -> Any:
+        return self.metric.compute()
+
+    def reset(self) -> None:
+        self.metric.reset()
+        super().reset()

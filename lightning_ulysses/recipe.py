@@ -1,0 +1,91 @@
+"""What `recipes/train.py` does besides instantiating: runtime environment, early checks, the hardware-free plan."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from lightning_ulysses.attention.core import validate_head_counts
+from lightning_ulysses.layout import ParallelLayout
+
+_RUNTIME_ENVIRONMENT = {
+    "pytorch_cuda_alloc_conf": "PYTORCH_CUDA_ALLOC_CONF",
+    "nccl_algo": "NCCL_ALGO",
+    "nccl_buffsize": "NCCL_BUFFSIZE",
+}
+
+
+def apply_runtime_environment(runtime: DictConfig) -> None:
+    """Export the runtime knobs that are set; a variable already in the environment wins over the config."""
+    for key, variable in _RUNTIME_ENVIRONMENT.items():
+        value = runtime.get(key)
+        if value is not None:
+            os.environ.setdefault(variable, str(value))
+
+
+def _world_size(trainer: DictConfig) -> int:
+    devices = trainer.get("devices", 1)
+    if not isinstance(devices, int):
+        raise ValueError(f"trainer.devices must be a number of devices for sequence parallelism, got {devices!r}")
+    return devices * int(trainer.get("num_nodes", 1))
+
+
+def _heads(spec: Any) -> tuple[int, int]:
+    config = getattr(spec, "config", spec)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    heads = getattr(config, "num_heads", None) or config.num_attention_heads
+    return heads, getattr(config, "num_key_value_heads", None) or heads
+
+
+def check_recipe(cfg: DictConfig, spec: Any) -> ParallelLayout:
+    """Reject bad combinations of overrides in the launching process, before any rank starts."""
+    world = _world_size(cfg.trainer)
+    size = cfg.strategy.get("sequence_parallel_size") or int(cfg.trainer.get("devices", 1))
+    layout = ParallelLayout(world_size=world, sequence_parallel_size=size)
+    validate_head_counts(*_heads(spec), size)
+    seq_len = cfg.data.get("seq_len")
+    if seq_len and seq_len % size and cfg.strategy.get("sequence_padding", "pad") == "error":
+        raise ValueError(
+            f"data.seq_len={seq_len} is not divisible by strategy.sequence_parallel_size={size}: use a multiple of"
+            f" {size} or strategy.sequence_padding=pad"
+        )
+    return layout
+
+
+def plan(cfg: DictConfig) -> str:
+    """Parameter count, layout, batch and model-state memory per GPU, from the config alone (meta device)."""
+    spec = instantiate(cfg.model.model)
+    layout = check_recipe(cfg, spec)
+    params = spec.num_parameters()
+    nodes, devices = int(cfg.trainer.get("num_nodes", 1)), int(cfg.trainer.devices)
+    micro, accumulate = int(cfg.data.get("batch_size", 1)), int(cfg.trainer.get("accumulate_grad_batches", 1))
+    seq_len = int(cfg.data.get("seq_len", 0))
+    global_batch = micro * accumulate * layout.data_parallel_size
+    stage = int(cfg.strategy.get("stage", 3))
+    offload = bool(cfg.strategy.get("offload_optimizer", False))
+    # ZeRO-3 model states (mixed precision): bf16 weights 2 B + bf16 gradients 2 B + fp32 master, Adam m and v 12 B
+    # per parameter, each sharded over all ranks at stage 3 (stage 1/2 shard only what they shard).
+    shard = layout.world_size
+    weights = 2 * params / (shard if stage == 3 else 1)
+    gradients = 2 * params / (shard if stage >= 2 else 1)
+    optimizer = 12 * params / (shard if stage >= 1 else 1)
+    gib = 2**30
+    lines = [
+        f"model:        {type(spec).__name__}, {params / 1e9:.2f}B parameters",
+        f"layout:       {nodes} node(s) × {devices} GPUs = {layout.world_size} ranks; {layout}",
+        f"              SP groups (first): {layout.sequence_parallel_groups()[:2]}",
+        f"sequence:     {seq_len} tokens, {seq_len // layout.sequence_parallel_size} per rank",
+        f"batch:        micro {micro} × accumulation {accumulate} × DP {layout.data_parallel_size}"
+        f" = {global_batch} sequences = {global_batch * seq_len / 1e6:.1f}M tokens per optimizer step",
+        f"memory/GPU:   ZeRO-{stage} model states: weights {weights / gib:.1f} GiB + gradients {gradients / gib:.1f} GiB"
+        f" + optimizer {optimizer / gib:.1f} GiB {'(offloaded to CPU)' if offload else '(on GPU)'}",
+        f"              GPU total {(weights + gradients + (0 if offload else optimizer)) / gib:.1f} GiB before"
+        " activations and buffers (activation planning: memory planner, not in this release)",
+    ]
+    if offload:
+        lines.append(f"CPU/node:     optimizer states {optimizer * devices / gib:.0f} GiB pinned host memory")
+    return "\n".join(lines)

@@ -1,0 +1,81 @@
+"""Worker: SP-aware metrics and predict outputs against the unsharded model, without Lightning.
+
+World 4: SP 2 × DP 2 and SP 4 × DP 1. Each DP group evaluates different samples; every rank saves what it
+computed, the test compares with single-process values over all samples.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torchmetrics.classification import MulticlassAccuracy
+
+from lightning_ulysses import SequenceSharder, prepare_hf_model
+from lightning_ulysses.inference import sequence_outputs
+from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
+from lightning_ulysses.loss import SequenceParallelCausalLMLoss
+from lightning_ulysses.metrics import NextTokenAccuracy, Perplexity, SequenceParallel, TokenCrossEntropy
+from tests.distributed.common import VOCAB, UnevenlyMaskedTokens, collate, tiny_llama
+
+SEQ_LEN, BATCH, BATCHES = 16, 2, 2
+
+
+def samples_of(dp_rank: int, dp_size: int) -> list[list[int]]:
+    """Batches of sample indices of one DP rank (disjoint across DP ranks)."""
+    return [[dp_size * BATCH * b + dp_rank * BATCH + i for i in range(BATCH)] for b in range(BATCHES)]
+
+
+def is_padded(indices: list[int]) -> bool:
+    """Row 0 of these batches ends with 3 padding tokens (labels ignored, attention mask 0)."""
+    return indices[0] % 4 == 0
+
+
+def main():
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    dist.init_process_group("gloo")
+    dataset = UnevenlyMaskedTokens(1000, SEQ_LEN)
+    output = {}
+    for sp in spec["sequence_parallel_sizes"]:
+        groups = SequenceParallelGroups.build(ParallelLayout(dist.get_world_size(), sp))
+        group = groups.sequence_parallel_group
+        model = tiny_llama(1)
+        prepared = prepare_hf_model(model, group, SequenceParallelCausalLMLoss(group, 1.0))
+        sharder = SequenceSharder(sp, groups.sequence_parallel_rank)
+        metrics = {"loss": TokenCrossEntropy(), "perplexity": Perplexity(), "accuracy": NextTokenAccuracy()}
+        wrapped = SequenceParallel(MulticlassAccuracy(num_classes=VOCAB, ignore_index=-100, average="micro"))
+        wrapped.bind_parallel_groups(groups)
+        predictions = []
+        for indices in samples_of(groups.data_parallel_rank, groups.data_parallel_world_size):
+            batch = collate([dataset[i] for i in indices])
+            batch.pop("sample_index")
+            if is_padded(indices):  # a right-padded batch: "last" must find the real end of each row
+                batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+                batch["attention_mask"][0, -3:] = 0
+                batch["labels"][0, -3:] = -100
+            shard = sharder(batch)
+            with torch.no_grad():
+                logits = model(**shard).logits
+            for metric in metrics.values():
+                metric.update(logits, shard["labels"])
+            wrapped.update(logits.argmax(-1), shard["labels"])
+            predictions.append({
+                "indices": indices,
+                "padded": "attention_mask" in batch,
+                "last": sequence_outputs(logits, "last", group, attention_mask=shard.get("attention_mask")),
+                "log_probs": sequence_outputs(logits, "log_probs", group, labels=shard["labels"]),
+                "full": sequence_outputs(logits, "full", group),
+            })
+        output[sp] = {
+            "metrics": {name: metric.compute().item() for name, metric in metrics.items()},
+            "wrapped_accuracy": wrapped.compute().item(),
+            "predictions": predictions,
+        }
+        prepared.restore()
+    torch.save(output, Path(sys.argv[2]) / f"result_{dist.get_rank()}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
