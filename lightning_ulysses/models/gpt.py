@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -151,8 +151,10 @@ class Block(nn.Module):
         return hidden + self.down(F.gelu(self.up(self.mlp_norm(hidden)), approximate="tanh"))
 
 
-@dataclass
-class CausalLMOutput:
+class CausalLMOutput(NamedTuple):
+    """`.loss` and `.logits`, like a Hugging Face output. A named tuple, because ZeRO-3 finds the tensors of a
+    module's output to hook its backward, and it looks inside tuples and dicts but not inside dataclasses."""
+
     loss: Optional[torch.Tensor]
     logits: torch.Tensor
 
