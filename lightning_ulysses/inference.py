@@ -8,14 +8,20 @@ needs memory proportional to `seq × vocab` on one rank, so it happens only when
 - `"full"`: all logits, `[batch, seq, vocab]`, on every rank.
 
 Lengths include the padding the strategy added to reach a multiple of the SP size (its labels are ignored).
+
+For serving outside the Trainer, `prepare(model, sequence_parallel_size)` switches a Hugging Face model to Ulysses
+attention on an existing process group, and `generate` prefills a prompt with sequence parallelism (each rank
+keeps the KV cache of its shard) and decodes greedily.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Literal, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from lightning_ulysses.attention.all_to_all import all_gather_sequence
 from lightning_ulysses.loss import IGNORE_INDEX
@@ -69,3 +75,97 @@ def _last_position_logits(logits: torch.Tensor, group, attention_mask: Optional[
         # Exactly one rank contributes each row; the others add zeros.
         dist.all_reduce(picked, group=group)
     return picked
+
+
+# -- serving outside the Trainer --------------------------------------------------------------------------------
+
+
+class SequenceParallelModel:
+    """A Hugging Face model prepared for sequence-parallel inference on an existing process group."""
+
+    def __init__(self, model, groups, prepared):
+        self.model, self.groups, self._prepared = model, groups, prepared
+
+    @property
+    def sequence_parallel_group(self):
+        return self.groups.sequence_parallel_group if self.groups.sequence_parallel_world_size > 1 else None
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        return generate(self.model, input_ids, max_new_tokens, self.groups)
+
+    def restore(self) -> None:
+        """Give the model its own attention back."""
+        self._prepared.restore()
+
+
+def prepare(model, sequence_parallel_size: int) -> SequenceParallelModel:
+    """Prepare `model` (a Hugging Face causal LM) for sequence-parallel inference on the running process group.
+
+    For serving scripts: call it on every rank after `torch.distributed.init_process_group` (torchrun, or any
+    launcher); SP groups are blocks of `sequence_parallel_size` contiguous ranks, as in training. Every rank of an
+    SP group must then be given the same full-length prompts.
+    """
+    from lightning_ulysses.attention.hf import prepare_hf_model
+    from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
+
+    if not dist.is_initialized():
+        raise RuntimeError("lightning_ulysses.inference.prepare needs torch.distributed initialised (e.g. torchrun).")
+    groups = SequenceParallelGroups.build(ParallelLayout(dist.get_world_size(), sequence_parallel_size))
+    group = groups.sequence_parallel_group if sequence_parallel_size > 1 else None
+    return SequenceParallelModel(model, groups, prepare_hf_model(model, group))
+
+
+@torch.no_grad()
+def generate(model, input_ids: torch.Tensor, max_new_tokens: int, groups) -> torch.Tensor:
+    """Greedy generation: the prompt is prefilled with sequence parallelism (each rank keeps the KV cache of its
+    shard of the prompt), then each new token attends to the cache across the SP group without gathering it.
+
+    `model` is a Hugging Face causal LM prepared by `prepare` (or by the strategy); `input_ids` `[batch, prompt]`
+    are the same full prompts on every rank of the SP group (no padding inside them). Returns `[batch, prompt +
+    max_new_tokens]`, identical on every rank and to the same model's non-parallel greedy output.
+    """
+    from transformers import DynamicCache
+
+    from lightning_ulysses.attention.hf import DecodeState, binding_of
+
+    size, rank = groups.sequence_parallel_world_size, groups.sequence_parallel_rank
+    group = groups.sequence_parallel_group if size > 1 else None
+    batch, prompt_length = input_ids.shape
+    shard = -(-prompt_length // size)
+    padded = F.pad(input_ids, (0, shard * size - prompt_length))
+    window = slice(rank * shard, (rank + 1) * shard)
+    positions = torch.arange(shard * size, device=input_ids.device)[window].expand(batch, -1)
+    binding = binding_of(model)
+    if size > 1 and binding is None:
+        raise ValueError("generate() needs a model prepared for sequence parallelism: lightning_ulysses.inference.prepare")
+    state = DecodeState(prompt_length=prompt_length, shard_length=shard, rank=rank)
+    cache = DynamicCache(config=model.config)
+    cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    if binding is not None:
+        binding.decode = state
+    try:
+        # Only the rank holding the prompt's last token needs logits, and only there: never materialise
+        # [prompt, vocab] (65 GB in fp32 for a 128K prompt and a 128K vocabulary).
+        last_index = prompt_length - 1 - rank * shard
+        owner = 0 <= last_index < shard
+        keep = torch.tensor([min(max(last_index, 0), shard - 1)], device=input_ids.device)
+        next_logits = model(input_ids=padded[:, window], position_ids=positions, use_cache=True, logits_to_keep=keep,
+                            **{cache_argument: cache}).logits[:, -1]
+        if not owner:
+            next_logits = torch.zeros_like(next_logits)
+        if group is not None:
+            dist.all_reduce(next_logits, group=group)  # exactly one rank contributes
+        state.prefilled = True
+        tokens = []
+        for step in range(max_new_tokens):
+            token = next_logits.argmax(dim=-1, keepdim=True)
+            tokens.append(token)
+            if step + 1 == max_new_tokens:
+                break
+            position = torch.full((batch, 1), prompt_length + step, device=input_ids.device)
+            next_logits = model(input_ids=token, position_ids=position, use_cache=True,
+                                **{cache_argument: cache}).logits[:, -1]
+    finally:
+        if binding is not None:
+            binding.decode = None
+    return torch.cat([input_ids, *tokens], dim=1)

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -31,9 +32,25 @@ _BINDING_ATTRIBUTE = "_lightning_ulysses"
 
 
 @dataclass
+class DecodeState:
+    """Set by `lightning_ulysses.inference.generate` while it decodes from a sequence-parallel prefill.
+
+    After the prefill, every rank's KV cache holds its own shard of the prompt (`shard_length` positions starting
+    at `rank * shard_length`, the last ones padding beyond `prompt_length`), followed by every generated token
+    (appended on all ranks alike, so they are counted on SP rank 0 only).
+    """
+
+    prompt_length: int
+    shard_length: int
+    rank: int
+    prefilled: bool = False
+
+
+@dataclass
 class _Binding:
     group: ProcessGroupHandle
     backend: str
+    decode: Optional[DecodeState] = None
 
     def __deepcopy__(self, memo):
         return self
@@ -71,6 +88,8 @@ def _ulysses_attention_forward(module, query, key, value, attention_mask, **kwar
             " lightning_ulysses (prepare_hf_model). Switch it back with model.set_attn_implementation('sdpa')."
         )
     group = binding.group.group
+    if binding.decode is not None and binding.decode.prefilled:
+        return _decode_attention(query, key, value, binding.decode, group, kwargs.get("scaling")), None
     if any(name in kwargs for name in ("cu_seq_lens_q", "cu_seq_lens_k")):
         raise NotImplementedError("Packed sequences (cu_seq_lens) are not supported under sequence parallelism yet.")
 
@@ -106,6 +125,41 @@ def _shard_padding_mask(*args, attention_mask=None, **kwargs):
     only "the batch has an attention_mask" is.
     """
     return attention_mask
+
+
+def _decode_attention(query, key, value, state: DecodeState, group, scaling: Optional[float]) -> torch.Tensor:
+    """One new token attending to a KV cache that is split over the SP group: exact softmax across ranks.
+
+    Each rank scores the query against the keys it owns, then the per-rank maxima, normalisers and weighted
+    values are combined (the log-sum-exp merge of flash-decoding), so no rank ever gathers the cache.
+    query: [batch, heads, 1, dim]; key/value: [batch, kv_heads, shard + generated, dim] → [batch, 1, heads, dim].
+    """
+    heads, cached = query.size(1), key.size(2)
+    key = key.repeat_interleave(heads // key.size(1), dim=1).float()
+    value = value.repeat_interleave(heads // value.size(1), dim=1).float()
+    scaling = scaling if scaling is not None else query.size(-1) ** -0.5
+    scores = (query.float() @ key.transpose(-1, -2)) * scaling  # [batch, heads, 1, cached]
+    index = torch.arange(cached, device=query.device)
+    prompt = (index < state.shard_length) & (state.rank * state.shard_length + index < state.prompt_length)
+    generated = (index >= state.shard_length) & (state.rank == 0)
+    scores = scores.masked_fill(~(prompt | generated), float("-inf"))
+    local_max = scores.amax(dim=-1, keepdim=True)
+    safe_max = torch.where(torch.isinf(local_max), torch.zeros_like(local_max), local_max)
+    weights = torch.exp(scores - safe_max)
+    pieces = [weights.sum(dim=-1, keepdim=True), weights @ value, local_max]
+    gathered = [[torch.empty_like(t) for _ in range(dist.get_world_size(group))] for t in pieces]
+    for out, piece in zip(gathered, pieces):
+        dist.all_gather(out, piece.contiguous(), group=group)
+    sums, outputs, maxima = (torch.stack(g) for g in gathered)
+    global_max = maxima.amax(dim=0)
+    scale = torch.where(torch.isinf(maxima), torch.zeros_like(maxima), torch.exp(maxima - global_max))
+    output = (scale * outputs).sum(dim=0) / (scale * sums).sum(dim=0)
+    return output.to(query.dtype).transpose(1, 2)
+
+
+def binding_of(model) -> Optional[_Binding]:
+    """The Ulysses binding of a prepared model (None when it was not switched to Ulysses attention)."""
+    return model.__dict__.get(_BINDING_ATTRIBUTE)
 
 
 def _register_attention() -> None:
