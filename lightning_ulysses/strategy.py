@@ -7,10 +7,13 @@ SP-aware loss (loss.py) → DeepSpeed with an `mpu`, so ZeRO partitions and redu
 from __future__ import annotations
 
 import argparse
+import os
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Union
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
 from lightning.fabric.utilities import imports as _fabric_imports
 from lightning.fabric.utilities.seed import reset_seed
@@ -77,6 +80,9 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         sequence_padding: `"pad"` (default) pads sequences whose length is not a multiple of the SP size at the
             end, with ignored labels; `"error"` rejects them.
         stage: ZeRO stage; 3 by default (parameters, gradients and optimizer state sharded over all ranks).
+        sequence_parallel_in_evaluation: `False` runs validate/test/predict (also the validation inside fit) with
+            whole sequences and the models' own attention and loss, on every rank of the SP group; training
+            stays sequence-parallel. For evaluation lengths that fit on one device.
         config_overrides: merged (recursively) into the DeepSpeed config built from the other arguments, for
             settings that have no argument, e.g. `{"data_types": {"grad_accum_dtype": "fp32"}}`; `None` values
             are skipped.
@@ -96,6 +102,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         stage: int = 3,
         config: Optional[Union[str, dict[str, Any]]] = None,
         config_overrides: Optional[Mapping[str, Any]] = None,
+        sequence_parallel_in_evaluation: bool = True,
         start_method: Optional[Literal["fork"]] = None,
         **kwargs: Any,
     ) -> None:
@@ -125,6 +132,9 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._groups: Optional[SequenceParallelGroups] = None
         self._sharder: Optional[SequenceSharder] = None
         self._restore_callbacks: list[Callable[[], None]] = []
+        self.sequence_parallel_in_evaluation = sequence_parallel_in_evaluation
+        self._unsharded_evaluation = False  # True while validate/test/predict runs with plain attention
+        self._load_consolidated_weights = False  # see load_checkpoint
         # DeepSpeedStrategy does not forward DDPStrategy's start_method (it stays "popen", the script launch).
         self._start_method = start_method or "popen"
 
@@ -267,6 +277,47 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._restore_modules()
         super().teardown()
 
+    # -- evaluation without sequence parallelism (opt-in) ----------------------------------------------------------
+    def _begin_evaluation(self) -> None:
+        if not self.sequence_parallel_in_evaluation and not self._unsharded_evaluation:
+            self._restore_modules()
+            self._unsharded_evaluation = True
+
+    def _end_evaluation(self) -> None:
+        if self._unsharded_evaluation:
+            self._unsharded_evaluation = False
+            self._prepare_modules()  # back to sequence parallelism for the training that may follow
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._begin_evaluation()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._end_evaluation()
+        super().on_validation_end()
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._begin_evaluation()
+
+    @override
+    def on_test_end(self) -> None:
+        self._end_evaluation()
+        super().on_test_end()
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._begin_evaluation()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._end_evaluation()
+        super().on_predict_end()
+
     # -- DeepSpeed engine -----------------------------------------------------------------------------------------
     @contextmanager
     def _deepspeed_initialize_with_groups(self) -> Iterator[None]:
@@ -308,11 +359,43 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         with self._deepspeed_initialize_with_groups():
             super()._initialize_deepspeed_inference(model)
 
+    # -- checkpoints --------------------------------------------------------------------------------------------
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if fitting or not self.zero_stage_3 or self.load_full_weights or not os.path.isdir(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        # validate/test/predict(ckpt_path=<ZeRO-3 checkpoint>): DeepSpeed 0.19 cannot load a ZeRO-3 checkpoint
+        # into an engine without optimizer (it calls `_restore_from_bit16_weights` on `DeepSpeedZeRoOffload`).
+        # Consolidate the fp32 weights from the shards instead (each rank reads them: the full model in CPU memory)
+        # and let Lightning's full-weights path copy them into the partitioned parameters, module by module.
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        tag = (Path(checkpoint_path) / "latest").read_text().strip()
+        # Lightning's own entries (epoch, callbacks, ...) are saved as DeepSpeed client state in every model-state file.
+        states = Path(checkpoint_path) / tag / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+        checkpoint = torch.load(states, map_location="cpu", weights_only=False)
+        checkpoint["state_dict"] = get_fp32_state_dict_from_zero_checkpoint(checkpoint_path, tag=tag)
+        self._load_consolidated_weights = True
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._load_consolidated_weights:
+            self._load_consolidated_weights = False
+            self._restore_zero_state(checkpoint, strict=strict)
+            return
+        super().load_model_state_dict(checkpoint, strict)
+
     # -- data ---------------------------------------------------------------------------------------------------
     @override
     def batch_to_device(self, batch: Any, device=None, dataloader_idx: int = 0) -> Any:
         batch = super().batch_to_device(batch, device, dataloader_idx)
-        return self._sharder(batch) if self._sharder is not None else batch
+        if self._sharder is None or self._unsharded_evaluation:
+            return batch
+        return self._sharder(batch)
 
     # -- registry -----------------------------------------------------------------------------------------------
     @classmethod

@@ -114,7 +114,8 @@ class CausalLM(L.LightningModule):
     def _evaluate(self, batch, stage):
         inputs = {key: value for key, value in batch.items() if key != "sample_index"}
         loss = self.model(**inputs).loss
-        return {"stage": stage, "loss": loss.item(), "sample_index": batch["sample_index"].tolist()}
+        return {"stage": stage, "loss": loss.item(), "sample_index": batch["sample_index"].tolist(),
+                "local_length": batch["input_ids"].size(1)}
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)

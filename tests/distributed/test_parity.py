@@ -42,8 +42,11 @@ def _matrix():
         _case(4, 2, 2, "mqa", suffix="-clip", trainer_kwargs={"gradient_clip_val": 0.05}),
         _case(4, 2, 3, "mha", suffix="-clip", trainer_kwargs={"gradient_clip_val": 0.05}),
         # fit, then validate, test and predict in the same process with the same Trainer.
-        _case(2, 2, 3, "mqa", suffix="-then-validate", validate=True),
+        _case(2, 2, 3, "mqa", suffix="-then-validate", validate=True, validate_from_checkpoint=True),
         _case(4, 2, 2, "mha", suffix="-then-validate", validate=True),
+        # Evaluation without sequence parallelism (opt-in): whole sequences, the model's own attention.
+        _case(2, 2, 3, "mha", suffix="-unsharded-evaluation", validate=True,
+              strategy_kwargs={"sequence_parallel_in_evaluation": False}),
         # The native GPT (UlyssesAttention, RoPE from global positions, tied embeddings, swapped loss).
         _case(2, 2, 3, "mqa", suffix="-gpt", model="gpt"),
         _case(4, 4, 3, "mha", suffix="-gpt", model="gpt"),
@@ -126,8 +129,13 @@ def test_parity_with_single_process_reference(case, tmp_path_factory):
         model.load_state_dict(reference["final"], strict=False)
         for rank in ranks:
             stages = [record["stage"] for record in rank["validation_records"]]
-            assert stages == ["validate"] * 2 + ["test"] * 2 + ["predict"] * 2
+            expected_stages = ["validate"] * 2 + ["test"] * 2 + ["predict"] * 2
+            if case.get("validate_from_checkpoint"):
+                expected_stages += ["validate_from_checkpoint"] * 2
+            assert stages == expected_stages
+            unsharded = not case.get("strategy_kwargs", {}).get("sequence_parallel_in_evaluation", True)
             for record in rank["validation_records"]:
+                assert record["local_length"] == (padded if unsharded else shard)
                 batch = collate([dataset[i] for i in record["sample_index"]])
                 with torch.no_grad():
                     expected = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss.item()

@@ -40,6 +40,9 @@ def run_case(case: dict, world_size: int) -> dict:
     dataset = UnevenlyMaskedTokens(batch_size * case["steps"] * (world_size // case["sp"]), case["seq_len"])
     trainer.fit(module, DataLoader(dataset, batch_size=batch_size, collate_fn=collate))
     weights = module.final_weights
+    path = str(Path(case["workdir"]) / f"{case['name']}.ckpt")
+    if case.get("validate_from_checkpoint"):
+        trainer.save_checkpoint(path)  # while the training engine exists (predict replaces it)
     if case.get("validate"):
         # Same process, same Trainer: the groups and the attention must be set up again cleanly.
         validation = UnevenlyMaskedTokens(4 * (world_size // case["sp"]), case["seq_len"])
@@ -47,6 +50,16 @@ def run_case(case: dict, world_size: int) -> dict:
         trainer.validate(module, loader, verbose=False)
         trainer.test(module, loader, verbose=False)
         trainer.predict(module, loader, return_predictions=False)
+        if case.get("validate_from_checkpoint"):
+            # A fresh module, Trainer and strategy in the same process, restored from a DeepSpeed checkpoint.
+            restored = CausalLM(num_key_value_heads=case["kv_heads"], kind=case.get("model", "llama"))
+            restored.model.apply(lambda m: [p.data.zero_() for p in m.parameters(recurse=False)])
+            fresh = L.Trainer(accelerator="cpu", devices=world_size, precision="32-true", logger=False,
+                              enable_progress_bar=False, enable_model_summary=False,
+                              strategy=lightning_ulysses.UlyssesDeepSpeedStrategy(
+                                  sequence_parallel_size=case["sp"], stage=case["stage"]))
+            fresh.validate(restored, loader, ckpt_path=path, verbose=False)
+            module.validation_records += [dict(r, stage="validate_from_checkpoint") for r in restored.validation_records]
     return {
         "records": module.records,
         "validation_records": module.validation_records,
@@ -61,7 +74,7 @@ def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     workdir = Path(sys.argv[2])
     world_size = int(spec["world_size"])
-    results = {case["name"]: run_case(case, world_size) for case in spec["cases"]}
+    results = {case["name"]: run_case(dict(case, workdir=str(workdir)), world_size) for case in spec["cases"]}
     torch.save(results, workdir / f"result_{dist.get_rank()}.pt")
 
 
