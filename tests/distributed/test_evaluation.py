@@ -1,6 +1,6 @@
 """SP-aware metrics and predict outputs equal the single-process, full-sequence values (fp32, within 1e-5).
 
-World 4: SP 2 × DP 2 and SP 4 × DP 1, labels masked unevenly, one right-padded batch.
+World 8: SP 2 × DP 4 and SP 4 × DP 2, labels masked unevenly, one right-padded batch.
 """
 
 import math
@@ -14,12 +14,13 @@ from tests.distributed.harness import ROOT, launch
 from tests.distributed.workers.evaluation import BATCH, BATCHES, SEQ_LEN, is_padded, samples_of
 
 WORKER = ROOT / "tests" / "distributed" / "workers" / "evaluation.py"
-LAYOUTS = {2: 2, 4: 1}  # SP → DP in a world of 4
+WORLD_SIZE = 8
+LAYOUTS = {2: 4, 4: 2}  # SP → DP in a world of 8
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return launch(WORKER, 4, {"sequence_parallel_sizes": list(LAYOUTS)}, tmp_path_factory.mktemp("evaluation"))
+    return launch(WORKER, WORLD_SIZE, {"sequence_parallel_sizes": list(LAYOUTS)}, tmp_path_factory.mktemp("evaluation"))
 
 
 def reference(dp_size: int):

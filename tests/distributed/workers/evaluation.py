@@ -1,6 +1,6 @@
 """Worker: SP-aware metrics and predict outputs against the unsharded model, without Lightning.
 
-World 4: SP 2 × DP 2 and SP 4 × DP 1. Each DP group evaluates different samples; every rank saves what it
+World 8: SP 2 × DP 4 and SP 4 × DP 2. Each DP group evaluates different samples; every rank saves what it
 computed, the test compares with single-process values over all samples.
 """
 
