@@ -99,3 +99,18 @@ def test_main_job_learns_across_shards(tmp_path):
     assert random_half > 0.9 * chance
     assert copied_half < 0.5 * chance
     assert (tmp_path / "logs" / "version_0" / "metrics.csv").is_file()
+
+
+def test_multirun_keeps_every_rank_of_a_job_in_one_directory(tmp_path):
+    """Under -m, Lightning's re-run of the script for rank 1 is a sweep of its own (with its own time-stamped
+    sweep directory below); each job's DeepSpeed checkpoint shards must still land together in rank 0's job
+    directory (Lightning broadcasts rank 0's checkpoint path)."""
+    sweep = f"{tmp_path}/" + "${now:%H-%M-%S-%f}"
+    result = _recipe("-m", "data.seq_len=64,128", "trainer.max_steps=3", "trainer.val_check_interval=3",
+                     "trainer.limit_val_batches=1", f"hydra.sweep.dir={sweep}", timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for job in ("0", "1"):
+        # Rank 0's job directory is the one its logger wrote into.
+        (metrics,) = tmp_path.glob(f"*/{job}/logs/version_0/metrics.csv")
+        shards = sorted(p.name for p in metrics.parent.glob("checkpoints/*/checkpoint/*model_states.pt"))
+        assert shards == ["zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"]
