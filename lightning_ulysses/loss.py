@@ -24,9 +24,11 @@ IGNORE_INDEX = -100
 def gradient_scale_for(deepspeed_config: Mapping[str, Any] | None, sequence_parallel_size: int) -> float:
     """Factor that makes DeepSpeed's gradient reduction return the mean over DP of full-sequence gradients.
 
-    Measured with SGD (see DESIGN-NOTES): ZeRO 0/1/2, and ZeRO-3 with `reduce_scatter: false`, sum the gradients
-    over DP×SP and divide by DP, which is already right. ZeRO-3's default reduce-scatter divides by DP×SP, so
-    each SP rank's share must be scaled up by SP to compensate.
+    Measured with SGD on DeepSpeed 0.19 (tests/distributed/test_parity.py fails if it changes): ZeRO 0/1/2, and
+    ZeRO-3 with `reduce_scatter: false`, sum the gradients over DP×SP and divide by DP, which is already right
+    (`runtime/engine.py` `_reduce_non_expert_gradients`, `stage3.py` `__avg_scatter_contiguous_grads`). ZeRO-3's
+    default reduce-scatter divides by DP×SP (`runtime/comm/coalesced_collectives.py`), so each SP rank's share
+    must be scaled up by SP to compensate.
     """
     zero = (deepspeed_config or {}).get("zero_optimization") or {}
     if zero.get("stage", 0) == 3 and zero.get("reduce_scatter", True):

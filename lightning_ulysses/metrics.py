@@ -86,14 +86,23 @@ class SequenceParallel(Metric):
         self._sequence_parallel_group: Optional[Any] = None
 
     def bind_parallel_groups(self, groups) -> None:
-        if groups.sequence_parallel_world_size > 1:
+        """Called by the strategy at setup, and with None to unbind."""
+        if groups is None or groups.sequence_parallel_world_size == 1:
+            self._sequence_parallel_group, self.metric.process_group = None, None
+        else:
             self._sequence_parallel_group = groups.sequence_parallel_group
             # SP ranks hold identical states after the gather: sync over DP only, or each sample counts SP times.
             self.metric.process_group = groups.data_parallel_group
 
+    def _whole_rows(self, tensors) -> tuple:
+        return tuple(all_gather_sequence(t, self._sequence_parallel_group, seq_dim=1) for t in tensors)
+
     def update(self, *tensors: torch.Tensor, **kwargs: Any) -> None:
-        group = self._sequence_parallel_group
-        self.metric.update(*(all_gather_sequence(t, group, seq_dim=1) for t in tensors), **kwargs)
+        self.metric.update(*self._whole_rows(tensors), **kwargs)
+
+    def forward(self, *tensors: torch.Tensor, **kwargs: Any) -> Any:
+        # The wrapped metric owns all the state: let its own forward (batch value + accumulation) do the work.
+        return self.metric(*self._whole_rows(tensors), **kwargs)
 
     def compute(self) -> Any:
         return self.metric.compute()

@@ -6,10 +6,11 @@ import os
 from typing import Any
 
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from lightning_ulysses.attention.core import validate_head_counts
 from lightning_ulysses.layout import ParallelLayout
+from lightning_ulysses.strategy import _split_ulysses_block
 
 _RUNTIME_ENVIRONMENT = {
     "pytorch_cuda_alloc_conf": "PYTORCH_CUDA_ALLOC_CONF",
@@ -44,7 +45,10 @@ def _heads(spec: Any) -> tuple[int, int]:
 def check_recipe(cfg: DictConfig, spec: Any) -> ParallelLayout:
     """Reject bad combinations of overrides in the launching process, before any rank starts."""
     world = _world_size(cfg.trainer)
-    size = cfg.strategy.get("sequence_parallel_size") or int(cfg.trainer.get("devices", 1))
+    size = cfg.strategy.get("sequence_parallel_size")
+    if size is None and isinstance(cfg.strategy.get("config"), DictConfig):  # a DeepSpeed-Ulysses "ulysses" block
+        _, size = _split_ulysses_block(OmegaConf.to_container(cfg.strategy.config))
+    size = size or int(cfg.trainer.get("devices", 1))
     layout = ParallelLayout(world_size=world, sequence_parallel_size=size)
     validate_head_counts(*_heads(spec), size)
     seq_len = cfg.data.get("seq_len")

@@ -54,7 +54,7 @@ class SequenceSharder:
             )
         batch = dict(batch)
         seq_len = batch["input_ids"].size(1)
-        self._check_shapes(batch, seq_len)
+        self._check_shapes(batch, seq_len, check_packing=self.sequence_parallel_size > 1)
         padded_len = self._padded_length(seq_len)
         if padded_len != seq_len:
             batch = _pad(batch, padded_len - seq_len, self.pad_token_id)
@@ -86,7 +86,7 @@ class SequenceSharder:
         return seq_len + (sp - seq_len % sp)
 
     @staticmethod
-    def _check_shapes(batch: dict, seq_len: int) -> None:
+    def _check_shapes(batch: dict, seq_len: int, check_packing: bool) -> None:
         for key in SEQUENCE_KEYS:
             value = batch.get(key)
             if value is None:
@@ -99,7 +99,8 @@ class SequenceSharder:
                     f" got {shape}."
                 )
         positions = batch.get("position_ids")
-        if positions is not None and positions.size(1) > 1 and not bool((positions.diff(dim=1) == 1).all()):
+        # Only when cutting (the check syncs with the GPU): an uncut packed row is the model's own business.
+        if check_packing and positions is not None and positions.size(1) > 1 and not bool((positions.diff(dim=1) == 1).all()):
             raise NotImplementedError(
                 "position_ids restart inside a row (packed documents). Packed sequences are not supported under"
                 " sequence parallelism yet: one document per row, or leave position_ids out."

@@ -7,6 +7,7 @@ SP-aware loss (loss.py) → DeepSpeed with an `mpu`, so ZeRO partitions and redu
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -174,6 +175,12 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         return self.parallel_groups.data_parallel_world_size
 
     @property
+    def batches_are_sharded(self) -> bool:
+        """Whether the step sees this rank's shard with shifted labels (False during evaluation with
+        `sequence_parallel_in_evaluation=False`, where whole, unshifted batches pass through)."""
+        return self._sharder is not None and not self._unsharded_evaluation
+
+    @property
     def loss_function(self) -> SequenceParallelCausalLMLoss:
         """`loss_function(logits, labels)`: the whole-sequence token-mean loss with the right ZeRO gradient, for
         modules that compute their loss from logits (labels as this strategy delivers them: shifted, sharded)."""
@@ -257,11 +264,12 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             )
         for model in hf_models:  # all checks first: a failure leaves no model half-prepared
             validate_hf_model(model, size)
+        loss = self.loss_function
+        self._restore_callbacks = [prepare_hf_model(model, group, loss).restore for model in hf_models]
         for bindable in module.modules():  # UlyssesAttention, SequenceParallel metrics, ...
             if callable(getattr(bindable, "bind_parallel_groups", None)):
                 bindable.bind_parallel_groups(groups)
-        loss = self.loss_function
-        self._restore_callbacks = [prepare_hf_model(model, group, loss).restore for model in hf_models]
+                self._restore_callbacks.append(functools.partial(bindable.bind_parallel_groups, None))
         self._restore_callbacks += [
             swap_loss_function(host, loss) for host in module.modules() if isinstance(host, LossFunctionHost)
         ]
@@ -369,15 +377,19 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only)
         # validate/test/predict(ckpt_path=<ZeRO-3 checkpoint>): DeepSpeed 0.19 cannot load a ZeRO-3 checkpoint
         # into an engine without optimizer (it calls `_restore_from_bit16_weights` on `DeepSpeedZeRoOffload`).
-        # Consolidate the fp32 weights from the shards instead (each rank reads them: the full model in CPU memory)
-        # and let Lightning's full-weights path copy them into the partitioned parameters, module by module.
+        # Consolidate the fp32 weights from the shards instead and let Lightning's full-weights path copy them into
+        # the partitioned parameters, module by module.
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         tag = (Path(checkpoint_path) / "latest").read_text().strip()
         # Lightning's own entries (epoch, callbacks, ...) are saved as DeepSpeed client state in every model-state file.
         states = Path(checkpoint_path) / tag / "zero_pp_rank_0_mp_rank_00_model_states.pt"
         checkpoint = torch.load(states, map_location="cpu", weights_only=False)
-        checkpoint["state_dict"] = get_fp32_state_dict_from_zero_checkpoint(checkpoint_path, tag=tag)
+        # Only global rank 0 reads the weights (`_restore_zero_state` copies them in from rank 0 alone): one full
+        # fp32 copy of the model in host memory, not one per rank.
+        checkpoint["state_dict"] = (
+            get_fp32_state_dict_from_zero_checkpoint(checkpoint_path, tag=tag) if self.is_global_zero else {}
+        )
         self._load_consolidated_weights = True
         return checkpoint
 
@@ -385,6 +397,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if self._load_consolidated_weights:
             self._load_consolidated_weights = False
+            self.model_to_device()
             self._restore_zero_state(checkpoint, strict=strict)
             return
         super().load_model_state_dict(checkpoint, strict)
@@ -393,9 +406,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def batch_to_device(self, batch: Any, device=None, dataloader_idx: int = 0) -> Any:
         batch = super().batch_to_device(batch, device, dataloader_idx)
-        if self._sharder is None or self._unsharded_evaluation:
-            return batch
-        return self._sharder(batch)
+        return self._sharder(batch) if self.batches_are_sharded else batch
 
     # -- registry -----------------------------------------------------------------------------------------------
     @classmethod

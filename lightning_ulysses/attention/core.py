@@ -90,8 +90,9 @@ class UlyssesAttention(nn.Module):
         self._group = ProcessGroupHandle(sequence_parallel_group)
 
     def bind_parallel_groups(self, groups) -> None:
-        """Called by `UlyssesDeepSpeedStrategy` at setup with its `SequenceParallelGroups`."""
-        self.bind(groups.sequence_parallel_group if groups.sequence_parallel_world_size > 1 else None)
+        """Called by `UlyssesDeepSpeedStrategy` with its `SequenceParallelGroups` at setup, and with None to unbind."""
+        sharded = groups is not None and groups.sequence_parallel_world_size > 1
+        self.bind(groups.sequence_parallel_group if sharded else None)
 
     @property
     def sequence_parallel_group(self):

@@ -8,7 +8,7 @@ flipping the shared one would silently change every other model built from it. T
 process can use different backends and groups, and `restore()` gives the model back exactly as it was.
 
 We do not use DeepSpeed's `UlyssesSPAttentionHF`: it registers process-wide, fixes the batch size at
-construction, can be set up once per process and drops padding masks (see DESIGN-NOTES).
+construction, can be set up once per process and drops padding masks.
 """
 
 from __future__ import annotations
@@ -179,6 +179,7 @@ class PreparedHFModel:
     backend: str
     original_configs: dict[int, Any] = field(default_factory=dict)
     original_loss_function: Any = _NOT_SET
+    loss_swapped: bool = False
 
     def restore(self) -> None:
         for module in self.model.modules():
@@ -187,6 +188,8 @@ class PreparedHFModel:
             original = self.original_configs.get(id(module))
             if original is not None:
                 module.config = original
+        if not self.loss_swapped:
+            return
         if self.original_loss_function is _NOT_SET:
             self.model.__dict__.pop("_loss_function", None)
         else:
@@ -235,6 +238,7 @@ def prepare_hf_model(
     prepared = PreparedHFModel(model=model, backend=backend)
     if loss_function is not None:
         prepared.original_loss_function = model.__dict__.get("_loss_function", _NOT_SET)
+        prepared.loss_swapped = True
         model.loss_function = loss_function
     if group.world_size == 1:
         return prepared  # nothing to exchange: the model keeps its own attention untouched

@@ -77,7 +77,7 @@ class CausalLMModule(L.LightningModule):
         if positions is None:
             positions = torch.arange(labels.size(1), device=labels.device).expand_as(labels)
         group = None
-        if isinstance(strategy, UlyssesDeepSpeedStrategy):
+        if isinstance(strategy, UlyssesDeepSpeedStrategy) and strategy.batches_are_sharded:
             # Labels arrive shifted: the target at local position t is the token at global position t + 1.
             target_positions = positions + 1
             if strategy.sequence_parallel_world_size > 1:

@@ -113,7 +113,7 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: GPTConfig, layer_index: int):
+    def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
         std, depth_std = config.initializer_range, config.initializer_range / math.sqrt(2 * config.num_layers)
@@ -137,10 +137,10 @@ def _causal_attention(q, k, v):
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig, layer_index: int):
+    def __init__(self, config: GPTConfig):
         super().__init__()
         self.attention_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.attention = Attention(config, layer_index)
+        self.attention = Attention(config)
         self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         depth_std = config.initializer_range / math.sqrt(2 * config.num_layers)
         self.up = _Linear(config.hidden_size, config.intermediate_size, config.bias, config.initializer_range)
@@ -171,7 +171,7 @@ class GPT(nn.Module, LossFunctionHost):
         self.config = config
         self.embed = _Embedding(config.vocab_size, config.hidden_size, config.initializer_range)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
-        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.lm_head = _Linear(config.hidden_size, config.vocab_size, False, config.initializer_range)
         if config.tie_word_embeddings:
