@@ -102,6 +102,7 @@ class SequenceParallel(Metric):
 
     def forward(self, *tensors: torch.Tensor, **kwargs: Any) -> Any:
         # The wrapped metric owns all the state: let its own forward (batch value + accumulation) do the work.
+        self._update_count += 1  # what torchmetrics checks before compute()
         return self.metric(*self._whole_rows(tensors), **kwargs)
 
     def compute(self) -> Any:
