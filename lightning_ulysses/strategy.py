@@ -286,45 +286,21 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         super().teardown()
 
     # -- evaluation without sequence parallelism (opt-in) ----------------------------------------------------------
-    def _begin_evaluation(self) -> None:
+    # The parents' validation/test/predict start and end hooks are no-ops, so one pair serves all three loops.
+    @override
+    def on_validation_start(self) -> None:
         if not self.sequence_parallel_in_evaluation and not self._unsharded_evaluation:
             self._restore_modules()
             self._unsharded_evaluation = True
 
-    def _end_evaluation(self) -> None:
+    @override
+    def on_validation_end(self) -> None:
         if self._unsharded_evaluation:
             self._unsharded_evaluation = False
             self._prepare_modules()  # back to sequence parallelism for the training that may follow
 
-    @override
-    def on_validation_start(self) -> None:
-        super().on_validation_start()
-        self._begin_evaluation()
-
-    @override
-    def on_validation_end(self) -> None:
-        self._end_evaluation()
-        super().on_validation_end()
-
-    @override
-    def on_test_start(self) -> None:
-        super().on_test_start()
-        self._begin_evaluation()
-
-    @override
-    def on_test_end(self) -> None:
-        self._end_evaluation()
-        super().on_test_end()
-
-    @override
-    def on_predict_start(self) -> None:
-        super().on_predict_start()
-        self._begin_evaluation()
-
-    @override
-    def on_predict_end(self) -> None:
-        self._end_evaluation()
-        super().on_predict_end()
+    on_test_start = on_predict_start = on_validation_start
+    on_test_end = on_predict_end = on_validation_end
 
     # -- DeepSpeed engine -----------------------------------------------------------------------------------------
     @contextmanager
