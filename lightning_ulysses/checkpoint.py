@@ -309,7 +309,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(json.dumps({"path": str(path), **(asdict(manifest) if manifest else {"manifest": None})}, indent=2))
         else:
             for written in export(args.checkpoint, args.output, args.hf_model):
-                print(written)
+                print(f"wrote {written}")
     except (IncompleteCheckpointError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

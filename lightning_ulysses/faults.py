@@ -75,6 +75,15 @@ class RankWatchdog:
                 pass
             self._store = None
 
+    def wait_for_lost_peer(self) -> None:
+        """After a communication error in the main thread: give the watchdog time to name the rank that is gone
+        (it then ends the process with that message). Returns if every rank is still beating after a full
+        timeout, i.e. the error had another cause."""
+        if self._thread is None:
+            return
+        log.error("lightning_ulysses: a collective failed; checking which rank is gone (up to %.0f s).", self.timeout)
+        self._thread.join(timeout=self.timeout + 2 * self.interval)
+
     def _key(self, kind: str, rank: int) -> str:
         return f"{_PREFIX}/{kind}/{rank}"
 
@@ -86,6 +95,8 @@ class RankWatchdog:
         while not self._stop.wait(self.interval):
             try:
                 store.add(self._key("beat", self.rank), 1)
+                if store.check([self._lost_key]):  # another rank already found the lost one: say the same
+                    self._abort(store.get(self._lost_key).decode(), announce=False)
                 now = time.monotonic()
                 for rank in others:
                     value = store.add(self._key("beat", rank), 0)  # reads, creating the key at 0 if missing
@@ -112,9 +123,22 @@ class RankWatchdog:
             where = ""
         return f"rank {rank}{where} has sent no heartbeat for {silent_for:.0f} s: it died or is frozen"
 
-    def _abort(self, reason: str) -> None:
+    @property
+    def _lost_key(self) -> str:
+        return f"{_PREFIX}/lost"
+
+    def _abort(self, reason: str, announce: bool = True) -> None:
         if self._stop.is_set():
             return
+        try:
+            # Tell everyone, so that ranks whose store connection dies with us (rank 0 hosts it) still name the
+            # lost rank rather than us; the store host waits until the others had a chance to read it.
+            if announce and self._store is not None:
+                self._store.set(self._lost_key, reason)
+            if self.rank == 0:
+                time.sleep(3 * self.interval)
+        except Exception:
+            pass
         message = (
             f"lightning_ulysses: {reason}. Ending rank {self.rank} with exit status {EXIT_PEER_LOST} instead of"
             " waiting for the collective timeout. Restart the job from its last checkpoint."
@@ -124,3 +148,13 @@ class RankWatchdog:
         sys.stdout.flush()
         # The main thread may be blocked inside a collective that will never return: only _exit ends it.
         os._exit(EXIT_PEER_LOST)
+
+
+_PEER_FAILURE_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe", "nccl", "gloo")
+
+
+def is_peer_failure(exception: BaseException) -> bool:
+    """Whether an exception looks like a collective that failed because another rank went away."""
+    if isinstance(exception, dist.DistError):
+        return True
+    return isinstance(exception, RuntimeError) and any(m in str(exception).lower() for m in _PEER_FAILURE_MARKERS)

@@ -35,7 +35,7 @@ from typing_extensions import override
 from lightning_ulysses.attention.core import UlyssesAttention
 from lightning_ulysses import checkpoint as checkpoints
 from lightning_ulysses.attention.hf import find_hf_models, prepare_hf_model, validate_hf_model
-from lightning_ulysses.faults import RankWatchdog
+from lightning_ulysses.faults import RankWatchdog, is_peer_failure
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, check_sequence_parallel_size
 from lightning_ulysses.loss import (
     LossFunctionHost,
@@ -549,6 +549,9 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         # before each batch), so all ranks are here together and can save.
         if isinstance(exception, SIGTERMException) and self._groups is not None:
             self._save_on_sigterm()
+        elif self._watchdog is not None and is_peer_failure(exception):
+            # gloo/NCCL only say "connection closed by peer": let the watchdog name the rank (it exits if it can).
+            self._watchdog.wait_for_lost_peer()
         super().on_exception(exception)
 
     def _save_on_sigterm(self) -> None:

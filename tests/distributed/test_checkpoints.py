@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,7 +48,6 @@ def steps(results, name):
 
 
 def max_relative_weight_error(results, name, reference):
-    weights, expected, initial = (results[0][n]["weights"] for n in (name, reference)), None, None
     weights, expected = results[0][name]["weights"], results[0][reference]["weights"]
     initial = results[0][reference]["initial"]
     update = max((expected[k] - initial[k]).abs().max().item() for k in expected)
@@ -89,3 +90,25 @@ def test_sigterm_saves_exits_cleanly_and_resumes_exactly(runs):
         assert resumed[step] == full[step]
     for name, value in results[0]["sp2"]["weights"].items():
         assert torch.equal(results[0]["sp2_from_sigterm"]["weights"][name], value)
+
+
+def test_export_writes_a_state_dict_and_a_pretrained_model_with_identical_outputs(runs, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from tests.distributed.common import tiny_llama
+
+    results, workdir = runs
+    command = [sys.executable, "-m", "lightning_ulysses.checkpoint", "export", str(workdir / f"sp4/step={STEPS}.ckpt"),
+               str(tmp_path)]
+    printed = subprocess.run(command, check=True, capture_output=True, text=True).stdout.splitlines()
+    assert printed[-2:] == [f"wrote {tmp_path / 'model.pt'}", f"wrote {tmp_path / 'model'}"]  # after DeepSpeed's logs
+    trained = results[0]["sp4"]["weights"]  # gathered from the live engine at the end of the same run
+    state = torch.load(tmp_path / "model.pt")
+    assert all(torch.equal(state[f"model.{name}"], value) for name, value in trained.items())
+    exported = LlamaForCausalLM.from_pretrained(tmp_path / "model").eval()
+    assert exported.config._attn_implementation != "ulysses"  # the user's own attention, not ours
+    expected = tiny_llama(2).eval()
+    expected.load_state_dict(trained)
+    tokens = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(exported(tokens).logits, expected(tokens).logits)
