@@ -20,7 +20,7 @@ loads unchanged at another split of the same number of ranks; only the data posi
 (`ResumableSampler`). A different number of ranks is refused before anything is loaded (the shards are cut per
 rank); `export` still recovers the weights from such a checkpoint.
 
-Command line: `python -m lightning_ulysses.checkpoint {inspect,export} ...` (see `main`).
+Command line: `python -m lightning_ulysses checkpoint {inspect,export} ...` (see `main`).
 """
 
 from __future__ import annotations
@@ -291,7 +291,7 @@ def save_hf_configs(directory: Path, configs: Mapping[str, Any]) -> None:
 
 # -- command line ------------------------------------------------------------------------------------------------
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_ulysses.checkpoint", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lightning_ulysses checkpoint", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     inspect = commands.add_parser("inspect", help="check a checkpoint is complete and print what wrote it")
     inspect.add_argument("checkpoint", type=Path)

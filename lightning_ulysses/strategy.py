@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import os
 import signal
 import subprocess
@@ -34,6 +35,7 @@ from typing_extensions import override
 
 from lightning_ulysses.attention.core import UlyssesAttention
 from lightning_ulysses import checkpoint as checkpoints
+from lightning_ulysses import preflight
 from lightning_ulysses.attention.hf import find_hf_models, prepare_hf_model, validate_hf_model
 from lightning_ulysses.faults import RankWatchdog, is_peer_failure
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, check_sequence_parallel_size
@@ -45,6 +47,9 @@ from lightning_ulysses.loss import (
 )
 from lightning_ulysses.notebook import UlyssesForkLauncher
 from lightning_ulysses.sharding import SequencePadding, SequenceSharder
+
+# A child of Lightning's logger, so the start-up report prints wherever Lightning's own messages do.
+_log = logging.getLogger("lightning.pytorch.ulysses")
 
 _ULYSSES_CONFIG_KEYS = {"enable", "sequence_parallel_world_size"}
 
@@ -116,7 +121,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
 
     Checkpoints (`lightning_ulysses.checkpoint`) are saved atomically, resume exactly (RNG states and the position
     in the epoch's data included), resume at any other SP × DP split of the same number of ranks, and are
-    exported with `python -m lightning_ulysses.checkpoint export`. A SIGTERM saves `hpc_ckpt_<n>.ckpt` in the
+    exported with `python -m lightning_ulysses checkpoint export`. A SIGTERM saves `hpc_ckpt_<n>.ckpt` in the
     Trainer's `default_root_dir` at the next step boundary and exits with status 0 (resume with `ckpt_path="hpc"`;
     SLURM requeues the job when Lightning's auto-requeue is on).
     """
@@ -304,6 +309,21 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         self._prepare_modules()
         super().setup(trainer)
+        if self.local_rank == 0:  # once per node: links, NUMA and host memory are per machine
+            _log.info(preflight.format_report(preflight.check(self._planned_run()),
+                                              title=f"lightning_ulysses preflight (node {self.node_rank})"))
+
+    def _planned_run(self) -> preflight.PlannedRun:
+        zero = self.config.get("zero_optimization", {})
+        offloaded = lambda key: (zero.get(key) or {}).get("device") in ("cpu", "nvme")  # noqa: E731
+        return preflight.PlannedRun(
+            sequence_parallel_size=self.sequence_parallel_world_size, local_world_size=self.num_processes,
+            world_size=self.world_size, local_rank=self.local_rank, num_nodes=self.num_nodes,
+            num_parameters=sum(getattr(p, "ds_numel", p.numel()) for p in self.lightning_module.parameters()),
+            offload_optimizer=offloaded("offload_optimizer"), offload_parameters=offloaded("offload_param"),
+            precision=str(self.precision_plugin.precision),
+            grad_accum_dtype=self.config.get("data_types", {}).get("grad_accum_dtype"),
+        )
 
     @override
     def on_train_start(self) -> None:
@@ -487,7 +507,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
                     f"{path} was written by {manifest.world_size} ranks (SP {manifest.sequence_parallel_size} × DP"
                     f" {manifest.data_parallel_size}) and this run has {self.world_size}: ZeRO shards are cut per rank."
                     f" Resume with {manifest.world_size} ranks (any SP × DP split works), or export the weights with"
-                    f" `python -m lightning_ulysses.checkpoint export {path} <folder>` and start a new run from them."
+                    f" `python -m lightning_ulysses checkpoint export {path} <folder>` and start a new run from them."
                 )
             checkpoint_path = str(path)
         if fitting and manifest is not None:

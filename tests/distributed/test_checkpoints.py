@@ -98,7 +98,7 @@ def test_export_writes_a_state_dict_and_a_pretrained_model_with_identical_output
     from tests.distributed.common import tiny_llama
 
     results, workdir = runs
-    command = [sys.executable, "-m", "lightning_ulysses.checkpoint", "export", str(workdir / f"sp4/step={STEPS}.ckpt"),
+    command = [sys.executable, "-m", "lightning_ulysses", "checkpoint", "export", str(workdir / f"sp4/step={STEPS}.ckpt"),
                str(tmp_path)]
     printed = subprocess.run(command, check=True, capture_output=True, text=True).stdout.splitlines()
     assert printed[-2:] == [f"wrote {tmp_path / 'model.pt'}", f"wrote {tmp_path / 'model'}"]  # after DeepSpeed's logs

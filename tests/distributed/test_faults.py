@@ -32,7 +32,10 @@ def killed_run(tmp_path, world_size, **spec):
 def test_a_rank_killed_mid_step_ends_every_rank_naming_it(tmp_path):
     # Rank 2 dies before step 3's collectives: its SP partner fails in the all-to-all, the other DP group in the
     # gradient reduce-scatter, and all of them report rank 2 rather than gloo's "connection closed by peer".
-    killed_run(tmp_path, 4, kill="step", victim=2, at=3, sp=2)
+    outcome = killed_run(tmp_path, 4, kill="step", victim=2, at=3, sp=2)
+    # The start-up preflight report is logged once per node, by its local rank 0.
+    assert "lightning_ulysses preflight (node 0):" in outcome.logs[0]
+    assert all("lightning_ulysses preflight" not in log for log in outcome.logs[1:])
 
 
 def test_a_rank_killed_mid_save_leaves_the_last_complete_checkpoint(tmp_path):

@@ -1,0 +1,24 @@
+"""`python -m lightning_ulysses <command>`: the package's command-line tools.
+
+    checkpoint inspect|export ...   check a checkpoint; export weights and Hugging Face folders
+    preflight ...                   check this machine for a planned run
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"checkpoint": "lightning_ulysses.checkpoint", "preflight": "lightning_ulysses.preflight"}
+    if not argv or argv[0] not in commands:
+        print(__doc__.strip(), file=sys.stderr)
+        return 2
+    import importlib
+
+    return importlib.import_module(commands[argv[0]]).main(argv[1:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,72 @@
+"""Preflight findings from given settings (topology text, environment, planned run)."""
+
+from __future__ import annotations
+
+from lightning_ulysses import preflight
+from lightning_ulysses.preflight import PlannedRun
+
+# `nvidia-smi topo -m` of a machine with two NVLink pairs joined over the CPU interconnect.
+TOPOLOGY = """
+\tGPU0\tGPU1\tGPU2\tGPU3\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID
+GPU0\t X \tNV18\tSYS\tSYS\t0-31\t0\t\tN/A
+GPU1\tNV18\t X \tSYS\tSYS\t0-31\t0\t\tN/A
+GPU2\tSYS\tSYS\t X \tNV18\t32-63\t1\t\tN/A
+GPU3\tSYS\tSYS\tNV18\t X \t32-63\t1\t\tN/A
+
+Legend:
+  X    = Self
+  SYS  = Connection traversing PCIe as well as the SMP interconnect between NUMA nodes (e.g., QPI/UPI)
+"""
+
+
+def test_topology_parsing():
+    links = preflight.parse_topology(TOPOLOGY)
+    assert links[(0, 1)] == links[(2, 3)] == "NV18"
+    assert links[(1, 2)] == links[(3, 0)] == "SYS"
+    assert (0, 0) not in links and len(links) == 12
+
+
+def levels(findings, topic):
+    return [(f.level, f.detail) for f in findings if f.topic == topic]
+
+
+def test_nccl_settings_that_hurt_are_named_with_the_fix():
+    run = PlannedRun(sequence_parallel_size=8, local_world_size=8, world_size=16, num_nodes=2)
+    findings = preflight._nccl(run, {"NCCL_P2P_DISABLE": "1", "NCCL_ALGO": "Ring", "NCCL_BUFFSIZE": "1048576",
+                                     "NCCL_IB_DISABLE": "1"})
+    assert [f.level for f in findings] == ["ok", "warning", "advice", "advice", "warning"]
+    assert "NCCL_ALGO=Ring" in findings[0].detail and all(f.advice for f in findings[1:])
+    assert [f.level for f in preflight._nccl(run, {})] == ["ok"]
+
+
+def test_allocator_advice_unless_expandable_segments():
+    assert preflight._allocator({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}).level == "ok"
+
+
+def test_offload_memory_and_cores_are_checked_against_the_model(monkeypatch):
+    monkeypatch.setattr(preflight, "_memory_available", lambda: 64 * preflight.GIB)
+    monkeypatch.setattr(preflight.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(preflight.os, "cpu_count", lambda: 16)
+    run = PlannedRun(sequence_parallel_size=8, local_world_size=8, world_size=8, num_parameters=8_000_000_000,
+                     offload_optimizer=True)
+    findings = preflight._host_resources(run)
+    # 8e9 × 16 B / 8 ranks = 14.9 GiB per rank against 64 / 8 = 8 GiB free; 16 cores / 8 ranks = 2 < 4.
+    assert [f.level for f in findings] == ["ok", "warning", "warning"]
+    assert "14.9 GiB per rank" in findings[2].detail and "8.0 GiB free" in findings[2].detail
+    fits = PlannedRun(sequence_parallel_size=2, local_world_size=2, world_size=16, num_parameters=8_000_000_000,
+                      offload_optimizer=True)
+    assert [f.level for f in preflight._host_resources(fits)] == ["ok", "ok"]
+
+
+def test_bf16_without_fp32_accumulation_gets_advice():
+    bf16 = PlannedRun(sequence_parallel_size=1, local_world_size=1, world_size=1, precision="bf16-mixed")
+    assert preflight._accumulation_precision(bf16).level == "advice"
+    fp32_accumulation = PlannedRun(sequence_parallel_size=1, local_world_size=1, world_size=1,
+                                   precision="bf16-mixed", grad_accum_dtype="fp32")
+    assert preflight._accumulation_precision(fp32_accumulation).level == "ok"
+
+
+def test_report_and_command(capsys):
+    assert preflight.main(["--devices", "2", "--parameters", "1e9", "--offload-optimizer"]) == 0
+    report = capsys.readouterr().out
+    assert report.startswith("lightning_ulysses preflight:") and "[advice ] precision" in report
