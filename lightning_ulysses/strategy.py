@@ -272,9 +272,16 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         if self.heartbeat_timeout is None or self.world_size == 1 or self._watchdog is not None:
             return
         environment = self.cluster_environment
-        self._watchdog = RankWatchdog(environment.main_address, environment.main_port, self.global_rank,
-                                      self.world_size, self.heartbeat_timeout)
-        self._watchdog.start()
+        watchdog = RankWatchdog(environment.main_address, environment.main_port, self.global_rank, self.world_size,
+                                self.heartbeat_timeout)
+        try:
+            watchdog.start()
+        except Exception as error:  # a launcher whose store we cannot reach: train anyway, without the watchdog
+            rank_zero_warn(f"lightning_ulysses: the rank watchdog could not reach the rendezvous store at"
+                           f" {environment.main_address}:{environment.main_port} ({error}); a killed rank will"
+                           " leave the others waiting for the collective timeout.")
+            return
+        self._watchdog = watchdog
 
     def _setup_parallel_groups(self) -> None:
         size = self._requested_sequence_parallel_size or self.num_processes
