@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from lightning_ulysses.layout import ShardOrder
+
 
 def _all_to_all(tensor: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
     world_size = dist.get_world_size(group)
@@ -55,10 +57,15 @@ def heads_to_sequence(tensor: torch.Tensor, group, head_dim: int, seq_dim: int) 
     return all_to_all(tensor, group, scatter_dim=seq_dim, gather_dim=head_dim)
 
 
-def all_gather_sequence(tensor: torch.Tensor, group, seq_dim: int) -> torch.Tensor:
-    """Concatenate the sequence shards of a tensor that needs no gradient (masks, positions)."""
+def all_gather_sequence(tensor: torch.Tensor, group, seq_dim: int, order: ShardOrder | None = None) -> torch.Tensor:
+    """Concatenate the sequence shards of a tensor that needs no gradient (masks, positions).
+
+    `order`: how the shards were cut (`SequenceParallelGroups.shard_order`); the zig-zag layout of a ring is put
+    back into natural order. None: contiguous shards.
+    """
     if group is None or dist.get_world_size(group) == 1:
         return tensor
     pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(pieces, tensor.contiguous(), group=group)
-    return torch.cat(pieces, dim=seq_dim)
+    gathered = torch.cat(pieces, dim=seq_dim)
+    return gathered if order is None else order.restore(gathered, seq_dim)
