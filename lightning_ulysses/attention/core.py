@@ -43,6 +43,40 @@ def validate_head_counts(num_heads: int, num_key_value_heads: int, sequence_para
         raise ValueError(f"num_attention_heads({num_heads}) must be a multiple of num_key_value_heads({num_key_value_heads})")
 
 
+def resolve_ring_size(head_counts: list[tuple[int, int]], sequence_parallel_size: int, ring_size: int | None) -> int:
+    """How many of the SP ranks form the ring (the rest split heads with Ulysses), for models with these
+    `(heads, kv_heads)` pairs.
+
+    `ring_size=None` (automatic): the largest Ulysses degree that every pair allows (`validate_head_counts`: heads
+    split evenly, KV heads split or replicated), the ring takes the rest — pure Ulysses whenever the heads allow
+    it. An explicit `ring_size` is checked against the heads (its divisibility of the SP size is the layout's).
+    """
+    sp = sequence_parallel_size
+
+    def failure(ulysses_size: int) -> ValueError | None:
+        for num_heads, num_key_value_heads in head_counts:
+            try:
+                validate_head_counts(num_heads, num_key_value_heads, ulysses_size)
+            except ValueError as error:
+                return error
+        return None
+
+    inconsistent = failure(1)
+    if inconsistent is not None:
+        raise inconsistent  # no split at all works: the model itself is inconsistent
+    valid = [ring for ring in range(1, sp + 1) if sp % ring == 0 and failure(sp // ring) is None]
+    if ring_size is None:
+        return valid[0]
+    error = failure(sp // ring_size)
+    if error is not None:
+        raise ValueError(
+            f"ring_size({ring_size}) leaves ulysses_size = sequence_parallel_size({sp}) / ring_size = {sp // ring_size},"
+            f" which the model's heads cannot be split over ({error}). Use a ring_size in {valid}, or ring_size=None"
+            f" (automatic, here {valid[0]})."
+        )
+    return ring_size
+
+
 def kv_replication_factor(num_key_value_heads: int, sequence_parallel_size: int) -> int:
     """How many copies of each KV head are needed so that every SP rank receives at least one."""
     return max(1, sequence_parallel_size // num_key_value_heads)
