@@ -14,7 +14,20 @@ import torch.distributed as dist
 from lightning_ulysses.layout import ShardOrder
 
 
-def _all_to_all(tensor: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+class AllToAllInFlight:
+    """An all-to-all started with `start_all_to_all`; `wait()` returns the result (no autograd)."""
+
+    def __init__(self, work, send: torch.Tensor, receive: torch.Tensor, gather_dim: int):
+        self.work, self.send, self.receive, self.gather_dim = work, send, receive, gather_dim
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        self.send = None  # kept alive until the collective is done with it
+        return torch.cat(self.receive.unbind(0), dim=self.gather_dim)
+
+
+def start_all_to_all(tensor: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> AllToAllInFlight:
+    """Start the all-to-all asynchronously (on GPU it runs on the communicator's stream, beside compute)."""
     world_size = dist.get_world_size(group)
     if tensor.size(scatter_dim) % world_size != 0:
         raise ValueError(
@@ -24,8 +37,12 @@ def _all_to_all(tensor: torch.Tensor, group, scatter_dim: int, gather_dim: int) 
     # Chunk i goes to rank i; chunk i received comes from rank i, i.e. the i-th piece along `gather_dim`.
     send = torch.stack(tensor.chunk(world_size, dim=scatter_dim))
     receive = torch.empty_like(send)
-    dist.all_to_all_single(receive, send, group=group)
-    return torch.cat(receive.unbind(0), dim=gather_dim)
+    work = dist.all_to_all_single(receive, send, group=group, async_op=True)
+    return AllToAllInFlight(work, send, receive, gather_dim)
+
+
+def _all_to_all(tensor: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    return start_all_to_all(tensor, group, scatter_dim, gather_dim).wait()
 
 
 class _AllToAll(torch.autograd.Function):

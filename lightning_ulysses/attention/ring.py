@@ -29,7 +29,7 @@ import torch.distributed as dist
 _aten = torch.ops.aten
 
 
-class _BlockKernel:
+class BlockAttentionKernel:
     """Forward and backward of softmax attention on one (query rows × key block), with the rows' log-sum-exp.
 
     q: `[batch, heads, rows, dim]`, k/v: `[batch, kv_heads, cols, dim]`; KV heads are repeated up to the query
@@ -151,7 +151,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, group, is_causal: bool, scale: float | None):
         ring = _RingExchange(group)
-        kernel = _BlockKernel(query, scale)
+        kernel = BlockAttentionKernel(query, scale)
         length = query.size(2)
         if is_causal and ring.size > 1 and (length % 2 or key.size(2) != length):
             raise ValueError(

@@ -15,8 +15,9 @@ import torch.nn.functional as F
 
 from lightning_ulysses import SequenceSharder, UlyssesAttention, prepare_hf_model
 from lightning_ulysses.attention.all_to_all import all_gather_sequence
+from lightning_ulysses.attention.pipelined import pipelined_ulysses_attention
 from lightning_ulysses.inference import sequence_outputs
-from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
+from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, ShardOrder
 from lightning_ulysses.loss import SequenceParallelCausalLMLoss
 from lightning_ulysses.metrics import SequenceParallel
 from tests.distributed.common import VOCAB, tiny_llama
@@ -30,25 +31,41 @@ def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
+def compare_with_full_attention(attention, heads, kv_heads, causal, order, rank, results, name):
+    """Run `attention` on this rank's shard of random q/k/v; record output and gradient errors."""
+    generator = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    q = torch.randn(2, heads, SEQ_LEN, 8, generator=generator, requires_grad=True)
+    k = torch.randn(2, kv_heads, SEQ_LEN, 8, generator=generator, requires_grad=True)
+    v = torch.randn(2, kv_heads, SEQ_LEN, 8, generator=generator, requires_grad=True)
+    grad_out = torch.randn(2, heads, SEQ_LEN, 8, generator=generator)
+    reference = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    reference.backward(grad_out)
+    local = [order.shard(t.detach(), rank, dim=2).requires_grad_() for t in (q, k, v)]
+    out = attention(*local)
+    out.backward(order.shard(grad_out, rank, dim=2))
+    results[f"out_{name}"] = max_error(out, order.shard(reference, rank, dim=2))
+    for label, mine, full in zip("qkv", local, (q, k, v)):
+        results[f"grad_{label}_{name}"] = max_error(mine.grad, order.shard(full.grad, rank, dim=2))
+
+
 def check_attention(groups, results):
-    order, rank = groups.shard_order, groups.sequence_parallel_rank
     for heads, kv_heads, causal in ATTENTION_CASES:
-        name = f"h{heads}_kv{kv_heads}_{'causal' if causal else 'full'}"
         attention = UlyssesAttention(causal=causal)
         attention.bind_parallel_groups(groups)
-        generator = torch.Generator().manual_seed(heads * 10 + kv_heads)
-        q = torch.randn(2, heads, SEQ_LEN, 8, generator=generator, requires_grad=True)
-        k = torch.randn(2, kv_heads, SEQ_LEN, 8, generator=generator, requires_grad=True)
-        v = torch.randn(2, kv_heads, SEQ_LEN, 8, generator=generator, requires_grad=True)
-        grad_out = torch.randn(2, heads, SEQ_LEN, 8, generator=generator)
-        reference = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-        reference.backward(grad_out)
-        local = [order.shard(t.detach(), rank, dim=2).requires_grad_() for t in (q, k, v)]
-        out = attention(*local)
-        out.backward(order.shard(grad_out, rank, dim=2))
-        results[f"out_{name}"] = max_error(out, order.shard(reference, rank, dim=2))
-        for label, mine, full in zip("qkv", local, (q, k, v)):
-            results[f"grad_{label}_{name}"] = max_error(mine.grad, order.shard(full.grad, rank, dim=2))
+        compare_with_full_attention(attention, heads, kv_heads, causal, groups.shard_order,
+                                    groups.sequence_parallel_rank, results,
+                                    f"h{heads}_kv{kv_heads}_{'causal' if causal else 'full'}")
+
+
+def check_pipelined(groups, results):
+    """Head-chunk-pipelined Ulysses (contiguous shards, the whole SP group), MHA and GQA, 2 chunks."""
+    def attention(q, k, v):
+        return pipelined_ulysses_attention(q, k, v, groups.sequence_parallel_group, chunks=2)
+
+    sp = groups.sequence_parallel_world_size
+    for kv_heads in (8, 2 * sp):
+        compare_with_full_attention(attention, 8, kv_heads, True, ShardOrder(sp), groups.sequence_parallel_rank,
+                                    results, f"pipelined_kv{kv_heads}")
 
 
 def padded_batch(left_padding: bool = False) -> dict:
@@ -132,6 +149,9 @@ def main():
     for sp, ring in spec["layouts"]:
         if sp not in base:  # the SP/DP groups of one SP size, split differently by each ring size
             base[sp] = SequenceParallelGroups.build(ParallelLayout(dist.get_world_size(), sp))
+            pipelined = {}
+            check_pipelined(base[sp], pipelined)
+            output[f"sp{sp}_pipelined"] = pipelined
         groups = base[sp].with_ring_size(ring)
         results = {"ulysses_size": groups.ulysses_size, "ring_size": groups.ring_size,
                    "sequence_parallel_rank": groups.sequence_parallel_rank}
