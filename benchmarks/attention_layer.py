@@ -82,7 +82,7 @@ def init_distributed(device_type: str) -> torch.device:
             port = sock.getsockname()[1]
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
         return torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("gloo")
@@ -146,7 +146,7 @@ def build_attention(mode: str, base_groups: SequenceParallelGroups, args):
 
 
 def measure(mode, attention, order, seq_len, groups, device, args):
-    dtype, world, rank = DTYPES[args.dtype], groups.sequence_parallel_world_size, groups.sequence_parallel_rank
+    dtype, rank = DTYPES[args.dtype], groups.sequence_parallel_rank
     generator = torch.Generator(device=device).manual_seed(1234 + seq_len)  # the same full tensors on every rank
 
     def full(heads):

@@ -45,7 +45,10 @@ class BlockAttentionKernel:
             self.kind = "cuda_flash" if query.dtype in (torch.float16, torch.bfloat16) else "cuda_efficient"
         else:
             raise NotImplementedError(f"ring attention runs on CPU and CUDA tensors, got a {query.device.type} tensor")
-        self._flash_extras: tuple | None = None  # (cum_seq_q, cum_seq_k, max_q, max_k, seed, offset) for backward
+        # What the CUDA kernels' backward wants back from their forward: (cum_seq_q, cum_seq_k, max_q, max_k, seed,
+        # offset) for flash, (seed, offset) for efficient. Without dropout and for dense inputs the backward reads
+        # none of them; it only needs well-formed values, the same for every block.
+        self._extras: tuple = ()
 
     @staticmethod
     def _repeat_kv(tensor: torch.Tensor, heads: int) -> torch.Tensor:
@@ -64,11 +67,12 @@ class BlockAttentionKernel:
             out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=self.scale)
         elif self.kind == "cuda_flash":
             out, lse, *extras = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=self.scale)
-            # For dense (not variable-length) inputs without dropout the backward reads none of these; it only
-            # needs well-formed values of the right types, the same for every block.
-            self._flash_extras = tuple(extras[:6])
+            self._extras = tuple(extras[:6])
         else:
-            out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, is_causal, scale=self.scale)
+            out, lse, *extras = _aten._scaled_dot_product_efficient_attention(
+                q, k, v, None, True, 0.0, is_causal, scale=self.scale
+            )
+            self._extras = tuple(extras)
             lse = lse[..., : q.size(2)]  # the kernel pads the log-sum-exp rows to a multiple of 32
         return out, lse
 
@@ -81,16 +85,16 @@ class BlockAttentionKernel:
                 grad_out, q, k, v, out, lse, 0.0, is_causal, scale=self.scale
             )
         elif self.kind == "cuda_flash":
-            cum_q, cum_k, max_q, max_k, seed, offset = self._flash_extras
+            cum_q, cum_k, max_q, max_k, seed, offset = self._extras
             dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
                 grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, is_causal, seed, offset, scale=self.scale
             )
         else:
-            padded = -(-lse.size(-1) // 32) * 32
+            padded = -(-lse.size(-1) // 32) * 32  # back to the kernel's own padded row count
             lse = torch.nn.functional.pad(lse, (0, padded - lse.size(-1)))
-            empty = torch.empty(0, device=q.device)
+            seed, offset = self._extras
             dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-                grad_out, q, k, v, empty, out, lse, empty, empty, 0.0, [True, True, True, False], is_causal,
+                grad_out, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], is_causal,
                 scale=self.scale,
             )
         return dq, self._sum_kv(dk, kv_heads), self._sum_kv(dv, kv_heads)
