@@ -59,7 +59,7 @@ def _matrix():
         # Hybrid Ulysses × ring (zig-zag shards): 2 KV heads at SP 4 = Ulysses 2 × ring 2, and a pure ring of 2
         # inside world 4 (DP 2), for Hugging Face Llama and the native GPT.
         _case(4, 4, 3, "gqa", suffix="-ring2", strategy_kwargs={"ring_size": 2}),
-        _case(4, 4, 2, "gqa", suffix="-gpt-ring2", model="gpt", strategy_kwargs={"ring_size": 2}),
+        _case(4, 4, 2, "gqa", suffix="-gpt-ring2", model="gpt", validate=True, strategy_kwargs={"ring_size": 2}),
         _case(4, 2, 1, "mqa", suffix="-ring2", seq_len=15, strategy_kwargs={"ring_size": 2}),
     ]
     return cases
