@@ -9,7 +9,11 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import signal
+import subprocess
+import threading
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Union
 
@@ -18,24 +22,21 @@ import torch
 from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
 from lightning.fabric.utilities import imports as _fabric_imports
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.data import _update_dataloader
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_ulysses import checkpoint as checkpoints
 from lightning_ulysses.attention.core import UlyssesAttention, resolve_ring_size
-from lightning_ulysses.attention.hf import (
-    find_hf_models,
-    hf_head_counts,
-    prepare_hf_model,
-    validate_hf_model,
-)
-from lightning_ulysses.layout import (
-    ParallelLayout,
-    SequenceParallelGroups,
-    check_ring_size,
-    check_sequence_parallel_size,
-)
+from lightning_ulysses.attention.hf import find_hf_models, hf_head_counts, prepare_hf_model, validate_hf_model
+from lightning_ulysses.faults import RankWatchdog, is_peer_failure
+from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, check_ring_size, check_sequence_parallel_size
 from lightning_ulysses.loss import (
     LossFunctionHost,
     SequenceParallelCausalLMLoss,
@@ -79,6 +80,14 @@ def _deep_merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[s
     return merged
 
 
+@dataclass
+class _PendingResume:
+    """What a loaded checkpoint still has to restore once training starts."""
+
+    epoch_samples_consumed: int
+    rng_state: Optional[dict[str, Any]]
+
+
 class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     """DeepSpeed (ZeRO) with DeepSpeed-Ulysses sequence parallelism.
 
@@ -106,7 +115,16 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         start_method: how the ranks are started. `None` (the default): Lightning's script launch (re-runs the
             script, or ranks come from torchrun/SLURM). `"fork"`: fork the current process, for Jupyter notebooks
             (`strategy="ulysses_notebook"`); see `lightning_ulysses.notebook`.
+        heartbeat_timeout: seconds after which a rank that stopped sending heartbeats (killed, crashed, frozen)
+            makes every other rank exit with status 75 and a message naming it, instead of hanging until the
+            collective timeout (`lightning_ulysses.faults`). `None` turns the watchdog off.
         **kwargs: every other `lightning.pytorch.strategies.DeepSpeedStrategy` argument.
+
+    Checkpoints (`lightning_ulysses.checkpoint`) are saved atomically, resume exactly (RNG states and the position
+    in the epoch's data included), resume at any other SP × DP split of the same number of ranks, and are
+    exported with `python -m lightning_ulysses.checkpoint export`. A SIGTERM saves `hpc_ckpt_<n>.ckpt` in the
+    Trainer's `default_root_dir` at the next step boundary and exits with status 0 (resume with `ckpt_path="hpc"`;
+    SLURM requeues the job when Lightning's auto-requeue is on).
     """
 
     strategy_name = "ulysses"
@@ -122,6 +140,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         config_overrides: Optional[Mapping[str, Any]] = None,
         sequence_parallel_in_evaluation: bool = True,
         start_method: Optional[Literal["fork"]] = None,
+        heartbeat_timeout: Optional[float] = 120.0,
         **kwargs: Any,
     ) -> None:
         config = self._load_config(config)
@@ -140,6 +159,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
                 check_ring_size(ring_size, sequence_parallel_size)
         if sequence_padding not in ("pad", "error"):
             raise ValueError(f"sequence_padding must be 'pad' or 'error', got {sequence_padding!r}")
+        if heartbeat_timeout is not None and heartbeat_timeout <= 0:
+            raise ValueError(f"heartbeat_timeout must be a positive number of seconds or None, got {heartbeat_timeout}.")
         if start_method not in (None, "fork"):
             raise ValueError(
                 f"start_method must be None (script launch) or 'fork' (notebooks), got {start_method!r}."
@@ -158,6 +179,10 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._load_consolidated_weights = False  # see load_checkpoint
         # DeepSpeedStrategy does not forward DDPStrategy's start_method (it stays "popen", the script launch).
         self._start_method = start_method or "popen"
+        self.heartbeat_timeout = heartbeat_timeout
+        self._watchdog: Optional[RankWatchdog] = None
+        self._hf_model_configs: dict[str, Any] = {}  # module path → the config save_pretrained will need
+        self._resume: Optional[_PendingResume] = None
 
     # -- the parallel layout ------------------------------------------------------------------------------------
     @property
@@ -246,6 +271,15 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self.set_world_ranks()
         self._init_deepspeed_distributed()
         self._setup_parallel_groups()
+        self._start_watchdog()
+
+    def _start_watchdog(self) -> None:
+        if self.heartbeat_timeout is None or self.world_size == 1 or self._watchdog is not None:
+            return
+        environment = self.cluster_environment
+        self._watchdog = RankWatchdog(environment.main_address, environment.main_port, self.global_rank,
+                                      self.world_size, self.heartbeat_timeout)
+        self._watchdog.start()
 
     def _setup_parallel_groups(self) -> None:
         size = self._requested_sequence_parallel_size or self.num_processes
@@ -253,6 +287,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         layout = ParallelLayout(world_size=self.world_size, sequence_parallel_size=size,
                                 ring_size=self._requested_ring_size or 1).with_ring_size(1)
         if self._groups is None or self._groups.layout.with_ring_size(1) != layout:  # fit → validate reuses them
+            self._warn_if_groups_span_nodes(size)
             self._groups = SequenceParallelGroups.build(layout)
             rank_zero_info(f"lightning_ulysses: {layout}, SP groups {layout.sequence_parallel_groups()}")
         self._use_ring_size(1)
@@ -264,6 +299,18 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._groups = self._groups.with_ring_size(ring_size)
         self._sharder = SequenceSharder(self._groups.sequence_parallel_world_size, self._groups.sequence_parallel_rank,
                                         self.sequence_padding, ring_size=ring_size)
+
+    def _warn_if_groups_span_nodes(self, sequence_parallel_size: int) -> None:
+        # Ranks are numbered node by node and SP groups are blocks of consecutive ranks, so a group stays inside a
+        # node exactly when its size divides the devices per node (the default, SP = devices per node, always does).
+        devices_per_node = self.num_processes
+        if self.num_nodes > 1 and devices_per_node % sequence_parallel_size:
+            rank_zero_warn(
+                f"sequence_parallel_size={sequence_parallel_size} with {devices_per_node} devices per node: SP groups"
+                " span nodes, so every attention all-to-all crosses the inter-node network (typically several times"
+                " slower than the links inside a node). Use a sequence_parallel_size that divides"
+                f" {devices_per_node} unless the sequence needs more devices than one node has."
+            )
 
     @property
     @override
@@ -277,6 +324,32 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         self._prepare_modules()
         super().setup(trainer)
+
+    @override
+    def on_train_start(self) -> None:
+        # Lightning registers its signal handlers after `setup`; replace its SIGTERM handler once they exist.
+        self._make_sigterm_handler_collective_free(self.lightning_module.trainer)
+        super().on_train_start()
+
+    def _make_sigterm_handler_collective_free(self, trainer: "pl.Trainer") -> None:
+        """Lightning's SIGTERM handler broadcasts from rank 0 *inside the signal handler*, i.e. wherever the main
+        thread happens to be: with a scheduler's signal arriving mid-step, that broadcast pairs with another rank's
+        all-to-all or reduce-scatter (a hang, or silently wrong data). Only record the signal; the training loop
+        already broadcasts rank 0's flag at the next step boundary, where every rank is."""
+        if threading.current_thread() is not threading.main_thread() or self.world_size == 1:
+            return
+        connector = trainer._signal_connector
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def record_sigterm(signum, frame) -> None:
+            rank_zero_info("lightning_ulysses: SIGTERM received; saving at the next step boundary.")
+            connector.received_sigterm = True
+            # Lightning's own non-broadcasting handlers (SLURM's "bypass") and the user's handlers keep running.
+            for handler in getattr(previous, "signal_handlers", []):
+                if getattr(handler, "__func__", None) is not type(connector)._sigterm_notifier_fn and callable(handler):
+                    handler(signum, frame)
+
+        signal.signal(signal.SIGTERM, record_sigterm)
 
     def _prepare_modules(self) -> None:
         self._restore_modules()
@@ -300,10 +373,14 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         for model in hf_models:  # all checks first: a failure leaves no model half-prepared
             validate_hf_model(model, groups.ulysses_size)
         loss = self.loss_function
-        self._restore_callbacks = [
-            prepare_hf_model(model, groups.ulysses_group, loss, ring_group=groups.ring_group).restore
-            for model in hf_models
-        ]
+        names = {id(child): name for name, child in module.named_modules()}
+        prepared = [prepare_hf_model(model, groups.ulysses_group, loss, ring_group=groups.ring_group)
+                    for model in hf_models]
+        # The configs as the user built them (preparation swaps in a private copy with Ulysses attention).
+        self._hf_model_configs = {
+            names[id(p.model)]: p.original_configs.get(id(p.model), p.model.config) for p in prepared
+        }
+        self._restore_callbacks = [p.restore for p in prepared]
         for bindable in module.modules():  # UlyssesAttention, SequenceParallel metrics, ...
             if callable(getattr(bindable, "bind_parallel_groups", None)):
                 bindable.bind_parallel_groups(groups)
@@ -321,6 +398,9 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     def teardown(self) -> None:
         # The user's models leave the Trainer with their own attention and loss again.
         self._restore_modules()
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
         super().teardown()
 
     # -- evaluation without sequence parallelism (opt-in) ----------------------------------------------------------
@@ -383,10 +463,66 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
 
     # -- checkpoints --------------------------------------------------------------------------------------------
     @override
-    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        from lightning.pytorch.trainer.states import TrainerFn
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        """Atomic: every rank writes into `<path>.partial`; rank 0 renames it to `<path>` once all have finished."""
+        path = Path(self.broadcast(str(filepath)))
+        if self.is_global_zero:
+            checkpoints.prepare_staging(path)
+        self.barrier("lightning_ulysses.checkpoint.staging")
+        staging = checkpoints.staging_path(path)
+        super().save_checkpoint(checkpoint, staging, storage_options)
+        checkpoints.save_rng_state(staging, self.global_rank)
+        if self.is_global_zero:
+            checkpoints.save_hf_configs(staging, self._hf_model_configs)
+        self.barrier("lightning_ulysses.checkpoint.written")
+        if self.is_global_zero:
+            checkpoints.commit(path, self._manifest())
+        self.barrier("lightning_ulysses.checkpoint.committed")
 
+    def _manifest(self) -> checkpoints.CheckpointManifest:
+        groups = self.parallel_groups
+        return checkpoints.CheckpointManifest(
+            world_size=self.world_size,
+            sequence_parallel_size=groups.sequence_parallel_world_size,
+            data_parallel_size=groups.data_parallel_world_size,
+            zero_stage=self.config["zero_optimization"]["stage"],
+            epoch_samples_consumed=self._epoch_samples_consumed(),
+            hf_models=tuple(self._hf_model_configs),
+        )
+
+    def _epoch_samples_consumed(self) -> int:
+        """Samples of the current epoch trained on so far, over all DP ranks (0 between epochs)."""
+        trainer = self.lightning_module.trainer
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        if progress.is_last_batch or not progress.current.processed:
+            return 0
+        batch_size = getattr(trainer.train_dataloader, "batch_size", None)
+        if batch_size is None:  # a custom batch sampler: positions cannot be counted in samples
+            return -1
+        return progress.current.processed * batch_size * self.parallel_groups.data_parallel_world_size
+
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        manifest = None
+        if os.path.isdir(checkpoint_path) or not os.path.exists(checkpoint_path):
+            path = checkpoints.resolve_checkpoint(Path(checkpoint_path))  # refuses interrupted saves
+            manifest = checkpoints.read_manifest(path)
+            if manifest is not None and manifest.world_size != self.world_size:
+                raise ValueError(
+                    f"{path} was written by {manifest.world_size} ranks (SP {manifest.sequence_parallel_size} × DP"
+                    f" {manifest.data_parallel_size}) and this run has {self.world_size}: ZeRO shards are cut per rank."
+                    f" Resume with {manifest.world_size} ranks (any SP × DP split works), or export the weights with"
+                    f" `python -m lightning_ulysses.checkpoint export {path} <folder>` and start a new run from them."
+                )
+            checkpoint_path = str(path)
+        if fitting and manifest is not None:
+            same_layout = manifest.sequence_parallel_size == self.sequence_parallel_world_size
+            self._resume = _PendingResume(
+                epoch_samples_consumed=manifest.epoch_samples_consumed,
+                # Each rank's generators continue where they were; at another split ranks play other roles.
+                rng_state=checkpoints.load_rng_state(Path(checkpoint_path), self.global_rank) if same_layout else None,
+            )
         if fitting or not self.zero_stage_3 or self.load_full_weights or not os.path.isdir(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only)
         # validate/test/predict(ckpt_path=<ZeRO-3 checkpoint>): DeepSpeed 0.19 cannot load a ZeRO-3 checkpoint
@@ -397,7 +533,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             get_fp32_state_dict_from_zero_checkpoint,
         )
 
-        tag = (Path(checkpoint_path) / "latest").read_text().strip()
+        tag = checkpoints.deepspeed_tag(Path(checkpoint_path))
         # Lightning's own entries (epoch, callbacks, ...) are saved as DeepSpeed client state in every model-state file.
         states = Path(checkpoint_path) / tag / "zero_pp_rank_0_mp_rank_00_model_states.pt"
         checkpoint = torch.load(states, map_location="cpu", weights_only=False)
@@ -408,6 +544,54 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         )
         self._load_consolidated_weights = True
         return checkpoint
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """After a resume in the middle of an epoch, skip the samples that epoch already trained on."""
+        resume = self._resume
+        trainer = self.lightning_module.trainer
+        if resume is None or trainer.state.stage != RunningStage.TRAINING or resume.epoch_samples_consumed == 0:
+            return dataloader
+        if resume.epoch_samples_consumed < 0 or not isinstance(dataloader, DataLoader) or dataloader.sampler is None:
+            rank_zero_warn("The checkpoint's position inside its epoch cannot be restored for this dataloader (a"
+                           " custom batch sampler or an iterable dataset): the epoch's data restarts from its beginning.")
+            return dataloader
+        sampler = checkpoints.ResumableSampler(dataloader.sampler, self.parallel_groups.data_parallel_world_size)
+        sampler.skip_once(resume.epoch_samples_consumed)  # raises before any collective if the split cannot match
+        resume.epoch_samples_consumed = 0
+        return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # Restored here, not at load: the dataloader and anything between load and the first step would otherwise
+        # consume random numbers the uninterrupted run did not.
+        if self._resume is not None:
+            if self._resume.rng_state is not None:
+                checkpoints.restore_rng_state(self._resume.rng_state)
+            self._resume = None
+        super().on_train_batch_start(batch, batch_idx)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # Lightning raises SIGTERMException on every rank at the same step boundary (it broadcasts rank 0's flag
+        # before each batch), so all ranks are here together and can save.
+        if isinstance(exception, SIGTERMException) and self._groups is not None:
+            self._save_on_sigterm()
+        elif self._watchdog is not None and is_peer_failure(exception):
+            # gloo/NCCL only say "connection closed by peer": let the watchdog name the rank (it exits if it can).
+            self._watchdog.wait_for_lost_peer()
+        super().on_exception(exception)
+
+    def _save_on_sigterm(self) -> None:
+        trainer = self.lightning_module.trainer
+        path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+        trainer.save_checkpoint(path)
+        rank_zero_info(f"lightning_ulysses: SIGTERM received; saved {path}. Resume with trainer.fit(..., ckpt_path='hpc').")
+        environment = self.cluster_environment
+        if isinstance(environment, SLURMEnvironment) and environment.auto_requeue and self.is_global_zero:
+            job_id = os.environ.get("SLURM_ARRAY_JOB_ID")
+            job_id = f"{job_id}_{os.environ['SLURM_ARRAY_TASK_ID']}" if job_id else os.environ["SLURM_JOB_ID"]
+            subprocess.call(["scontrol", "requeue", job_id])
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -13,7 +13,9 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -30,13 +32,24 @@ class DistributedLaunchError(RuntimeError):
     pass
 
 
-def launch(script: Path, world_size: int, spec: dict, workdir: Path, timeout: float = 300) -> list[dict]:
-    """Run `script` on `world_size` ranks with `spec` (JSON) and return what each rank saved to `result_<rank>.pt`."""
+@dataclass
+class LaunchOutcome:
+    returncodes: list[int]
+    logs: list[str]
+    seconds: float
+    failure: Optional[str]  # "timeout", "a rank failed" or None
+
+
+def run_ranks(script: Path, world_size: int, spec: dict, workdir: Path, timeout: float = 300,
+              stop_on_first_failure: bool = True) -> LaunchOutcome:
+    """Run `script` on `world_size` ranks; return their exit statuses and logs. Ranks still running at the timeout
+    (or, with `stop_on_first_failure`, shortly after one rank fails) are killed."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec))
     port = _free_port()
     processes, logs = [], []
+    start = time.monotonic()
     for rank in range(world_size):
         env = dict(os.environ)
         env.update(
@@ -59,24 +72,35 @@ def launch(script: Path, world_size: int, spec: dict, workdir: Path, timeout: fl
                 env=env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
             )
         )
-    deadline = time.monotonic() + timeout
+    deadline = start + timeout
     failure = None
     while any(p.poll() is None for p in processes):
-        if any(p.returncode not in (None, 0) for p in processes) or time.monotonic() > deadline:
-            failure = "timeout" if time.monotonic() > deadline else "a rank failed"
+        if time.monotonic() > deadline:
+            failure = "timeout"
+            break
+        if stop_on_first_failure and any(p.returncode not in (None, 0) for p in processes):
+            failure = "a rank failed"
             time.sleep(2)  # let the failing rank's siblings report their own errors first
             break
         time.sleep(0.2)
+    seconds = time.monotonic() - start
     for p in processes:
         if p.poll() is None:
             p.kill()
             p.wait()
     for log in logs:
         log.close()
-    if failure or any(p.returncode != 0 for p in processes):
-        tails = []
-        for rank, p in enumerate(processes):
-            text = (workdir / f"rank_{rank}.log").read_text()
-            tails.append(f"--- rank {rank} (exit {p.returncode}) ---\n{text[-4000:]}")
-        raise DistributedLaunchError(f"{failure or 'a rank failed'}\n" + "\n".join(tails))
+    if failure is None and any(p.returncode != 0 for p in processes):
+        failure = "a rank failed"
+    texts = [(workdir / f"rank_{rank}.log").read_text() for rank in range(world_size)]
+    return LaunchOutcome([p.returncode for p in processes], texts, seconds, failure)
+
+
+def launch(script: Path, world_size: int, spec: dict, workdir: Path, timeout: float = 300) -> list[dict]:
+    """Run `script` on `world_size` ranks with `spec` (JSON) and return what each rank saved to `result_<rank>.pt`."""
+    outcome = run_ranks(script, world_size, spec, workdir, timeout)
+    if outcome.failure:
+        tails = [f"--- rank {rank} (exit {code}) ---\n{text[-4000:]}"
+                 for rank, (code, text) in enumerate(zip(outcome.returncodes, outcome.logs))]
+        raise DistributedLaunchError(f"{outcome.failure}\n" + "\n".join(tails))
     return [torch.load(workdir / f"result_{rank}.pt") for rank in range(world_size)]

@@ -79,9 +79,12 @@ def _results_for(world_size: int, tmp_path_factory) -> list[dict]:
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_parity_with_single_process_reference(case, tmp_path_factory):
-    world_size, sp = case["world_size"], case["sp"]
-    ranks = [result[case["name"]] for result in _results_for(world_size, tmp_path_factory)]
+    check_parity(case, [result[case["name"]] for result in _results_for(case["world_size"], tmp_path_factory)])
 
+
+def check_parity(case: dict, ranks: list[dict]) -> None:
+    """Every rank's records and the final weights of one training case against the single-process reference."""
+    sp = case["sp"]
     # Routing: the same samples on every rank of an SP group, different samples on different DP groups.
     steps = []
     for step in range(STEPS):

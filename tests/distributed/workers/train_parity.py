@@ -32,7 +32,7 @@ def run_case(case: dict, world_size: int) -> dict:
         sequence_parallel_size=case["sp"], stage=case["stage"], **case.get("strategy_kwargs", {})
     )
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=case["steps"], precision="32-true",
+        accelerator="cpu", devices=case.get("devices", world_size), num_nodes=case.get("num_nodes", 1), strategy=strategy, max_steps=case["steps"], precision="32-true",
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[CaptureWeights()], **case.get("trainer_kwargs", {}),
     )
@@ -65,6 +65,7 @@ def run_case(case: dict, world_size: int) -> dict:
         "validation_records": module.validation_records,
         "sequence_parallel_rank": strategy.sequence_parallel_rank,
         "data_parallel_rank": strategy.data_parallel_rank,
+        "node_rank": strategy.node_rank,
         "weights": weights if dist.get_rank() == 0 else None,
         "weights_checksum": sum(w.double().abs().sum().item() for w in weights.values()),
     }

@@ -1,0 +1,114 @@
+"""Checkpoints: exact resume, resume at another SP × DP split, SIGTERM save, atomic saves, export (world 4)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.harness import launch
+
+WORKERS = Path(__file__).parent / "workers"
+WORLD_SIZE = 4
+STEPS, SAVE_AT = 4, 2  # 12 samples: at a global batch of 4, step 2 is mid-epoch and step 4 is in the next epoch
+
+CASES = [
+    {"name": "sp4", "sp": 4, "batch_size": 4, "steps": STEPS, "save_every": SAVE_AT},
+    {"name": "sp4_to_sp4", "sp": 4, "batch_size": 4, "steps": STEPS, "resume": f"sp4/step={SAVE_AT}.ckpt"},
+    {"name": "sp4_to_sp2", "sp": 2, "batch_size": 2, "steps": STEPS, "resume": f"sp4/step={SAVE_AT}.ckpt"},
+    {"name": "sp4_to_sp1", "sp": 1, "batch_size": 1, "steps": STEPS, "resume": f"sp4/step={SAVE_AT}.ckpt"},
+    {"name": "sp1", "sp": 1, "batch_size": 1, "steps": STEPS, "save_every": SAVE_AT},
+    {"name": "sp1_to_sp4", "sp": 4, "batch_size": 4, "steps": STEPS, "resume": f"sp1/step={SAVE_AT}.ckpt"},
+    {"name": "sp2", "sp": 2, "batch_size": 2, "steps": STEPS},
+    {"name": "sp2_sigterm", "sp": 2, "batch_size": 2, "steps": STEPS, "sigterm_after": SAVE_AT},
+    {"name": "sp2_from_sigterm", "sp": 2, "batch_size": 2, "steps": STEPS, "resume": "hpc", "root": "sp2_sigterm"},
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("checkpoints")
+    results = launch(WORKERS / "resume.py", WORLD_SIZE, {"world_size": WORLD_SIZE, "cases": CASES}, workdir)
+    return results, workdir
+
+
+def steps(results, name):
+    """Per step: (global step, sorted samples over all ranks, losses of all ranks, RNG probes of all ranks)."""
+    by_step = {}
+    for rank_result in results:
+        for record in rank_result[name]["records"]:
+            entry = by_step.setdefault(record["global_step"], {"samples": set(), "losses": [], "probes": []})
+            entry["samples"].update(record["sample_index"])
+            entry["losses"].append(record["loss"])
+            entry["probes"].append(record["rng_probe"])
+    return by_step
+
+
+def max_relative_weight_error(results, name, reference):
+    weights, expected = results[0][name]["weights"], results[0][reference]["weights"]
+    initial = results[0][reference]["initial"]
+    update = max((expected[k] - initial[k]).abs().max().item() for k in expected)
+    return max((weights[k] - expected[k]).abs().max().item() for k in expected) / update
+
+
+def test_resume_at_the_same_split_is_exact(runs):
+    results, _ = runs
+    full, resumed = steps(results, "sp4"), steps(results, "sp4_to_sp4")
+    assert sorted(resumed) == list(range(SAVE_AT, STEPS))  # steps after the checkpoint only
+    for step in resumed:  # same samples (mid-epoch position and next epoch), losses and RNG draws, bit for bit
+        assert resumed[step] == full[step]
+    for name, value in results[0]["sp4"]["weights"].items():
+        assert torch.equal(results[0]["sp4_to_sp4"]["weights"][name], value)
+
+
+@pytest.mark.parametrize(("reference", "resumed"), [("sp4", "sp4_to_sp2"), ("sp4", "sp4_to_sp1"), ("sp1", "sp1_to_sp4")])
+def test_resume_at_another_split_continues_the_same_training(runs, reference, resumed):
+    results, _ = runs
+    full, after = steps(results, reference), steps(results, resumed)
+    assert sorted(after) == list(range(SAVE_AT, STEPS))
+    for step in after:
+        assert after[step]["samples"] == full[step]["samples"]
+        # The mean over the global batch of per-rank token-mean losses (every sample has the same token count).
+        mean = lambda losses, n: sum(losses) / n  # noqa: E731
+        full_mean = mean(full[step]["losses"], len(full[step]["losses"]))
+        after_mean = mean(after[step]["losses"], len(after[step]["losses"]))
+        assert abs(full_mean - after_mean) < 1e-5
+    assert max_relative_weight_error(results, resumed, reference) < 1e-4
+
+
+def test_sigterm_saves_exits_cleanly_and_resumes_exactly(runs):
+    results, workdir = runs
+    assert all(rank["sp2_sigterm"]["exited_cleanly"] for rank in results)
+    assert all(rank["sp2_sigterm"]["global_step"] == SAVE_AT for rank in results)
+    assert (workdir / "sp2_sigterm" / "hpc_ckpt_1.ckpt" / "ulysses.json").exists()
+    full, resumed = steps(results, "sp2"), steps(results, "sp2_from_sigterm")
+    assert sorted(resumed) == list(range(SAVE_AT, STEPS))
+    for step in resumed:
+        assert resumed[step] == full[step]
+    for name, value in results[0]["sp2"]["weights"].items():
+        assert torch.equal(results[0]["sp2_from_sigterm"]["weights"][name], value)
+
+
+def test_export_writes_a_state_dict_and_a_pretrained_model_with_identical_outputs(runs, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from tests.distributed.common import tiny_llama
+
+    results, workdir = runs
+    command = [sys.executable, "-m", "lightning_ulysses.checkpoint", "export", str(workdir / f"sp4/step={STEPS}.ckpt"),
+               str(tmp_path)]
+    printed = subprocess.run(command, check=True, capture_output=True, text=True).stdout.splitlines()
+    assert printed[-2:] == [f"wrote {tmp_path / 'model.pt'}", f"wrote {tmp_path / 'model'}"]  # after DeepSpeed's logs
+    trained = results[0]["sp4"]["weights"]  # gathered from the live engine at the end of the same run
+    state = torch.load(tmp_path / "model.pt")
+    assert all(torch.equal(state[f"model.{name}"], value) for name, value in trained.items())
+    exported = LlamaForCausalLM.from_pretrained(tmp_path / "model").eval()
+    assert exported.config._attn_implementation != "ulysses"  # the user's own attention, not ours
+    expected = tiny_llama(2).eval()
+    expected.load_state_dict(trained)
+    tokens = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(exported(tokens).logits, expected(tokens).logits)

@@ -1,0 +1,65 @@
+"""Worker: one rank is SIGKILLed mid-step or mid-save; what do the others do?
+
+`spec["kill"]`: "step" kills `victim` at the start of training step `at` (before its collectives); "save" kills it
+inside the `at`-th checkpoint save, after DeepSpeed wrote its shards and before the save was committed.
+"""
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+import lightning_ulysses
+from lightning_ulysses import checkpoint as checkpoints
+from tests.distributed.common import CausalLM, UnevenlyMaskedTokens, collate
+
+
+def die() -> None:
+    print(f"rank {os.environ['RANK']}: killing myself (pid {os.getpid()})", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillAtStep(L.Callback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            die()
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    workdir = Path(sys.argv[2])
+    is_victim = int(os.environ["RANK"]) == spec["victim"]
+    callbacks = [ModelCheckpoint(dirpath=workdir / "checkpoints", save_last=True, every_n_train_steps=1, save_top_k=0)]
+    if spec["kill"] == "step" and is_victim:
+        callbacks.append(KillAtStep(spec["at"]))
+    if spec["kill"] == "save" and is_victim:
+        save_rng_state, calls = checkpoints.save_rng_state, []
+
+        def save_then_die(directory, rank):
+            calls.append(directory)
+            if len(calls) == spec["at"]:
+                die()
+            save_rng_state(directory, rank)
+
+        checkpoints.save_rng_state = save_then_die
+    world_size = int(os.environ["WORLD_SIZE"])
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, max_steps=50, precision="32-true", logger=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+        strategy=lightning_ulysses.UlyssesDeepSpeedStrategy(
+            sequence_parallel_size=spec["sp"], heartbeat_timeout=spec["heartbeat_timeout"]),
+    )
+    dataset = UnevenlyMaskedTokens(200, 16)
+    trainer.fit(CausalLM(num_key_value_heads=2), DataLoader(dataset, batch_size=1, collate_fn=collate))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Worker: train, checkpoint, stop (max_steps or SIGTERM) and resume at the same or another SP × DP split.
+
+Every run records, per training step: the loss, the sample indices of the step's batch, and one draw from the
+global torch RNG (a probe: equal draws after a resume mean the generator states were restored exactly, without
+dropout changing the model's math). Rank 0 records the final weights and the initial ones.
+"""
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, Dataset
+
+import lightning_ulysses
+from tests.distributed.common import VOCAB, CausalLM, collate
+from tests.distributed.workers.train_parity import CaptureWeights
+
+SEQ_LEN = 16
+
+
+class FullyLabelledTokens(Dataset):
+    """Every position is a target, so the global token mean is the same at every DP size (uneven masks would make
+    DP's mean-of-means differ from the token mean and hide what the test is about)."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> dict:
+        input_ids = torch.randint(0, VOCAB, (SEQ_LEN,), generator=torch.Generator().manual_seed(7000 + index))
+        return {"input_ids": input_ids, "labels": input_ids.clone(), "sample_index": torch.tensor(index)}
+
+
+class ResumableLM(CausalLM):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.records[-1].update(rng_probe=torch.rand(1).item(), global_step=self.trainer.global_step)
+        return loss
+
+    def configure_optimizers(self):
+        # Momentum makes the optimizer state matter; the schedule makes the scheduler state matter.
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)]
+
+
+class SigtermAfterStep(L.Callback):
+    """What a scheduler's SIGTERM looks like to each rank: the signal arrives between two steps."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def run(case: dict, workdir: Path, world_size: int) -> dict:
+    torch.manual_seed(0)
+    module = ResumableLM(num_key_value_heads=2, lr=0.2)
+    initial = {name: p.detach().clone() for name, p in module.model.named_parameters()}
+    callbacks = [CaptureWeights()]
+    if case.get("save_every"):
+        callbacks.append(ModelCheckpoint(dirpath=workdir / case["name"], every_n_train_steps=case["save_every"],
+                                         save_top_k=-1, filename="{step}"))
+    if case.get("sigterm_after"):
+        callbacks.append(SigtermAfterStep(case["sigterm_after"]))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, max_steps=case["steps"], precision="32-true", logger=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+        default_root_dir=workdir / case.get("root", case["name"]),
+        strategy=lightning_ulysses.UlyssesDeepSpeedStrategy(sequence_parallel_size=case["sp"], stage=3),
+    )
+    loader = DataLoader(FullyLabelledTokens(), batch_size=case["batch_size"], collate_fn=collate)
+    ckpt_path = case.get("resume")
+    if ckpt_path and ckpt_path != "hpc":
+        ckpt_path = str(workdir / ckpt_path)
+    exited = False
+    try:
+        trainer.fit(module, loader, ckpt_path=ckpt_path)
+    except SystemExit as stop:  # Lightning's SIGTERMException
+        exited = stop.code in (None, 0)
+    return {
+        "records": [{k: v for k, v in r.items() if k in ("loss", "sample_index", "rng_probe", "global_step")}
+                    for r in module.records],
+        "weights": getattr(module, "final_weights", None) if dist.get_rank() == 0 else None,
+        "initial": initial if dist.get_rank() == 0 else None,
+        "exited_cleanly": exited,
+        "global_step": trainer.global_step,
+    }
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    workdir = Path(sys.argv[2])
+    results = {case["name"]: run(case, workdir, spec["world_size"]) for case in spec["cases"]}
+    torch.save(results, workdir / f"result_{dist.get_rank()}.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Atomic commit, interrupted-save detection and the data-position skip, without processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+
+from lightning_ulysses import checkpoint as checkpoints
+from lightning_ulysses.faults import RankWatchdog
+
+
+def manifest(world_size=2, stage=3, consumed=0):
+    return checkpoints.CheckpointManifest(world_size=world_size, sequence_parallel_size=2, data_parallel_size=1,
+                                          zero_stage=stage, epoch_samples_consumed=consumed)
+
+
+def write_shards(directory, world_size=2, step=0):
+    shards = directory / checkpoints.DEEPSPEED_TAG
+    shards.mkdir(parents=True, exist_ok=True)
+    for rank in range(world_size):
+        torch.save({"step": step}, shards / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+        torch.save({"step": step}, shards / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    (directory / "latest").write_text(checkpoints.DEEPSPEED_TAG)
+
+
+def save(path, step):
+    staging = checkpoints.prepare_staging(path)
+    write_shards(staging, step=step)
+    checkpoints.commit(path, manifest(consumed=step))
+
+
+def test_commit_replaces_the_previous_checkpoint_and_leaves_nothing_else(tmp_path):
+    path = tmp_path / "last.ckpt"
+    save(path, 1)
+    save(path, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    assert checkpoints.read_manifest(checkpoints.resolve_checkpoint(path)).epoch_samples_consumed == 2
+
+
+def test_a_save_interrupted_before_commit_keeps_the_old_checkpoint(tmp_path):
+    path = tmp_path / "last.ckpt"
+    save(path, 1)
+    write_shards(checkpoints.prepare_staging(path), world_size=1, step=2)  # one rank of two wrote, then a crash
+    assert checkpoints.read_manifest(checkpoints.resolve_checkpoint(path)).epoch_samples_consumed == 1
+    with pytest.raises(checkpoints.IncompleteCheckpointError):
+        checkpoints.resolve_checkpoint(checkpoints.staging_path(path))
+    with pytest.raises(checkpoints.IncompleteCheckpointError, match="1 of 2 optimizer-state files"):
+        checkpoints.commit(path, manifest(consumed=2))  # commit itself refuses an incomplete staging folder
+    save(path, 3)  # the next save clears the leftovers
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_a_crash_between_the_two_renames_falls_back_to_the_previous_checkpoint(tmp_path):
+    path = tmp_path / "last.ckpt"
+    save(path, 1)
+    path.rename(checkpoints.previous_path(path))  # first rename done, second never happened
+    assert checkpoints.resolve_checkpoint(path) == checkpoints.previous_path(path)
+    save(path, 2)  # and the next save repairs the folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_a_folder_without_manifest_next_to_a_staging_folder_is_refused(tmp_path):
+    path = tmp_path / "epoch=0.ckpt"
+    path.mkdir()
+    with pytest.raises(checkpoints.IncompleteCheckpointError, match="interrupted"):
+        checkpoints.resolve_checkpoint(path)
+    write_shards(path)  # a checkpoint of Lightning's own DeepSpeedStrategy: accepted as it is
+    assert checkpoints.resolve_checkpoint(path) == path
+
+
+@pytest.mark.parametrize("new_data_parallel_size", [1, 2, 4])
+def test_skipping_the_consumed_prefix_continues_the_epoch_at_any_data_parallel_size(new_data_parallel_size):
+    dataset, seed, epoch = list(range(24)), 0, 3
+    reference = DistributedSampler(dataset, num_replicas=1, rank=0, seed=seed)
+    reference.set_epoch(epoch)
+    order = list(reference)  # the epoch's order: fixed by seed and epoch
+    consumed = 8  # e.g. 2 steps of a global batch of 4
+    remaining = []
+    for rank in range(new_data_parallel_size):
+        inner = DistributedSampler(dataset, num_replicas=new_data_parallel_size, rank=rank, seed=seed)
+        sampler = checkpoints.ResumableSampler(inner, new_data_parallel_size)
+        sampler.set_epoch(epoch)
+        sampler.skip_once(consumed)
+        remaining += list(sampler)
+        assert len(list(sampler)) == len(inner)  # the skip applies to one iteration only
+    assert sorted(remaining) == sorted(order[consumed:])
+
+
+def test_a_position_the_new_data_parallel_size_cannot_reach_is_refused():
+    sampler = checkpoints.ResumableSampler(DistributedSampler(list(range(12)), num_replicas=4, rank=0), 4)
+    with pytest.raises(ValueError, match="data-parallel size 4 does not divide"):
+        sampler.skip_once(6)
+
+
+def test_watchdog_rejects_a_non_positive_timeout():
+    with pytest.raises(ValueError, match="positive"):
+        RankWatchdog("127.0.0.1", 1, rank=0, world_size=2, timeout=0)
