@@ -8,6 +8,8 @@ needs memory proportional to `seq × vocab` on one rank, so it happens only when
 - `"full"`: all logits, `[batch, seq, vocab]`, on every rank.
 
 Lengths include the padding the strategy added to reach a multiple of the SP size (its labels are ignored).
+With a ring (`ring_size > 1`) the shards are zig-zag chunks: pass `order=strategy.parallel_groups.shard_order`
+so that the gathered outputs come back in sequence order.
 
 For serving outside the Trainer, `prepare(model, sequence_parallel_size)` switches a Hugging Face model to Ulysses
 attention on an existing process group, and `generate` prefills a prompt with sequence parallelism (each rank
@@ -24,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_ulysses.attention.all_to_all import all_gather_sequence
+from lightning_ulysses.layout import ShardOrder
 from lightning_ulysses.loss import IGNORE_INDEX
 
 OutputKind = Literal["last", "log_probs", "full"]
@@ -36,41 +39,46 @@ def sequence_outputs(
     labels: Optional[torch.Tensor] = None,
     attention_mask: Optional[torch.Tensor] = None,
     ignore_index: int = IGNORE_INDEX,
+    order: Optional[ShardOrder] = None,
 ) -> torch.Tensor:
     """Assemble `kind` from this rank's `logits` shard (see the module docstring).
 
     `labels` (aligned with the logits, as the strategy delivers them) are needed for `"log_probs"`;
-    `attention_mask` (this rank's shard) tells `"last"` where each row really ends (default: the last position).
+    `attention_mask` (this rank's shard) tells `"last"` where each row really ends (default: the last position);
+    `order`: how the batch was cut (`strategy.parallel_groups.shard_order`; None: contiguous shards).
     """
     group = sequence_parallel_group
     if kind == "full":
-        return all_gather_sequence(logits, group, seq_dim=1)
+        return all_gather_sequence(logits, group, 1, order)
     if kind == "log_probs":
         if labels is None:
             raise ValueError("sequence_outputs(kind='log_probs') needs the labels of the batch")
         valid = labels != ignore_index
         targets = labels.masked_fill(~valid, 0).unsqueeze(-1)
         log_probs = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets).squeeze(-1) * valid
-        return all_gather_sequence(log_probs, group, seq_dim=1)
+        return all_gather_sequence(log_probs, group, 1, order)
     if kind == "last":
-        return _last_position_logits(logits, group, attention_mask)
+        return _last_position_logits(logits, group, attention_mask, order)
     raise ValueError(f"kind must be 'last', 'log_probs' or 'full', got {kind!r}")
 
 
-def _last_position_logits(logits: torch.Tensor, group, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+def _last_position_logits(logits: torch.Tensor, group, attention_mask: Optional[torch.Tensor],
+                          order: Optional[ShardOrder]) -> torch.Tensor:
     batch, local_len, _ = logits.shape
     size = 1 if group is None else dist.get_world_size(group)
     rank = 0 if group is None else dist.get_rank(group)
     if attention_mask is None:
         full_mask = torch.ones(batch, local_len * size, dtype=torch.bool, device=logits.device)
     else:
-        full_mask = all_gather_sequence(attention_mask.bool(), group, seq_dim=1)
+        full_mask = all_gather_sequence(attention_mask.bool(), group, 1, order)
     # Index of the last real token of each row (right padding), in global positions.
     positions = torch.arange(full_mask.size(1), device=logits.device)
     last = (full_mask * positions).amax(dim=1)
-    owner, offset = last // local_len, last % local_len
+    # Where that position sits in this rank's shard, if it does.
+    local_positions = (order or ShardOrder(size)).positions(full_mask.size(1), rank, device=logits.device)
+    here = local_positions[None, :] == last[:, None]
     rows = torch.arange(batch, device=logits.device)
-    picked = logits[rows, offset] * (owner == rank).unsqueeze(-1).to(logits.dtype)
+    picked = logits[rows, here.int().argmax(dim=1)] * here.any(dim=1).unsqueeze(-1).to(logits.dtype)
     if group is not None and size > 1:
         # Exactly one rank contributes each row; the others add zeros.
         dist.all_reduce(picked, group=group)
@@ -129,6 +137,11 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, groups) -> tor
     from lightning_ulysses.attention.hf import DecodeState, binding_of
 
     size, rank = groups.sequence_parallel_world_size, groups.sequence_parallel_rank
+    if groups.ring_size > 1:
+        raise NotImplementedError(
+            "generate() decodes from contiguous prompt shards (pure Ulysses); this model runs with a ring"
+            f" (ring_size={groups.ring_size}). Prepare it with lightning_ulysses.inference.prepare, which uses ring_size=1."
+        )
     group = groups.sequence_parallel_group if size > 1 else None
     batch, prompt_length = input_ids.shape
     shard = -(-prompt_length // size)

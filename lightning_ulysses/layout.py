@@ -8,13 +8,26 @@ partition ZeRO state over all DP×SP ranks and reduce gradients over them.
 Ranks are laid out SP-major: an SP group is a block of contiguous global ranks, so with the usual
 "devices per node" ranks per node an SP group stays inside a node (its all-to-alls run over NVLink), and DP
 groups stride across the SP groups.
+
+An SP group of `P` ranks may split further into `ulysses_size × ring_size` (hybrid Ulysses + ring attention,
+for SP sizes the head counts cannot follow): Ulysses is the inner, contiguous dimension (SP rank
+`s = ring_rank · ulysses_size + ulysses_rank`), because its all-to-alls move every token of every layer and need
+the fastest links, while the ring only passes K/V blocks to a neighbour and overlaps that with compute.
+`ShardOrder` says which tokens each SP rank holds: contiguous shards for pure Ulysses, the zig-zag layout when
+there is a ring (see its docstring).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
+import torch
 import torch.distributed as dist
+
+
+def divisors(number: int) -> list[int]:
+    return [d for d in range(1, number + 1) if number % d == 0]
 
 
 def check_sequence_parallel_size(size: object) -> None:
@@ -26,12 +39,95 @@ def check_sequence_parallel_size(size: object) -> None:
         )
 
 
+def check_ring_size(ring_size: object, sequence_parallel_size: int) -> None:
+    """`ring_size` must be a positive integer dividing the SP size (the rest of the SP group is Ulysses)."""
+    if not isinstance(ring_size, int) or isinstance(ring_size, bool) or ring_size < 1:
+        raise ValueError(f"ring_size must be an integer >= 1 (or None for automatic), got {ring_size!r}.")
+    if sequence_parallel_size % ring_size != 0:
+        raise ValueError(
+            f"ring_size({ring_size}) does not divide sequence_parallel_size({sequence_parallel_size}): an SP group"
+            f" splits into ulysses_size × ring_size ranks. Use a ring_size in {divisors(sequence_parallel_size)}, or None to let the"
+            " strategy pick the largest Ulysses degree the model's head counts allow."
+        )
+
+
+@dataclass(frozen=True)
+class ShardOrder:
+    """Which global sequence positions each rank of an SP group holds.
+
+    Without a ring (`ring_size == 1`) SP rank `s` holds the contiguous shard `[s·N/P, (s+1)·N/P)`.
+    With a ring, causal attention would leave the ring rank holding the first tokens idle (they see almost
+    nothing) while the last one does all the work; so the sequence is cut into `2·ring_size` chunks and ring rank
+    `r` holds chunks `r` and `2·ring_size − 1 − r` (zig-zag): every ring rank then does the same causal work at
+    every ring step. The Ulysses ranks of ring rank `r` split that pair of chunks contiguously.
+
+    Gathering the shards in SP-rank order gives the sequence in "shard order"; `restore` puts it back.
+    """
+
+    sequence_parallel_size: int
+    ring_size: int = 1
+
+    @property
+    def ulysses_size(self) -> int:
+        return self.sequence_parallel_size // self.ring_size
+
+    @property
+    def length_multiple(self) -> int:
+        """Sequence lengths must be multiples of this (the zig-zag chunks must split evenly over the Ulysses ranks)."""
+        if self.ring_size == 1:
+            return self.sequence_parallel_size
+        return math.lcm(self.sequence_parallel_size, 2 * self.ring_size)
+
+    def runs(self, seq_len: int, sequence_parallel_rank: int) -> list[tuple[int, int]]:
+        """The `[start, stop)` runs of global positions this SP rank holds, in the order it holds them."""
+        if seq_len % self.length_multiple != 0:
+            raise ValueError(f"sequence length {seq_len} is not a multiple of {self.length_multiple} ({self})")
+        ring_rank, ulysses_rank = divmod(sequence_parallel_rank, self.ulysses_size)
+        if self.ring_size == 1:
+            chunks = [(0, seq_len)]
+        else:
+            chunk = seq_len // (2 * self.ring_size)
+            mirror = 2 * self.ring_size - 1 - ring_rank
+            chunks = [(ring_rank * chunk, (ring_rank + 1) * chunk), (mirror * chunk, (mirror + 1) * chunk)]
+        # This Ulysses rank's contiguous piece of the concatenated chunks (it may straddle the two).
+        piece = sum(stop - start for start, stop in chunks) // self.ulysses_size
+        first, last = ulysses_rank * piece, (ulysses_rank + 1) * piece
+        runs, offset = [], 0
+        for start, stop in chunks:
+            low, high = max(first, offset), min(last, offset + stop - start)
+            if low < high:
+                runs.append((start + low - offset, start + high - offset))
+            offset += stop - start
+        return runs
+
+    def positions(self, seq_len: int, sequence_parallel_rank: int, device=None) -> torch.Tensor:
+        """Global positions of this SP rank's tokens, `[seq_len / P]`."""
+        return torch.cat([torch.arange(a, b, device=device) for a, b in self.runs(seq_len, sequence_parallel_rank)])
+
+    def shard(self, tensor: torch.Tensor, sequence_parallel_rank: int, dim: int) -> torch.Tensor:
+        """This SP rank's tokens of a full-length `tensor` (cut along `dim`)."""
+        runs = self.runs(tensor.size(dim), sequence_parallel_rank)
+        if len(runs) == 1:
+            return tensor.narrow(dim, runs[0][0], runs[0][1] - runs[0][0])
+        return torch.cat([tensor.narrow(dim, a, b - a) for a, b in runs], dim=dim)
+
+    def restore(self, gathered: torch.Tensor, dim: int) -> torch.Tensor:
+        """A sequence gathered in SP-rank order (shard order) → natural order."""
+        if self.ring_size == 1:
+            return gathered
+        seq_len = gathered.size(dim)
+        shard_order = torch.cat([self.positions(seq_len, rank) for rank in range(self.sequence_parallel_size)])
+        return gathered.index_select(dim, torch.argsort(shard_order).to(gathered.device))
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Sizes and ranks of a `data_parallel_size × sequence_parallel_size` layout over `world_size` processes."""
+    """Sizes and ranks of a `data_parallel_size × sequence_parallel_size` layout over `world_size` processes,
+    each SP group split into `ulysses_size × ring_size` (Ulysses inner, see the module docstring)."""
 
     world_size: int
     sequence_parallel_size: int
+    ring_size: int = 1
 
     def __post_init__(self) -> None:
         sp, world = self.sequence_parallel_size, self.world_size
@@ -39,12 +135,23 @@ class ParallelLayout:
         if world < 1:
             raise ValueError(f"world_size must be >= 1, got {world}")
         if world % sp != 0:
-            divisors = [d for d in range(1, world + 1) if world % d == 0]
             raise ValueError(
                 f"sp({sp}) does not divide world_size({world}): the number of processes (devices × num_nodes) must be"
-                f" a multiple of sequence_parallel_size. Valid sequence_parallel_size values here: {divisors}; or"
+                f" a multiple of sequence_parallel_size. Valid sequence_parallel_size values here: {divisors(world)}; or"
                 f" change `devices`/`num_nodes` to a multiple of {sp}."
             )
+        check_ring_size(self.ring_size, sp)
+
+    @property
+    def ulysses_size(self) -> int:
+        return self.sequence_parallel_size // self.ring_size
+
+    @property
+    def shard_order(self) -> ShardOrder:
+        return ShardOrder(self.sequence_parallel_size, self.ring_size)
+
+    def with_ring_size(self, ring_size: int) -> ParallelLayout:
+        return replace(self, ring_size=ring_size)
 
     @property
     def data_parallel_size(self) -> int:
@@ -66,24 +173,61 @@ class ParallelLayout:
         sp = self.sequence_parallel_size
         return [list(range(sp_rank, self.world_size, sp)) for sp_rank in range(sp)]
 
+    def ulysses_groups(self) -> list[list[int]]:
+        """Global ranks of every Ulysses sub-group: contiguous blocks of `ulysses_size` inside each SP group."""
+        u = self.ulysses_size
+        return [list(range(start, start + u)) for start in range(0, self.world_size, u)]
+
+    def ring_groups(self) -> list[list[int]]:
+        """Global ranks of every ring sub-group: stride `ulysses_size` inside each SP group."""
+        sp, u = self.sequence_parallel_size, self.ulysses_size
+        return [list(range(start + offset, start + sp, u)) for start in range(0, self.world_size, sp) for offset in range(u)]
+
     def __str__(self) -> str:
-        return f"dp({self.data_parallel_size}) × sp({self.sequence_parallel_size}) = world_size({self.world_size})"
+        text = f"dp({self.data_parallel_size}) × sp({self.sequence_parallel_size}) = world_size({self.world_size})"
+        if self.ring_size > 1:
+            text += f", sp = ulysses({self.ulysses_size}) × ring({self.ring_size})"
+        return text
 
 
 class SequenceParallelGroups:
     """Process groups of a `ParallelLayout` for one rank, and the `mpu` adapter DeepSpeed needs.
 
     Build it with `SequenceParallelGroups.build(layout)` on every rank (group creation is collective).
+    The Ulysses/ring sub-groups of each ring size are created once and shared by every `with_ring_size` copy.
     """
 
-    def __init__(self, layout: ParallelLayout, global_rank: int, sequence_parallel_group, data_parallel_group):
+    def __init__(self, layout: ParallelLayout, global_rank: int, sequence_parallel_group, data_parallel_group,
+                 subgroups: dict | None = None):
         self.layout = layout
         self.global_rank = global_rank
         self._sequence_parallel_group = sequence_parallel_group
         self._data_parallel_group = data_parallel_group
+        # ring_size → (ulysses group, ring group); None where that dimension has a single rank.
+        self._subgroups = subgroups if subgroups is not None else {}
+        if layout.ring_size not in self._subgroups:
+            self._subgroups[layout.ring_size] = self._build_subgroups(layout)
+
+    def _build_subgroups(self, layout: ParallelLayout) -> tuple:
+        if layout.ring_size == 1:
+            return self._sequence_parallel_group, None
+        if layout.ulysses_size == 1:
+            return None, self._sequence_parallel_group
+        # Every rank must create every group, in the same order: with_ring_size is called alike on all ranks.
+        ulysses_group, _ = dist.new_subgroups_by_enumeration(layout.ulysses_groups())
+        ring_group, _ = dist.new_subgroups_by_enumeration(layout.ring_groups())
+        return ulysses_group, ring_group
+
+    def with_ring_size(self, ring_size: int) -> SequenceParallelGroups:
+        """The same SP/DP groups with the SP group split into `ulysses_size × ring_size` (collective on first use)."""
+        layout = self.layout.with_ring_size(ring_size)  # validates before any group is created
+        if layout == self.layout:
+            return self
+        return SequenceParallelGroups(layout, self.global_rank, self._sequence_parallel_group,
+                                      self._data_parallel_group, self._subgroups)
 
     @classmethod
-    def build(cls, layout: ParallelLayout) -> "SequenceParallelGroups":
+    def build(cls, layout: ParallelLayout) -> SequenceParallelGroups:
         if not dist.is_initialized():
             raise RuntimeError("SequenceParallelGroups.build needs an initialised torch.distributed process group.")
         if dist.get_world_size() != layout.world_size:
@@ -107,6 +251,28 @@ class SequenceParallelGroups:
         return self.layout.sequence_parallel_size
 
     @property
+    def ulysses_group(self):
+        """The ranks that trade heads for tokens (all-to-all); None when `ulysses_size == 1` (pure ring)."""
+        return self._subgroups[self.layout.ring_size][0] if self.layout.sequence_parallel_size > 1 else None
+
+    @property
+    def ring_group(self):
+        """The ranks that pass K/V blocks around; None when `ring_size == 1` (pure Ulysses)."""
+        return self._subgroups[self.layout.ring_size][1]
+
+    @property
+    def ulysses_size(self) -> int:
+        return self.layout.ulysses_size
+
+    @property
+    def ring_size(self) -> int:
+        return self.layout.ring_size
+
+    @property
+    def shard_order(self) -> ShardOrder:
+        return self.layout.shard_order
+
+    @property
     def data_parallel_group(self):
         return self._data_parallel_group
 
@@ -118,7 +284,7 @@ class SequenceParallelGroups:
     def data_parallel_world_size(self) -> int:
         return self.layout.data_parallel_size
 
-    def deepspeed_mpu(self) -> "DeepSpeedSequenceParallelMPU":
+    def deepspeed_mpu(self) -> DeepSpeedSequenceParallelMPU:
         """The object to pass as `deepspeed.initialize(mpu=...)`."""
         return DeepSpeedSequenceParallelMPU(self)
 

@@ -84,18 +84,19 @@ class SequenceParallel(Metric):
         super().__init__(**kwargs)
         self.metric = metric
         self._sequence_parallel_group: Optional[Any] = None
+        self._shard_order = None  # how the rows were cut (zig-zag with a ring): gathered pieces are put back in order
 
     def bind_parallel_groups(self, groups) -> None:
         """Called by the strategy at setup, and with None to unbind."""
         if groups is None or groups.sequence_parallel_world_size == 1:
-            self._sequence_parallel_group, self.metric.process_group = None, None
+            self._sequence_parallel_group, self.metric.process_group, self._shard_order = None, None, None
         else:
-            self._sequence_parallel_group = groups.sequence_parallel_group
+            self._sequence_parallel_group, self._shard_order = groups.sequence_parallel_group, groups.shard_order
             # SP ranks hold identical states after the gather: sync over DP only, or each sample counts SP times.
             self.metric.process_group = groups.data_parallel_group
 
     def _whole_rows(self, tensors) -> tuple:
-        return tuple(all_gather_sequence(t, self._sequence_parallel_group, seq_dim=1) for t in tensors)
+        return tuple(all_gather_sequence(t, self._sequence_parallel_group, 1, self._shard_order) for t in tensors)
 
     def update(self, *tensors: torch.Tensor, **kwargs: Any) -> None:
         self.metric.update(*self._whole_rows(tensors), **kwargs)

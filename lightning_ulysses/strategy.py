@@ -33,12 +33,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_ulysses.attention.core import UlyssesAttention
 from lightning_ulysses import checkpoint as checkpoints
 from lightning_ulysses import preflight
-from lightning_ulysses.attention.hf import find_hf_models, prepare_hf_model, validate_hf_model
+from lightning_ulysses.attention.core import UlyssesAttention, resolve_ring_size
+from lightning_ulysses.attention.hf import find_hf_models, hf_head_counts, prepare_hf_model, validate_hf_model
 from lightning_ulysses.faults import RankWatchdog, is_peer_failure
-from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, check_sequence_parallel_size
+from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, check_ring_size, check_sequence_parallel_size
 from lightning_ulysses.loss import (
     LossFunctionHost,
     SequenceParallelCausalLMLoss,
@@ -102,6 +102,12 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             the number of devices per node, so every SP group is one node and DP runs across nodes. `1`: plain
             ZeRO. May also come from a DeepSpeed config block `"ulysses": {"enable": true,
             "sequence_parallel_world_size": N}`, which is removed before DeepSpeed sees the config.
+        ring_size: how many ranks of each SP group form a ring (ring attention, K/V blocks passed around) while
+            the other factor, `sequence_parallel_size / ring_size`, splits heads with Ulysses all-to-alls (hybrid,
+            for SP sizes the head counts cannot follow). `None` (default): the largest Ulysses degree the model's
+            head counts allow, so pure Ulysses whenever possible. With a ring, each rank holds two zig-zag chunks
+            of the sequence (causal load balance) and lengths are padded to a multiple of
+            `lcm(sequence_parallel_size, 2 · ring_size)`.
         sequence_padding: `"pad"` (default) pads sequences whose length is not a multiple of the SP size at the
             end, with ignored labels; `"error"` rejects them.
         stage: ZeRO stage; 3 by default (parameters, gradients and optimizer state sharded over all ranks).
@@ -132,6 +138,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self,
         sequence_parallel_size: Optional[int] = None,
         *,
+        ring_size: Optional[int] = None,
         sequence_padding: SequencePadding = "pad",
         stage: int = 3,
         config: Optional[Union[str, dict[str, Any]]] = None,
@@ -153,6 +160,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
                 )
         if sequence_parallel_size is not None:
             check_sequence_parallel_size(sequence_parallel_size)
+            if ring_size is not None:
+                check_ring_size(ring_size, sequence_parallel_size)
         if sequence_padding not in ("pad", "error"):
             raise ValueError(f"sequence_padding must be 'pad' or 'error', got {sequence_padding!r}")
         if heartbeat_timeout is not None and heartbeat_timeout <= 0:
@@ -165,6 +174,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         if config_overrides:
             self.config = _deep_merge(self.config, config_overrides)
         self._requested_sequence_parallel_size = sequence_parallel_size
+        self._requested_ring_size = ring_size
         self.sequence_padding = sequence_padding
         self._groups: Optional[SequenceParallelGroups] = None
         self._sharder: Optional[SequenceSharder] = None
@@ -285,12 +295,22 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
 
     def _setup_parallel_groups(self) -> None:
         size = self._requested_sequence_parallel_size or self.num_processes
-        layout = ParallelLayout(world_size=self.world_size, sequence_parallel_size=size)  # raises before any collective
-        if self._groups is None or self._groups.layout != layout:  # fit → validate reuses the groups
+        # Raises before any collective; the ring size is settled against the model's heads in _prepare_modules.
+        layout = ParallelLayout(world_size=self.world_size, sequence_parallel_size=size,
+                                ring_size=self._requested_ring_size or 1).with_ring_size(1)
+        if self._groups is None or self._groups.layout.with_ring_size(1) != layout:  # fit → validate reuses them
             self._warn_if_groups_span_nodes(size)
             self._groups = SequenceParallelGroups.build(layout)
             rank_zero_info(f"lightning_ulysses: {layout}, SP groups {layout.sequence_parallel_groups()}")
-        self._sharder = SequenceSharder(size, self._groups.sequence_parallel_rank, self.sequence_padding)
+        self._use_ring_size(1)
+
+    def _use_ring_size(self, ring_size: int) -> None:
+        """Split the SP group into Ulysses × ring (sub-groups built once) and shard batches in its layout."""
+        if ring_size != self._groups.ring_size and ring_size > 1:
+            rank_zero_info(f"lightning_ulysses: {self._groups.layout.with_ring_size(ring_size)}")
+        self._groups = self._groups.with_ring_size(ring_size)
+        self._sharder = SequenceSharder(self._groups.sequence_parallel_world_size, self._groups.sequence_parallel_rank,
+                                        self.sequence_padding, ring_size=ring_size)
 
     def _warn_if_groups_span_nodes(self, sequence_parallel_size: int) -> None:
         # Ranks are numbered node by node and SP groups are blocks of consecutive ranks, so a group stays inside a
@@ -362,7 +382,6 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._restore_modules()
         groups = self.parallel_groups
         size = groups.sequence_parallel_world_size
-        group = groups.sequence_parallel_group if size > 1 else None
         module = self.lightning_module
         hf_models = find_hf_models(module)
         native = [m for m in module.modules() if isinstance(m, UlyssesAttention)]
@@ -372,11 +391,18 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
                 " no lightning_ulysses.UlyssesAttention, so nothing would exchange tokens between shards. Wrap your"
                 " attention function: UlyssesAttention(F.scaled_dot_product_attention)."
             )
+        if size > 1:
+            # Identical on every rank (same model, same arguments), so the sub-groups are created in step.
+            head_counts = [hf_head_counts(model) for model in hf_models]
+            head_counts += [(m.num_heads, m.num_key_value_heads) for m in native if m.num_heads is not None]
+            self._use_ring_size(resolve_ring_size(head_counts, size, self._requested_ring_size))
+            groups = self.parallel_groups
         for model in hf_models:  # all checks first: a failure leaves no model half-prepared
-            validate_hf_model(model, size)
+            validate_hf_model(model, groups.ulysses_size)
         loss = self.loss_function
         names = {id(child): name for name, child in module.named_modules()}
-        prepared = [prepare_hf_model(model, group, loss) for model in hf_models]
+        prepared = [prepare_hf_model(model, groups.ulysses_group, loss, ring_group=groups.ring_group)
+                    for model in hf_models]
         # The configs as the user built them (preparation swaps in a private copy with Ulysses attention).
         self._hf_model_configs = {
             names[id(p.model)]: p.original_configs.get(id(p.model), p.model.config) for p in prepared
@@ -530,7 +556,9 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         # into an engine without optimizer (it calls `_restore_from_bit16_weights` on `DeepSpeedZeRoOffload`).
         # Consolidate the fp32 weights from the shards instead and let Lightning's full-weights path copy them into
         # the partitioned parameters, module by module.
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        from deepspeed.utils.zero_to_fp32 import (
+            get_fp32_state_dict_from_zero_checkpoint,
+        )
 
         tag = checkpoints.deepspeed_tag(Path(checkpoint_path))
         # Lightning's own entries (epoch, callbacks, ...) are saved as DeepSpeed client state in every model-state file.

@@ -11,8 +11,23 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from lightning_ulysses.layout import ShardOrder
 
-def _all_to_all(tensor: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+
+class AllToAllInFlight:
+    """An all-to-all started with `start_all_to_all`; `wait()` returns the result (no autograd)."""
+
+    def __init__(self, work, send: torch.Tensor, receive: torch.Tensor, gather_dim: int):
+        self.work, self.send, self.receive, self.gather_dim = work, send, receive, gather_dim
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        self.send = None  # kept alive until the collective is done with it
+        return torch.cat(self.receive.unbind(0), dim=self.gather_dim)
+
+
+def start_all_to_all(tensor: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> AllToAllInFlight:
+    """Start the all-to-all asynchronously (on GPU it runs on the communicator's stream, beside compute)."""
     world_size = dist.get_world_size(group)
     if tensor.size(scatter_dim) % world_size != 0:
         raise ValueError(
@@ -22,8 +37,12 @@ def _all_to_all(tensor: torch.Tensor, group, scatter_dim: int, gather_dim: int) 
     # Chunk i goes to rank i; chunk i received comes from rank i, i.e. the i-th piece along `gather_dim`.
     send = torch.stack(tensor.chunk(world_size, dim=scatter_dim))
     receive = torch.empty_like(send)
-    dist.all_to_all_single(receive, send, group=group)
-    return torch.cat(receive.unbind(0), dim=gather_dim)
+    work = dist.all_to_all_single(receive, send, group=group, async_op=True)
+    return AllToAllInFlight(work, send, receive, gather_dim)
+
+
+def _all_to_all(tensor: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    return start_all_to_all(tensor, group, scatter_dim, gather_dim).wait()
 
 
 class _AllToAll(torch.autograd.Function):
@@ -55,10 +74,15 @@ def heads_to_sequence(tensor: torch.Tensor, group, head_dim: int, seq_dim: int) 
     return all_to_all(tensor, group, scatter_dim=seq_dim, gather_dim=head_dim)
 
 
-def all_gather_sequence(tensor: torch.Tensor, group, seq_dim: int) -> torch.Tensor:
-    """Concatenate the sequence shards of a tensor that needs no gradient (masks, positions)."""
+def all_gather_sequence(tensor: torch.Tensor, group, seq_dim: int, order: ShardOrder | None = None) -> torch.Tensor:
+    """Concatenate the sequence shards of a tensor that needs no gradient (masks, positions).
+
+    `order`: how the shards were cut (`SequenceParallelGroups.shard_order`); the zig-zag layout of a ring is put
+    back into natural order. None: contiguous shards.
+    """
     if group is None or dist.get_world_size(group) == 1:
         return tensor
     pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(pieces, tensor.contiguous(), group=group)
-    return torch.cat(pieces, dim=seq_dim)
+    gathered = torch.cat(pieces, dim=seq_dim)
+    return gathered if order is None else order.restore(gathered, seq_dim)

@@ -23,8 +23,17 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from lightning_ulysses.attention.all_to_all import all_gather_sequence, heads_to_sequence
-from lightning_ulysses.attention.core import ProcessGroupHandle, scatter_heads_gather_sequence, validate_head_counts
+from lightning_ulysses.attention.all_to_all import (
+    all_gather_sequence,
+    heads_to_sequence,
+)
+from lightning_ulysses.attention.core import (
+    ProcessGroupHandle,
+    hybrid_attention,
+    scatter_heads_gather_sequence,
+    validate_head_counts,
+)
+from lightning_ulysses.layout import ShardOrder
 
 ULYSSES_ATTENTION = "ulysses"
 SUPPORTED_BACKENDS = ("sdpa", "flash_attention_2", "flash_attention_3")
@@ -51,6 +60,7 @@ class _Binding:
     group: ProcessGroupHandle
     backend: str
     decode: Optional[DecodeState] = None
+    ring: Optional[ProcessGroupHandle] = None  # K/V blocks pass around this group (hybrid Ulysses × ring)
 
     def __deepcopy__(self, memo):
         return self
@@ -92,6 +102,8 @@ def _ulysses_attention_forward(module, query, key, value, attention_mask, **kwar
         return _decode_attention(query, key, value, binding.decode, group, kwargs.get("scaling")), None
     if any(name in kwargs for name in ("cu_seq_lens_q", "cu_seq_lens_k")):
         raise NotImplementedError("Packed sequences (cu_seq_lens) are not supported under sequence parallelism yet.")
+    if binding.ring is not None:
+        return _ring_attention_forward(module, query, key, value, attention_mask, binding, **kwargs), None
 
     # q, k, v: [batch, heads, seq/P, dim] -> [batch, heads/P, seq, dim]
     query, key, value = scatter_heads_gather_sequence(query, key, value, group, head_dim=1, seq_dim=2)
@@ -114,6 +126,37 @@ def _ulysses_attention_forward(module, query, key, value, attention_mask, **kwar
     output, _ = ALL_ATTENTION_FUNCTIONS[binding.backend](local_module, query, key, value, attention_mask, **kwargs)
     # output: [batch, seq, heads/P, dim] -> [batch, seq/P, heads, dim], the layout the model expects back
     return heads_to_sequence(output, group, head_dim=2, seq_dim=1), None
+
+
+def _ring_attention_forward(module, query, key, value, attention_mask, binding: _Binding, dropout=0.0, scaling=None,
+                            sliding_window=None, softcap=None, **unused):
+    """Hybrid Ulysses × ring attention for one HF attention module: q/k/v `[batch, heads, tokens, dim]` →
+    `[batch, tokens, heads, dim]`. The ring computes plain softmax attention itself (the backend is not called)."""
+    if dropout or sliding_window is not None or softcap is not None:
+        raise NotImplementedError(
+            f"{type(module).__name__} asks for attention dropout, a sliding window or logit soft-capping, which ring"
+            " attention does not implement. Use ring_size=1 (pure Ulysses), or set attention_dropout=0."
+        )
+    is_causal = getattr(module, "is_causal", True)
+    if attention_mask is not None:
+        _check_right_padding(attention_mask, binding, is_causal)
+    output = hybrid_attention(query, key, value, binding.group.group, binding.ring.group, is_causal, scaling)
+    return output.transpose(1, 2)
+
+
+def _check_right_padding(shard_mask: torch.Tensor, binding: _Binding, is_causal: bool) -> None:
+    """Ring attention masks by position only. That is exact for padding at the end of causal rows: no real token
+    attends to a later one, and padded positions carry ignored labels. Anything else is refused."""
+    mask = shard_mask.bool()
+    for group in (binding.group, binding.ring):  # Ulysses pieces, then ring portions: SP-rank (shard) order
+        mask = all_gather_sequence(mask, group.group, seq_dim=1)
+    mask = ShardOrder(binding.group.world_size * binding.ring.world_size, binding.ring.world_size).restore(mask, dim=1)
+    right_padded = bool((mask[:, :-1] >= mask[:, 1:]).all())  # the same on every SP rank: all raise or none
+    if not (right_padded and is_causal) and not bool(mask.all()):
+        raise NotImplementedError(
+            "Ring attention (ring_size > 1) supports padding only at the end of rows of causal models; this batch"
+            " has left or inner padding. Pad on the right (tokenizer.padding_side='right'), or use ring_size=1."
+        )
 
 
 def _shard_padding_mask(*args, attention_mask=None, **kwargs):
@@ -220,18 +263,28 @@ def validate_hf_model(model: PreTrainedModel, sequence_parallel_size: int) -> st
             f" (supported: {', '.join(SUPPORTED_BACKENDS)}). Load or build the model with"
             " attn_implementation='sdpa' (e.g. AutoModelForCausalLM.from_config(cfg, attn_implementation='sdpa'))."
         )
-    text_config = model.config.get_text_config()
-    num_heads = text_config.num_attention_heads
-    num_key_value_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
-    validate_head_counts(num_heads, num_key_value_heads, sequence_parallel_size)
+    validate_head_counts(*hf_head_counts(model), sequence_parallel_size)
     return backend
 
 
+def hf_head_counts(model: PreTrainedModel) -> tuple[int, int]:
+    """(attention heads, KV heads) of a Hugging Face model."""
+    text_config = model.config.get_text_config()
+    num_heads = text_config.num_attention_heads
+    return num_heads, getattr(text_config, "num_key_value_heads", None) or num_heads
+
+
 def prepare_hf_model(
-    model: PreTrainedModel, sequence_parallel_group, loss_function: Callable | None = None
+    model: PreTrainedModel, sequence_parallel_group, loss_function: Callable | None = None, *, ring_group=None
 ) -> PreparedHFModel:
-    """Switch one model to Ulysses attention over `sequence_parallel_group` (and optionally swap its loss)."""
+    """Switch one model to Ulysses attention over `sequence_parallel_group` (and optionally swap its loss).
+
+    With `ring_group` (hybrid Ulysses × ring, `SequenceParallelGroups.ulysses_group`/`.ring_group`), heads are
+    scattered over `sequence_parallel_group` only and ring attention spans `ring_group`; batches must then be
+    sharded in the zig-zag layout (`SequenceSharder(..., ring_size=...)`).
+    """
     group = ProcessGroupHandle(sequence_parallel_group)
+    ring = ProcessGroupHandle(ring_group) if ring_group is not None else None
     backend = validate_hf_model(model, group.world_size)
     if model.config._attn_implementation == ULYSSES_ATTENTION:
         raise RuntimeError(f"{type(model).__name__} is already prepared for sequence parallelism: restore() it first.")
@@ -240,7 +293,7 @@ def prepare_hf_model(
         prepared.original_loss_function = model.__dict__.get("_loss_function", _NOT_SET)
         prepared.loss_swapped = True
         model.loss_function = loss_function
-    if group.world_size == 1:
+    if group.world_size == 1 and ring is None:
         return prepared  # nothing to exchange: the model keeps its own attention untouched
     _register_attention()
     # Private config copy, installed on every module that referenced the shared one (or a sub-config of it).
@@ -259,7 +312,7 @@ def prepare_hf_model(
             f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface, so"
             " lightning_ulysses cannot swap it. Wrap its attention in lightning_ulysses.UlyssesAttention."
         ) from error
-    binding = _Binding(group=group, backend=backend)
+    binding = _Binding(group=group, backend=backend, ring=ring)
     for module in model.modules():
         module.__dict__[_BINDING_ATTRIBUTE] = binding
     return prepared

@@ -120,7 +120,8 @@ class Attention(nn.Module):
         kv = config.num_key_value_heads
         self.qkv = _Linear(config.hidden_size, (config.num_heads + 2 * kv) * config.head_dim, config.bias, std)
         self.out = _Linear(config.hidden_size, config.hidden_size, config.bias, depth_std)
-        self.attention = UlyssesAttention(_causal_attention)
+        self.attention = UlyssesAttention(_causal_attention, causal=True, num_heads=config.num_heads,
+                                          num_key_value_heads=config.num_key_value_heads)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = hidden.shape

@@ -11,13 +11,14 @@ VOCAB = 64
 NUM_HEADS = 4
 
 
-def tiny_llama(num_key_value_heads: int, seed: int = 0, attn_implementation: str = "sdpa") -> LlamaForCausalLM:
+def tiny_llama(num_key_value_heads: int, seed: int = 0, attn_implementation: str = "sdpa",
+               num_heads: int = NUM_HEADS) -> LlamaForCausalLM:
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=48,
         num_hidden_layers=2,
-        num_attention_heads=NUM_HEADS,
+        num_attention_heads=num_heads,
         num_key_value_heads=num_key_value_heads,
         max_position_embeddings=128,
         tie_word_embeddings=False,

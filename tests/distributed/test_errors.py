@@ -11,8 +11,10 @@ WORKER = ROOT / "tests" / "distributed" / "workers" / "expect_error.py"
 
 CASES = {
     "sp_does_not_divide_world": ({"sp": 4}, "ValueError", ["sp(4) does not divide world_size(2)", "Valid sequence_parallel_size values here: [1, 2]"]),
-    "heads_not_divisible": ({}, "ValueError", ["num_attention_heads(3) is not divisible by sequence_parallel_size(2)", "Use a sequence_parallel_size in [1, 3]"]),
-    "kv_heads_incompatible": ({}, "ValueError", ["num_key_value_heads(3) and sequence_parallel_size(2) must divide one another"]),
+    # Pure Ulysses forced (ring_size=1): automatic ring_size would run these on a ring instead.
+    "heads_not_divisible": ({"ring_size": 1}, "ValueError", ["num_attention_heads(3) is not divisible by sequence_parallel_size(2)", "Use a sequence_parallel_size in [1, 3]", "Use a ring_size in [2]"]),
+    "kv_heads_incompatible": ({"ring_size": 1}, "ValueError", ["num_key_value_heads(3) and sequence_parallel_size(2) must divide one another", "Use a ring_size in [2]"]),
+    "opaque_attention_on_ring": ({"ring_size": 2}, "ValueError", ["UlyssesAttention(..., causal=True)", "ring_size=1"]),
     "eager_attention": ({}, "ValueError", ["attn_implementation='eager'", "attn_implementation='sdpa'"]),
     "no_attention_to_wrap": ({}, "ValueError", ["no Hugging Face PreTrainedModel and no lightning_ulysses.UlyssesAttention", "UlyssesAttention(F.scaled_dot_product_attention)"]),
     "length_not_divisible": ({"stage": 2}, "ValueError", ["sequence length 15 is not divisible by sequence_parallel_size(2)", "pad_to_multiple_of=2", "sequence_padding='pad'"]),

@@ -11,13 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_ulysses.layout import ShardOrder
 from tests.distributed.common import NUM_HEADS, UnevenlyMaskedTokens, build_model, collate
 from tests.distributed.harness import ROOT, launch
 from tests.distributed.reference import reference_training
 
 WORKER = ROOT / "tests" / "distributed" / "workers" / "train_parity.py"
 STEPS, BATCH_SIZE, SEQ_LEN = 3, 2, 16
-ATTENTION = {"mha": NUM_HEADS, "mqa": 1}  # 1 KV head < SP 2 and 4: KV replication
+ATTENTION = {"mha": NUM_HEADS, "mqa": 1, "gqa": 2}  # 1 KV head < SP 2 and 4: KV replication
 
 
 def _case(world_size, sp, stage, attention, seq_len=SEQ_LEN, suffix="", **extra):
@@ -30,7 +31,7 @@ def _matrix():
     layouts = {1: [1], 2: [1, 2], 4: [2, 4]}
     cases = [
         _case(world, sp, stage, attention)
-        for world, sps in layouts.items() for sp in sps for stage in (0, 1, 2, 3) for attention in ATTENTION
+        for world, sps in layouts.items() for sp in sps for stage in (0, 1, 2, 3) for attention in ("mha", "mqa")
     ]
     cases += [
         # A length that SP 2 does not divide: padded at the end with ignored labels.
@@ -55,6 +56,11 @@ def _matrix():
         _case(4, 2, 2, "mqa", suffix="-gpt", model="gpt"),
         # Built in configure_model, i.e. partitioned at construction by deepspeed.zero.Init.
         _case(2, 2, 3, "mha", suffix="-gpt-zero-init", model="gpt", in_configure_model=True),
+        # Hybrid Ulysses × ring (zig-zag shards): 2 KV heads at SP 4 = Ulysses 2 × ring 2, and a pure ring of 2
+        # inside world 4 (DP 2), for Hugging Face Llama and the native GPT.
+        _case(4, 4, 3, "gqa", suffix="-ring2", strategy_kwargs={"ring_size": 2}),
+        _case(4, 4, 2, "gqa", suffix="-gpt-ring2", model="gpt", validate=True, strategy_kwargs={"ring_size": 2}),
+        _case(4, 2, 1, "mqa", suffix="-ring2", seq_len=15, strategy_kwargs={"ring_size": 2}),
     ]
     return cases
 
@@ -93,7 +99,8 @@ def check_parity(case: dict, ranks: list[dict]) -> None:
 
     # Shard contents: this rank's slice of the shifted labels, tokens and global positions (padded when needed).
     dataset = UnevenlyMaskedTokens(10_000, case["seq_len"])
-    padded = -(-case["seq_len"] // sp) * sp
+    order = ShardOrder(sp, case.get("strategy_kwargs", {}).get("ring_size") or 1)  # zig-zag shards with a ring
+    padded = -(-case["seq_len"] // order.length_multiple) * order.length_multiple
     shard = padded // sp
     for rank in ranks:
         for step, record in enumerate(rank["records"]):
@@ -101,13 +108,13 @@ def check_parity(case: dict, ranks: list[dict]) -> None:
             extra = padded - case["seq_len"]
             input_ids = torch.cat([full["input_ids"], torch.zeros(BATCH_SIZE, extra, dtype=torch.long)], 1)
             labels = torch.cat([full["labels"][:, 1:], torch.full((BATCH_SIZE, extra + 1), -100)], 1)
-            window = slice(rank["sequence_parallel_rank"] * shard, (rank["sequence_parallel_rank"] + 1) * shard)
-            assert torch.equal(record["input_ids"], input_ids[:, window])
-            assert torch.equal(record["labels"], labels[:, window])
+            sp_rank = rank["sequence_parallel_rank"]
+            assert torch.equal(record["input_ids"], order.shard(input_ids, sp_rank, dim=1))
+            assert torch.equal(record["labels"], order.shard(labels, sp_rank, dim=1))
             if sp == 1:
                 assert record["position_ids"] is None  # the model numbers an uncut sequence itself
             else:
-                assert torch.equal(record["position_ids"], torch.arange(padded)[window].expand(BATCH_SIZE, -1))
+                assert torch.equal(record["position_ids"], order.positions(padded, sp_rank).expand(BATCH_SIZE, -1))
 
     clip = case.get("trainer_kwargs", {}).get("gradient_clip_val")
     reference = reference_training(case["kv_heads"], case["seq_len"], steps, gradient_clip_val=clip,

@@ -38,6 +38,14 @@ def llama_module(num_heads: int, num_key_value_heads: int, attn_implementation: 
     return module
 
 
+class OpaqueAttentionModule(PlainModule):
+    """UlyssesAttention around a callable it cannot know to be softmax attention (no `causal=` declared)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = lightning_ulysses.UlyssesAttention(lambda q, k, v: q)
+
+
 class TupleBatches(torch.utils.data.Dataset):
     def __len__(self):
         return 8
@@ -55,7 +63,7 @@ class PackedRows(UnevenlyMaskedTokens):
 
 def build(case):
     data = DataLoader(UnevenlyMaskedTokens(8, 16), batch_size=2, collate_fn=collate)
-    strategy_kwargs = {"sequence_parallel_size": case.get("sp", 2)}
+    strategy_kwargs = {"sequence_parallel_size": case.get("sp", 2), "ring_size": case.get("ring_size")}
     kind = case["kind"]
     module = CausalLM(num_key_value_heads=4)
     if kind == "heads_not_divisible":
@@ -66,6 +74,8 @@ def build(case):
         module = llama_module(num_heads=4, num_key_value_heads=4, attn_implementation="eager")
     elif kind == "no_attention_to_wrap":
         module = PlainModule()
+    elif kind == "opaque_attention_on_ring":
+        module = OpaqueAttentionModule()
     elif kind == "length_not_divisible":
         strategy_kwargs["sequence_padding"] = "error"
         data = DataLoader(UnevenlyMaskedTokens(8, 15), batch_size=2, collate_fn=collate)

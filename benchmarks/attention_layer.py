@@ -1,0 +1,246 @@
+"""Attention-layer time (forward + backward, causal) of Ulysses, ring and hybrid attention against plain SDPA on
+the full sequence, one GPU per rank; SP = the number of processes.
+
+    python benchmarks/attention_layer.py                                           # 1 GPU: the SP-1 overhead
+    torchrun --nproc_per_node 2 benchmarks/attention_layer.py --overlap            # SP 2 vs one GPU, full sequence
+    torchrun --nproc_per_node 4 benchmarks/attention_layer.py --modes sdpa hybrid  # Ulysses 2 × ring 2
+    torchrun --nproc_per_node 2 benchmarks/attention_layer.py --device cpu --tiny  # CPU smoke test (gloo)
+
+Modes (each on this rank's shard `[batch, heads, seq/P, head_dim]`, except sdpa):
+- `sdpa`: `F.scaled_dot_product_attention(is_causal=True)` on the whole sequence, on every rank alike (the
+  "one GPU runs the full sequence" baseline, measured concurrently on every GPU).
+- `ulysses`: `UlyssesAttention` over all ranks (all-to-alls + SDPA). At 1 process: the module unbound, i.e. the
+  overhead of our path over plain SDPA.
+- `ulysses_overlap` (`--overlap`): Ulysses with the all-to-alls of one head group in flight on the NCCL stream
+  while another group's attention computes (`attention/pipelined.py`, `--overlap-chunks` head groups).
+- `ring`: ring attention over all ranks (zig-zag shards, K/V blocks passed around). At 1 process: our fused
+  kernel + custom backward on one block.
+- `hybrid`: `ulysses_size = P / 2` × `ring_size = 2` (Ulysses over neighbouring ranks, a ring across the two
+  halves); needs an even number of processes, at least 4.
+
+Timing: CUDA events around each forward+backward, `--warmup` untimed iterations, median (and p10/p90) of
+`--iters`; ranks are barrier-synchronised before the timed loop. `speedup_vs_sdpa` = sdpa median / mode median
+at the same length (SP 2 target: ≥ 1.92× at 32K, ≥ 1.98× at 128K). One JSON line per (mode, length) on rank 0.
+`--check` (default for lengths ≤ 32K) also reports the largest deviation from full SDPA on the same inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lightning_ulysses.attention.core import UlyssesAttention
+from lightning_ulysses.attention.pipelined import pipelined_ulysses_attention
+from lightning_ulysses.attention.ring import ring_attention
+from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, ShardOrder
+
+MODES = ("sdpa", "ulysses", "ulysses_overlap", "ring", "hybrid")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="small shapes, few iterations, fp32 (smoke test)")
+    parser.add_argument("--seq", type=int, nargs="+", default=[32768, 65536, 131072, 262144])
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=["sdpa", "ulysses", "ring", "hybrid"])
+    parser.add_argument("--overlap", action="store_true", help="also measure ulysses_overlap")
+    parser.add_argument("--overlap-chunks", type=int, default=4, help="head groups of ulysses_overlap")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=None, help="default: as many as --heads")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--check", choices=("auto", "yes", "no"), default="auto",
+                        help="compare with full SDPA (auto: lengths <= 32K)")
+    parser.add_argument("--output", default=None, help="append the JSON lines to this file too")
+    args = parser.parse_args()
+    if args.tiny:
+        args.seq = [64, 256] if args.seq == parser.get_default("seq") else args.seq
+        args.heads, args.head_dim, args.dtype = min(args.heads, 8), min(args.head_dim, 16), "fp32"
+        args.warmup, args.iters = min(args.warmup, 1), min(args.iters, 3)
+    args.kv_heads = args.kv_heads or args.heads
+    if args.overlap and "ulysses_overlap" not in args.modes:
+        args.modes.append("ulysses_overlap")
+    return args
+
+
+def init_distributed(device_type: str) -> torch.device:
+    if "RANK" not in os.environ:  # plain `python`: a one-process group, so every mode runs the same code
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+        return torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
+class Timer:
+    """Per-iteration wall time of forward+backward: CUDA events on GPU, perf_counter on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pairs: list = []
+
+    def time(self, step) -> None:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            self.pairs.append((start, end))
+        else:
+            start = time.perf_counter()
+            step()
+            self.pairs.append((start, time.perf_counter()))
+
+    def milliseconds(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [start.elapsed_time(end) for start, end in self.pairs]
+        return [(end - start) * 1e3 for start, end in self.pairs]
+
+
+def build_attention(mode: str, base_groups: SequenceParallelGroups, args):
+    """(attention callable on local shards, shard order, (ulysses_size, ring_size)) or None when not applicable."""
+    world = base_groups.sequence_parallel_world_size
+
+    def causal_sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.size(1) != k.size(1))
+
+    if mode == "sdpa":
+        return causal_sdpa, None, (1, 1)
+    if mode == "ulysses":
+        attention = UlyssesAttention(causal_sdpa)
+        attention.bind_parallel_groups(base_groups)
+        return attention, ShardOrder(world), (world, 1)
+    if mode == "ulysses_overlap":
+        chunks = args.overlap_chunks
+        if args.heads % (chunks * world) or args.kv_heads % (chunks * world):
+            return None
+        group = base_groups.sequence_parallel_group
+        return (lambda q, k, v: pipelined_ulysses_attention(q, k, v, group, True, None, chunks)), ShardOrder(world), (world, 1)
+    ring = {"ring": world, "hybrid": 2}[mode]
+    if mode == "hybrid" and (world < 4 or world % 2):
+        return None
+    if world == 1:  # no group to bind: the ring's own kernel path on the single block
+        return (lambda q, k, v: ring_attention(q, k, v, None, True)), ShardOrder(1), (1, 1)
+    groups = base_groups.with_ring_size(ring)
+    attention = UlyssesAttention(causal=True)
+    attention.bind_parallel_groups(groups)
+    return attention, groups.shard_order, (groups.ulysses_size, groups.ring_size)
+
+
+def measure(mode, attention, order, seq_len, groups, device, args):
+    dtype, rank = DTYPES[args.dtype], groups.sequence_parallel_rank
+    generator = torch.Generator(device=device).manual_seed(1234 + seq_len)  # the same full tensors on every rank
+
+    def full(heads):
+        return torch.randn(args.batch, heads, seq_len, args.head_dim, device=device, dtype=dtype, generator=generator)
+
+    q_full, k_full, v_full, grad_full = full(args.heads), full(args.kv_heads), full(args.kv_heads), full(args.heads)
+    if order is None:
+        local = [q_full, k_full, v_full]
+        grad_out = grad_full
+    else:
+        local = [order.shard(t, rank, dim=2).contiguous() for t in (q_full, k_full, v_full)]
+        grad_out = order.shard(grad_full, rank, dim=2).contiguous()
+    local = [t.requires_grad_() for t in local]
+
+    def step():
+        for tensor in local:
+            tensor.grad = None
+        attention(*local).backward(grad_out)
+
+    error = None
+    if args.check == "yes" or (args.check == "auto" and seq_len <= 32768):
+        with torch.no_grad():
+            reference = F.scaled_dot_product_attention(q_full, k_full, v_full, is_causal=True,
+                                                       enable_gqa=args.heads != args.kv_heads)
+            mine = attention(*[t.detach() for t in local])
+            expected = reference if order is None else order.shard(reference, rank, dim=2)
+            error = (mine.float() - expected.float()).abs().max()
+            dist.all_reduce(error, op=dist.ReduceOp.MAX)
+            error = error.item()
+        del reference, mine, expected
+    del q_full, k_full, v_full, grad_full
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(args.warmup):
+        step()
+    dist.barrier()
+    timer = Timer(device)
+    for _ in range(args.iters):
+        timer.time(step)
+    times = sorted(timer.milliseconds())
+    median = torch.tensor(statistics.median(times), dtype=torch.float64, device=device)
+    slowest = median.clone()
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the step is as slow as the slowest rank
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    return {
+        "median_ms": median.item(), "slowest_rank_median_ms": slowest.item(),
+        "p10_ms": times[len(times) // 10], "p90_ms": times[(9 * len(times)) // 10],
+        "peak_memory_gib": peak, "max_error_vs_sdpa": error,
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    device = init_distributed(args.device)
+    world = dist.get_world_size()
+    base_groups = SequenceParallelGroups.build(ParallelLayout(world, world))
+    modes = [m for m in MODES if m in args.modes]  # sdpa first: the others are compared with it
+    for seq_len in args.seq:
+        sdpa_ms = None
+        for mode in modes:
+            built = build_attention(mode, base_groups, args)
+            point = {"mode": mode, "world_size": world, "seq_len": seq_len, "batch": args.batch, "heads": args.heads,
+                     "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": args.dtype, "device": device.type}
+            if built is None:
+                point["skipped"] = "needs heads % (chunks × P) == 0" if mode == "ulysses_overlap" else "needs an even number of ranks, at least 4"
+            else:
+                attention, order, (ulysses_size, ring_size) = built
+                needed = (order or ShardOrder(1)).length_multiple
+                if seq_len % needed:
+                    point["skipped"] = f"seq_len must be a multiple of {needed}"
+                else:
+                    point.update(ulysses_size=ulysses_size, ring_size=ring_size, warmup=args.warmup, iters=args.iters)
+                    point.update(measure(mode, attention, order, seq_len, base_groups, device, args))
+                    if mode == "ulysses_overlap":
+                        point["overlap_chunks"] = args.overlap_chunks
+                    # causal forward 2·B·H·N²·D flops (two matmuls, half the scores), backward 2.5× that
+                    flops = 3.5 * 2 * args.batch * args.heads * seq_len**2 * args.head_dim
+                    gpus = 1 if mode == "sdpa" else world
+                    point["tflops_per_device"] = flops / gpus / (point["slowest_rank_median_ms"] * 1e-3) / 1e12
+                    if mode == "sdpa":
+                        sdpa_ms = point["slowest_rank_median_ms"]
+                    elif sdpa_ms is not None:
+                        point["speedup_vs_sdpa"] = sdpa_ms / point["slowest_rank_median_ms"]
+            if dist.get_rank() == 0:
+                line = json.dumps(point)
+                print(line, flush=True)
+                if args.output:
+                    with open(args.output, "a") as file:
+                        file.write(line + "\n")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

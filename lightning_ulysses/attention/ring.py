@@ -1,0 +1,222 @@
+"""Ring attention: exact softmax attention over a sequence whose tokens are spread over a ring of ranks.
+
+Each ring rank keeps its queries and passes its K/V block to the next rank, `ring_size − 1` times; every block
+it sees is attended with a fused kernel that also returns the rows' log-sum-exp, and the partial outputs are
+merged with the online-softmax rule (`out = Σ_b exp(lse_b − lse)·out_b`, `lse = log Σ_b exp(lse_b)`).
+
+Backward is a custom autograd Function, not autograd through the forward loop: autograd would keep every
+visiting K/V block and every partial output alive until backward (memory growing with the ring size). Ours
+keeps only the local q, k, v, the merged output and the log-sum-exp — what one fused attention keeps — and
+re-runs each block's backward kernel with the *final* output and log-sum-exp, which gives exactly that block's
+share of dq, dk and dv (the flash-attention backward identity). dK/dV accumulators travel around the ring with
+their K/V block and take one last hop home.
+
+Causal masking follows the global positions of the zig-zag layout (`layout.ShardOrder`): ring rank r holds
+chunks r and 2R−1−r of the 2R chunks of the sequence. Then, for the block that came from ring rank j:
+j == r is ordinary causal attention (the local positions increase); j < r: all local queries see the first chunk
+of the block and none the second; j > r: only the second local chunk sees the block, all of it. Every step after
+the first is therefore exactly half a block of unmasked work on every rank — balanced, and no mask tensor.
+
+Communication is point-to-point (`batch_isend_irecv`) to the next rank, issued before the current block's
+compute so that it overlaps it (on GPU, NCCL runs it on its own stream).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_aten = torch.ops.aten
+
+
+class BlockAttentionKernel:
+    """Forward and backward of softmax attention on one (query rows × key block), with the rows' log-sum-exp.
+
+    q: `[batch, heads, rows, dim]`, k/v: `[batch, kv_heads, cols, dim]`; KV heads are repeated up to the query
+    heads here, per block, so the ring passes only the model's own KV heads around. The kernel is PyTorch's own
+    fused SDPA kernel for the device and dtype: flash (CPU any dtype; CUDA fp16/bf16) or memory-efficient (CUDA fp32).
+    """
+
+    def __init__(self, query: torch.Tensor, scale: float | None):
+        self.scale = scale
+        if query.device.type == "cpu":
+            self.kind = "cpu_flash"
+        elif query.device.type == "cuda":
+            self.kind = "cuda_flash" if query.dtype in (torch.float16, torch.bfloat16) else "cuda_efficient"
+        else:
+            raise NotImplementedError(f"ring attention runs on CPU and CUDA tensors, got a {query.device.type} tensor")
+        # What the CUDA kernels' backward wants back from their forward: (cum_seq_q, cum_seq_k, max_q, max_k, seed,
+        # offset) for flash, (seed, offset) for efficient. Without dropout and for dense inputs the backward reads
+        # none of them; it only needs well-formed values, the same for every block.
+        self._extras: tuple = ()
+
+    @staticmethod
+    def _repeat_kv(tensor: torch.Tensor, heads: int) -> torch.Tensor:
+        groups = heads // tensor.size(1)
+        return tensor if groups == 1 else tensor.repeat_interleave(groups, dim=1)
+
+    @staticmethod
+    def _sum_kv(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+        if grad.size(1) == kv_heads:
+            return grad
+        return grad.unflatten(1, (kv_heads, grad.size(1) // kv_heads)).sum(dim=2)
+
+    def forward(self, q, k, v, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self._repeat_kv(k, q.size(1)), self._repeat_kv(v, q.size(1))
+        if self.kind == "cpu_flash":
+            out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=self.scale)
+        elif self.kind == "cuda_flash":
+            out, lse, *extras = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=self.scale)
+            self._extras = tuple(extras[:6])
+        else:
+            out, lse, *extras = _aten._scaled_dot_product_efficient_attention(
+                q, k, v, None, True, 0.0, is_causal, scale=self.scale
+            )
+            self._extras = tuple(extras)
+            lse = lse[..., : q.size(2)]  # the kernel pads the log-sum-exp rows to a multiple of 32
+        return out, lse
+
+    def backward(self, grad_out, q, k, v, out, lse, is_causal: bool):
+        kv_heads = k.size(1)
+        k, v = self._repeat_kv(k, q.size(1)), self._repeat_kv(v, q.size(1))
+        lse = lse.contiguous()
+        if self.kind == "cpu_flash":
+            dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad_out, q, k, v, out, lse, 0.0, is_causal, scale=self.scale
+            )
+        elif self.kind == "cuda_flash":
+            cum_q, cum_k, max_q, max_k, seed, offset = self._extras
+            dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+                grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, is_causal, seed, offset, scale=self.scale
+            )
+        else:
+            padded = -(-lse.size(-1) // 32) * 32  # back to the kernel's own padded row count
+            lse = torch.nn.functional.pad(lse, (0, padded - lse.size(-1)))
+            seed, offset = self._extras
+            dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+                grad_out, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], is_causal,
+                scale=self.scale,
+            )
+        return dq, self._sum_kv(dk, kv_heads), self._sum_kv(dv, kv_heads)
+
+
+class _RingExchange:
+    """Send a tensor to the next ring rank and receive the previous rank's, asynchronously."""
+
+    def __init__(self, group):
+        self.group = group
+        self.size = 1 if group is None else dist.get_world_size(group)
+        self.rank = 0 if group is None else dist.get_rank(group)
+
+    def shift(self, tensor: torch.Tensor) -> _InFlight:
+        if self.size == 1:  # the next rank is this one
+            return _InFlight([], tensor, tensor)
+        tensor = tensor.contiguous()
+        received = torch.empty_like(tensor)
+        operations = [
+            dist.P2POp(dist.isend, tensor, group=self.group, group_peer=(self.rank + 1) % self.size),
+            dist.P2POp(dist.irecv, received, group=self.group, group_peer=(self.rank - 1) % self.size),
+        ]
+        return _InFlight(dist.batch_isend_irecv(operations), tensor, received)
+
+
+class _InFlight:
+    def __init__(self, works, sent: torch.Tensor, received: torch.Tensor):
+        self.works, self.sent, self.received = works, sent, received  # `sent` stays alive until the send is done
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        return self.received
+
+
+def _block_rows_and_columns(step: int, rank: int, size: int, length: int, is_causal: bool):
+    """Which local query rows see which columns of the K/V block held at `step`, and whether causally.
+
+    The block held at step i came from ring rank (rank − i) mod size (see the module docstring for the cases).
+    """
+    everything = slice(0, length)
+    if not is_causal:
+        return everything, everything, False
+    if step == 0:
+        return everything, everything, True
+    half = length // 2
+    if (rank - step) % size < rank:
+        return everything, slice(0, half), False
+    return slice(half, length), everything, False
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Online softmax: fold one block's normalised output and log-sum-exp into the running ones, in place."""
+    merged = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - merged).unsqueeze(-1)).add_(block_out.float() * torch.exp(block_lse - merged).unsqueeze(-1))
+    lse.copy_(merged)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, group, is_causal: bool, scale: float | None):
+        ring = _RingExchange(group)
+        kernel = BlockAttentionKernel(query, scale)
+        length = query.size(2)
+        if is_causal and ring.size > 1 and (length % 2 or key.size(2) != length):
+            raise ValueError(
+                f"causal ring attention needs the zig-zag layout: equal query and key lengths, even; got {length}"
+                f" queries and {key.size(2)} keys per rank. Shard batches with SequenceSharder(..., ring_size=...)."
+            )
+        out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+        lse = torch.full(query.shape[:-1], float("-inf"), dtype=torch.float32, device=query.device)
+        key_value = torch.stack([key, value])  # one message per ring step
+        for step in range(ring.size):
+            incoming = ring.shift(key_value) if step + 1 < ring.size else None
+            rows, columns, causal = _block_rows_and_columns(step, ring.rank, ring.size, length, is_causal)
+            block_out, block_lse = kernel.forward(
+                query[:, :, rows], key_value[0][:, :, columns], key_value[1][:, :, columns], causal
+            )
+            _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+            if incoming is not None:
+                key_value = incoming.wait()
+        out = out.to(query.dtype)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.group, ctx.is_causal, ctx.kernel = group, is_causal, kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse = ctx.saved_tensors
+        ring = _RingExchange(ctx.group)
+        grad_out = grad_out.contiguous()
+        length = query.size(2)
+        grad_query = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+        key_value = torch.stack([key, value])
+        returning: _InFlight | None = None  # the dK/dV accumulator of the block we are about to work on
+        for step in range(ring.size):
+            incoming = ring.shift(key_value) if step + 1 < ring.size else None
+            rows, columns, causal = _block_rows_and_columns(step, ring.rank, ring.size, length, ctx.is_causal)
+            dq, dk, dv = ctx.kernel.backward(
+                grad_out[:, :, rows], query[:, :, rows], key_value[0][:, :, columns], key_value[1][:, :, columns],
+                out[:, :, rows], lse[:, :, rows], causal,
+            )
+            grad_query[:, :, rows] += dq
+            # The block's accumulator arrives from the previous rank while this block's kernels run.
+            grad_key_value = returning.wait() if returning is not None else torch.zeros(
+                key_value.shape, dtype=torch.float32, device=key.device)
+            grad_key_value[0][:, :, columns] += dk
+            grad_key_value[1][:, :, columns] += dv
+            returning = ring.shift(grad_key_value)  # after the last step: one more hop, home to the block's owner
+            if incoming is not None:
+                key_value = incoming.wait()
+        grad_key_value = returning.wait()
+        return grad_query.to(query.dtype), grad_key_value[0].to(key.dtype), grad_key_value[1].to(value.dtype), None, None, None
+
+
+def ring_attention(query, key, value, ring_group, is_causal: bool = True, scale: float | None = None) -> torch.Tensor:
+    """Softmax attention of this ring rank's queries over the keys of the whole ring, exact, with backward.
+
+    q: `[batch, heads, tokens, dim]`, k/v: `[batch, kv_heads, tokens, dim]` (`heads % kv_heads == 0`): this ring
+    rank's tokens, in the zig-zag layout when causal (`layout.ShardOrder`). Returns `[batch, heads, tokens, dim]`.
+    `ring_group` None (or of one rank) is plain fused attention on the local tokens.
+    """
+    if query.size(1) % key.size(1) != 0:
+        raise ValueError(f"query heads ({query.size(1)}) must be a multiple of KV heads ({key.size(1)})")
+    return _RingAttention.apply(query, key, value, ring_group, is_causal, scale)
