@@ -260,7 +260,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             raise ValueError(
                 f"sequence_parallel_size={size} but {type(module).__name__} holds no Hugging Face PreTrainedModel and"
                 " no lightning_ulysses.UlyssesAttention, so nothing would exchange tokens between shards. Wrap your"
-                " attention function: UlyssesAttention(F.scaled_dot_product_attention)."
+                " attention: UlyssesAttention('sdpa') (a built-in backend; flash_attention_2/3, flex_attention too) or"
+                " UlyssesAttention(F.scaled_dot_product_attention) (your own local attention callable)."
             )
         for model in hf_models:  # all checks first: a failure leaves no model half-prepared
             validate_hf_model(model, size)
