@@ -33,7 +33,6 @@ from lightning_ulysses.attention.backends import BACKENDS, check_backend
 from lightning_ulysses.attention.core import ProcessGroupHandle, ulysses_attention, validate_head_counts
 
 ULYSSES_ATTENTION = "ulysses"
-SUPPORTED_BACKENDS = BACKENDS  # the model's attn_implementation becomes the backend of the shared Ulysses core
 _BINDING_ATTRIBUTE = "_lightning_ulysses"
 
 
@@ -207,10 +206,10 @@ def find_hf_models(root: torch.nn.Module) -> list[PreTrainedModel]:
 def validate_hf_model(model: PreTrainedModel, sequence_parallel_size: int) -> str:
     """Check that `model` can run Ulysses attention at this SP size; returns its attention backend."""
     backend = model.config._attn_implementation
-    if sequence_parallel_size > 1 and backend not in SUPPORTED_BACKENDS:
+    if sequence_parallel_size > 1 and backend not in BACKENDS:
         raise ValueError(
             f"{type(model).__name__} uses attn_implementation={backend!r}, which sequence parallelism cannot wrap"
-            f" (supported: {', '.join(SUPPORTED_BACKENDS)}). Load or build the model with"
+            f" (supported: {', '.join(BACKENDS)}). Load or build the model with"
             " attn_implementation='sdpa' (e.g. AutoModelForCausalLM.from_config(cfg, attn_implementation='sdpa'))."
         )
     if sequence_parallel_size > 1:
