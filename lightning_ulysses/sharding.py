@@ -7,7 +7,10 @@ SP group alike, before any collective.
   a shard, which lives in the next shard, is not lost. The batch's `labels` are therefore already aligned with
   the local logits under this strategy; `sequence_parallel_cross_entropy` and the swapped HF loss expect that.
 - `position_ids` are made global (`0..seq-1`) when absent and the sequence is cut: a model left to itself would
-  number each shard from 0.
+  number each shard from 0. Given ones are cut as they are: packed rows (several documents per row, positions
+  restarting at 0) keep their per-document positions, and the attention gathers them to keep documents apart.
+  Whole-row document descriptions (`cu_seq_lens_q`, ... of flash-attention collators) cannot be cut and are
+  rejected: positions carry the same information shard by shard.
 - `attention_mask` (a 2-D padding mask) is cut like the tokens; the attention gathers it back whole.
 - With a ring (`ring_size > 1`) the shards follow the zig-zag layout of `layout.ShardOrder` (two chunks per
   ring rank, for causal load balance) instead of contiguous slices; every key above is cut the same way, and
@@ -26,6 +29,7 @@ from lightning_ulysses.layout import ShardOrder
 from lightning_ulysses.loss import IGNORE_INDEX
 
 SEQUENCE_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
+WHOLE_ROW_DOCUMENT_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 SequencePadding = Literal["pad", "error"]
 
 
@@ -60,7 +64,9 @@ class SequenceSharder:
             )
         batch = dict(batch)
         seq_len = batch["input_ids"].size(1)
-        self._check_shapes(batch, seq_len, check_packing=self.sequence_parallel_size > 1)
+        self._check_shapes(batch, seq_len)
+        if self.sequence_parallel_size > 1:
+            self._check_no_whole_row_documents(batch)
         padded_len = self._padded_length(seq_len)
         if padded_len != seq_len:
             batch = _pad(batch, padded_len - seq_len, self.pad_token_id)
@@ -91,7 +97,7 @@ class SequenceSharder:
         return seq_len + (multiple - seq_len % multiple)
 
     @staticmethod
-    def _check_shapes(batch: dict, seq_len: int, check_packing: bool) -> None:
+    def _check_shapes(batch: dict, seq_len: int) -> None:
         for key in SEQUENCE_KEYS:
             value = batch.get(key)
             if value is None:
@@ -103,12 +109,16 @@ class SequenceSharder:
                     f"batch[{key!r}] must be a [batch, seq] tensor with seq = input_ids.size(1) = {seq_len};"
                     f" got {shape}."
                 )
-        positions = batch.get("position_ids")
-        # Only when cutting (the check syncs with the GPU): an uncut packed row is the model's own business.
-        if check_packing and positions is not None and positions.size(1) > 1 and not bool((positions.diff(dim=1) == 1).all()):
-            raise NotImplementedError(
-                "position_ids restart inside a row (packed documents). Packed sequences are not supported under"
-                " sequence parallelism yet: one document per row, or leave position_ids out."
+
+    @staticmethod
+    def _check_no_whole_row_documents(batch: dict) -> None:
+        present = [key for key in WHOLE_ROW_DOCUMENT_KEYS if key in batch]
+        if present:
+            raise ValueError(
+                f"batch[{present[0]!r}] describes packed documents of the whole row, which cannot be cut along the"
+                " sequence. Under sequence parallelism documents are read from position_ids restarting at 0 (per"
+                " document): leave out the flash-attention kwargs (e.g. DataCollatorWithFlattening("
+                "return_flash_attn_kwargs=False, return_seq_idx=False)) or pack with lightning_ulysses.data.pack_documents."
             )
 
 

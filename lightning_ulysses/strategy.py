@@ -389,7 +389,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             raise ValueError(
                 f"sequence_parallel_size={size} but {type(module).__name__} holds no Hugging Face PreTrainedModel and"
                 " no lightning_ulysses.UlyssesAttention, so nothing would exchange tokens between shards. Wrap your"
-                " attention function: UlyssesAttention(F.scaled_dot_product_attention)."
+                " attention: UlyssesAttention('sdpa') (a built-in backend; flash_attention_2/3, flex_attention too) or"
+                " UlyssesAttention(F.scaled_dot_product_attention) (your own local attention callable)."
             )
         if size > 1:
             # Identical on every rank (same model, same arguments), so the sub-groups are created in step.

@@ -5,42 +5,67 @@ tokens of `heads/P` heads; the local attention runs unchanged on full sequences;
 output back. With fewer KV heads than SP ranks (GQA/MQA) each KV head is replicated so that every rank gets
 the one KV head its query heads use; replication is a `repeat_interleave`, so its gradient sums back exactly.
 
-When the SP group is split into `ulysses_size × ring_size` (`hybrid_attention`), the all-to-alls run inside the
-Ulysses sub-group only and ring attention (attention/ring.py) takes the place of the local attention, spanning
-the ring sub-group: the SP size is then no longer capped by the head counts.
+`ulysses_attention` is the one core both model families run: `UlyssesAttention` (native models) and the
+Hugging Face attention function (attention/hf.py) call it with a backend name (attention/backends.py). Packed
+documents and padding are read from the *gathered* whole-row positions and mask (attention/documents.py).
+
+When the SP group is split into `ulysses_size × ring_size` (hybrid Ulysses × ring), the all-to-alls run inside
+the Ulysses sub-group only and ring attention (attention/ring.py) takes the place of the local attention,
+spanning the ring sub-group: the SP size is then no longer capped by the head counts. The ring computes plain
+softmax attention masked by position only, so it refuses rows it cannot mask that way (packed documents, left or
+inner padding), deciding from the same gathered whole rows on every rank.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from lightning_ulysses.attention.all_to_all import heads_to_sequence, sequence_to_heads
+from lightning_ulysses.attention.all_to_all import all_gather_sequence, heads_to_sequence, sequence_to_heads
+from lightning_ulysses.attention.backends import BACKENDS, check_backend, local_attention
+from lightning_ulysses.attention.documents import DocumentMask
 from lightning_ulysses.attention.ring import ring_attention
+from lightning_ulysses.layout import ShardOrder
+
+
+def valid_sequence_parallel_sizes(num_heads: int, num_key_value_heads: int) -> list[int]:
+    """SP sizes Ulysses can split these heads over: they divide the heads and divide or are divided by the KV heads."""
+    return [
+        size for size in range(1, num_heads + 1)
+        if num_heads % size == 0 and (num_key_value_heads % size == 0 or size % num_key_value_heads == 0)
+    ]
 
 
 def validate_head_counts(num_heads: int, num_key_value_heads: int, sequence_parallel_size: int) -> None:
-    """Raise a fix-naming error unless Ulysses can split these heads over `sequence_parallel_size` ranks."""
+    """Raise a fix-naming error unless Ulysses can split these heads over `sequence_parallel_size` ranks.
+
+    Head counts the SP size does not divide are rejected rather than split unevenly: the rank with the most heads
+    sets the attention time (ceil(heads / sp) heads), so an uneven split is no faster than the next valid size
+    below it, and with GQA it would also have to send some KV heads to two ranks.
+    """
     sp = sequence_parallel_size
-    if num_heads % sp != 0:
-        valid = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
-        raise ValueError(
-            f"num_attention_heads({num_heads}) is not divisible by sequence_parallel_size({sp}): Ulysses gives every"
-            f" SP rank heads/sp whole heads. Use a sequence_parallel_size in {valid} (and dividing the number of"
-            " processes), or a model whose head count is a multiple of it."
-        )
-    if num_key_value_heads % sp != 0 and sp % num_key_value_heads != 0:
-        raise ValueError(
-            f"num_key_value_heads({num_key_value_heads}) and sequence_parallel_size({sp}) must divide one another:"
-            " KV heads are either split over the SP ranks (kv % sp == 0) or replicated (sp % kv == 0). Use a"
-            f" sequence_parallel_size that divides or is a multiple of {num_key_value_heads}."
-        )
     if num_heads % num_key_value_heads != 0:
         raise ValueError(f"num_attention_heads({num_heads}) must be a multiple of num_key_value_heads({num_key_value_heads})")
+    valid = valid_sequence_parallel_sizes(num_heads, num_key_value_heads)
+    if sp in valid:
+        return
+    fix = (
+        f" Use a sequence_parallel_size in {valid} (and dividing the number of processes); for SP sizes the heads"
+        " do not divide (or larger than the heads), run ring attention across the ranks beyond a valid Ulysses size"
+        " (the hybrid Ulysses + ring layout: the strategy's ring_size, automatic when None)."
+    )
+    if num_heads % sp != 0:
+        raise ValueError(
+            f"num_attention_heads({num_heads}) is not divisible by sequence_parallel_size({sp}): Ulysses gives every"
+            f" SP rank heads/sp whole heads, and does not split heads unevenly.{fix}"
+        )
+    raise ValueError(
+        f"num_key_value_heads({num_key_value_heads}) and sequence_parallel_size({sp}) must divide one another:"
+        " KV heads are either split over the SP ranks (kv % sp == 0) or replicated (sp % kv == 0)." + fix
+    )
 
 
 def resolve_ring_size(head_counts: list[tuple[int, int]], sequence_parallel_size: int, ring_size: int | None) -> int:
@@ -93,20 +118,6 @@ def scatter_heads_gather_sequence(query, key, value, group, head_dim: int, seq_d
     return tuple(sequence_to_heads(t, group, head_dim=head_dim, seq_dim=seq_dim) for t in (query, key, value))
 
 
-def hybrid_attention(query, key, value, ulysses_group, ring_group, is_causal: bool, scale: float | None = None):
-    """Ulysses all-to-all inside `ulysses_group`, ring attention across `ring_group`, all-to-all back.
-
-    q/k/v: `[batch, heads, tokens, dim]` of this SP rank's tokens in the zig-zag layout (`layout.ShardOrder`);
-    after the all-to-all each rank holds its ring rank's two chunks for `heads / ulysses_size` heads, the same
-    heads as the other ranks of its ring. Either group may be None (pure ring / pure Ulysses).
-    """
-    ulysses = ProcessGroupHandle(ulysses_group).world_size > 1
-    if ulysses:
-        query, key, value = scatter_heads_gather_sequence(query, key, value, ulysses_group, head_dim=1, seq_dim=2)
-    output = ring_attention(query, key, value, ring_group, is_causal, scale)
-    return heads_to_sequence(output, ulysses_group, head_dim=1, seq_dim=2) if ulysses else output
-
-
 class ProcessGroupHandle:
     """Holds a process group on a module without making the module un-copyable.
 
@@ -125,31 +136,119 @@ class ProcessGroupHandle:
         return 1 if self.group is None else dist.get_world_size(self.group)
 
 
+def ulysses_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    group,
+    backend: Optional[str] = "sdpa",
+    position_ids: Optional[torch.Tensor] = None,
+    padding_mask: Optional[torch.Tensor] = None,
+    is_causal: bool = True,
+    scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    ring_group=None,
+) -> torch.Tensor:
+    """Attention of this rank's shard: `[batch, heads, seq/P, dim]` q/k/v → `[batch, seq/P, heads, dim]`.
+
+    `position_ids` (global positions, `[batch or 1, seq/P]`) mark packed documents where they do not continue by
+    one; `padding_mask` (`[batch, seq/P]`, 1 = real token) marks padding. Both are gathered whole, so a document
+    crossing a shard boundary stays one document. `group` None (or of one rank): plain local attention.
+
+    `ring_group` (hybrid Ulysses × ring; shards in the zig-zag layout of `layout.ShardOrder`): heads are scattered
+    over `group` (the Ulysses sub-group) only, and ring attention across `ring_group` replaces the local attention
+    (`backend` is not called; it may then be None).
+    """
+    ring = ProcessGroupHandle(ring_group).world_size > 1
+    if ring and dropout_p:
+        raise NotImplementedError(
+            "ring attention (ring_size > 1) has no attention dropout: set the model's attention dropout to 0, or use"
+            " ring_size=1 (pure Ulysses)."
+        )
+    sharded = ProcessGroupHandle(group).world_size > 1
+    if sharded:
+        query, key, value = scatter_heads_gather_sequence(query, key, value, group, head_dim=1, seq_dim=2)
+    if position_ids is not None:
+        position_ids = _whole_rows(position_ids, group, ring_group)
+    if padding_mask is not None:
+        padding_mask = _whole_rows(padding_mask.bool(), group, ring_group)
+    documents = DocumentMask.from_rows(query.size(0), position_ids, padding_mask)
+    if ring:
+        _check_ring_can_mask(documents, is_causal)
+        output = ring_attention(query, key, value, ring_group, is_causal, scale).transpose(1, 2)
+    else:
+        output = local_attention(query, key, value, backend, documents, is_causal, scale, dropout_p)
+    # output: [batch, seq, heads/P, dim] -> [batch, seq/P, heads, dim]
+    return heads_to_sequence(output, group, head_dim=2, seq_dim=1) if sharded else output
+
+
+def _whole_rows(shard: torch.Tensor, ulysses_group, ring_group) -> torch.Tensor:
+    """This SP rank's `[batch, tokens]` slice of a row tensor (positions, padding mask) → the whole rows in natural
+    order, identical on every rank of the SP group (so every rank takes the same masking decisions)."""
+    ring_size = ProcessGroupHandle(ring_group).world_size
+    order = ShardOrder(ProcessGroupHandle(ulysses_group).world_size * ring_size, ring_size)
+    # Ulysses pieces, then ring portions: SP-rank (shard) order (SP rank = ring rank · ulysses_size + ulysses rank).
+    rows = all_gather_sequence(shard, ulysses_group, seq_dim=1)
+    return order.restore(all_gather_sequence(rows, ring_group, seq_dim=1), dim=1)
+
+
+def _check_ring_can_mask(documents: Optional[DocumentMask], is_causal: bool) -> None:
+    """Ring attention masks by position only. That is exact for one document per row, padded (if at all) at the
+    end of the rows of a causal model: no real token attends to a later one, and padded positions carry ignored
+    labels. Anything else is refused; `documents` describes the whole rows, so every rank raises alike."""
+    if documents is None:
+        return
+    real = documents.real_tokens
+    if real is not None and not (is_causal and bool((real[:, :-1] >= real[:, 1:]).all())):
+        raise NotImplementedError(
+            "Ring attention (ring_size > 1) supports padding only at the end of rows of causal models; this batch"
+            " has left or inner padding. Pad on the right (tokenizer.padding_side='right'), or use ring_size=1."
+        )
+    if documents.document_ids is not None:
+        starts = documents.document_ids.diff(dim=1) != 0
+        if real is not None:
+            starts = starts & real[:, 1:]  # positions restarting inside the right padding separate no real tokens
+        if bool(starts.any()):
+            raise NotImplementedError(
+                "Ring attention (ring_size > 1) masks by position only, so it cannot keep packed documents apart:"
+                " position_ids restart inside a row. Use ring_size=1 (pure Ulysses attention handles packed rows),"
+                " or unpacked rows (one document per row, e.g. pack_documents=False)."
+            )
+
+
 class UlyssesAttention(nn.Module):
-    """Wraps any local attention callable with the Ulysses all-to-alls, for models that are not Hugging Face's.
+    """Ulysses attention for models that are not Hugging Face's.
 
-    `local_attention(query, key, value, **kwargs)` takes and returns `[batch, heads, seq, head_dim]` tensors
-    (the layout of `F.scaled_dot_product_attention`, the default); with fewer KV heads than query heads it must
-    handle GQA itself (e.g. `enable_gqa=True` for SDPA). `UlyssesDeepSpeedStrategy` binds the SP group at
-    setup; unbound (or with an SP group of one rank) this is exactly `local_attention`.
+    `backend` is a backend name (`"sdpa"`, `"flash_attention_2"`, `"flash_attention_3"`, `"flex_attention"`):
+    `forward(q, k, v, position_ids=None, attention_mask=None, *, is_causal=causal, scale=scale, dropout_p=0.0)`
+    then runs `ulysses_attention`, the core Hugging Face models use too, so packed rows (`position_ids`) and
+    padding (`attention_mask`) are handled, sharded or not. `backend` may instead be your own local attention
+    callable `fn(q, k, v, **kwargs)`, which sees whole rows of its heads and must handle GQA (e.g.
+    `enable_gqa=True`) and any masking itself. q, k, v and the output are `[batch, heads, seq, head_dim]`.
+    `UlyssesDeepSpeedStrategy` binds the SP group at setup; unbound (or with an SP group of one rank) nothing is
+    exchanged.
 
-    With a ring (`ring_size > 1`) the ring computes softmax attention itself (its blocks must return their
-    log-sum-exp), so it cannot call an opaque `local_attention`: declare what that is with `causal=True/False`
-    (plain softmax attention with the default scale, or `scale`). `num_heads`/`num_key_value_heads` let the
-    strategy pick the Ulysses × ring split automatically (`ring_size=None`).
+    `causal`/`scale`: the defaults of `forward`'s `is_causal` (True when None) and `scale` for a backend name.
+    With a ring (`ring_size > 1`) ring attention replaces the local attention and computes softmax attention
+    itself (its blocks must return their log-sum-exp), so it cannot call an opaque callable: a callable backend
+    must then be declared plain softmax attention with `causal=True/False` (and `scale`, if not the default).
+    `num_heads`/`num_key_value_heads` let the strategy pick the Ulysses × ring split automatically
+    (`ring_size=None`).
     """
 
     def __init__(
         self,
-        local_attention: Callable[..., torch.Tensor] = F.scaled_dot_product_attention,
+        backend: Union[str, Callable[..., torch.Tensor]] = "sdpa",
         *,
-        causal: bool | None = None,
-        scale: float | None = None,
-        num_heads: int | None = None,
-        num_key_value_heads: int | None = None,
+        causal: Optional[bool] = None,
+        scale: Optional[float] = None,
+        num_heads: Optional[int] = None,
+        num_key_value_heads: Optional[int] = None,
     ):
         super().__init__()
-        self.local_attention = local_attention
+        if not callable(backend) and backend not in BACKENDS:
+            check_backend(backend)  # raises the fix-naming error
+        self.backend = backend
         self.causal, self.scale = causal, scale
         self.num_heads, self.num_key_value_heads = num_heads, num_key_value_heads
         self._group = ProcessGroupHandle(None)
@@ -157,17 +256,19 @@ class UlyssesAttention(nn.Module):
 
     def bind(self, sequence_parallel_group, ring_group=None) -> None:
         """Heads are scattered over `sequence_parallel_group` (the Ulysses group); K/V blocks pass around `ring_group`."""
-        if ring_group is not None and self.causal is None:
+        if ring_group is not None and callable(self.backend) and self.causal is None:
             raise ValueError(
-                "ring attention computes softmax attention itself instead of calling local_attention: construct"
-                " UlyssesAttention(..., causal=True) (or causal=False) to declare that local_attention is plain"
-                " softmax attention, or use ring_size=1 (pure Ulysses)."
+                "ring attention computes softmax attention itself instead of calling your local attention callable:"
+                " construct UlyssesAttention(..., causal=True) (or causal=False) to declare that it is plain softmax"
+                " attention, pass a backend name (e.g. UlyssesAttention('sdpa')), or use ring_size=1 (pure Ulysses)."
             )
         self._group = ProcessGroupHandle(sequence_parallel_group)
         self._ring = ProcessGroupHandle(ring_group)
 
     def bind_parallel_groups(self, groups) -> None:
         """Called by `UlyssesDeepSpeedStrategy` with its `SequenceParallelGroups` at setup, and with None to unbind."""
+        if groups is not None and not callable(self.backend):
+            check_backend(self.backend)  # an unavailable backend fails at setup, before any collective
         sharded = groups is not None and groups.sequence_parallel_world_size > 1
         self.bind(groups.ulysses_group if sharded else None, groups.ring_group if sharded else None)
 
@@ -175,14 +276,32 @@ class UlyssesAttention(nn.Module):
     def sequence_parallel_group(self):
         return self._group.group
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs) -> torch.Tensor:
-        group = self._group.group
-        if self._ring.group is not None:
-            if kwargs:
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                position_ids: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
+                **kwargs) -> torch.Tensor:
+        group = self._group.group if self._group.world_size > 1 else None
+        ring_group = self._ring.group if self._ring.world_size > 1 else None
+        options = {"is_causal": True if self.causal is None else self.causal, "scale": self.scale}
+        backend = self.backend
+        if callable(backend):
+            if position_ids is not None or attention_mask is not None:
+                raise TypeError(
+                    "UlyssesAttention with a custom local attention callable does not read position_ids or"
+                    " attention_mask (packed documents, padding): pass a backend name, e.g. UlyssesAttention('sdpa')."
+                )
+            if ring_group is None:
+                return self._custom_attention(query, key, value, group, **kwargs)
+            if kwargs:  # the ring replaces the callable (declared plain softmax attention, see bind)
                 raise TypeError(f"ring attention takes no extra attention arguments, got {sorted(kwargs)}")
-            return hybrid_attention(query, key, value, group, self._ring.group, self.causal, self.scale)
-        if self._group.world_size == 1:
-            return self.local_attention(query, key, value, **kwargs)
+            backend = None
+        options.update(kwargs)
+        output = ulysses_attention(query, key, value, group, backend, position_ids, attention_mask,
+                                   ring_group=ring_group, **options)
+        return output.transpose(1, 2)
+
+    def _custom_attention(self, query, key, value, group, **kwargs):
+        if group is None:
+            return self.backend(query, key, value, **kwargs)
         query, key, value = scatter_heads_gather_sequence(query, key, value, group, head_dim=1, seq_dim=2)
-        output = self.local_attention(query, key, value, **kwargs)
+        output = self.backend(query, key, value, **kwargs)
         return heads_to_sequence(output, group, head_dim=1, seq_dim=2)

@@ -4,8 +4,16 @@
 `"ulysses"` (registration is the only process-wide step, and it changes no existing name), and switch a model
 to it on a *private copy* of its config: `from_config(cfg)` models share the caller's config object, and
 flipping the shared one would silently change every other model built from it. The model's own backend
-(sdpa, flash-attention 2/3) and its SP group live on its modules (`_lightning_ulysses`), so two models in one
-process can use different backends and groups, and `restore()` gives the model back exactly as it was.
+(sdpa, flash-attention 2/3, flex) and its SP group live on its modules (`_lightning_ulysses`), so two models in
+one process can use different backends and groups, and `restore()` gives the model back exactly as it was.
+
+The "ulysses" function runs the same core as native models (`core.ulysses_attention`), with the model's
+`attn_implementation` as the backend name. Packed rows: transformers detects them from `position_ids` that do
+not continue by one, but only when no `attention_mask` is given (then its mask function, ours included, gets
+`None`); we read documents from the gathered global `position_ids` in every case, so with an `attention_mask`
+too, packed documents stay apart under SP where the unsharded transformers model would let them see each other.
+With a ring (hybrid Ulysses × ring, `prepare_hf_model(..., ring_group=...)`) the same function runs ring
+attention in place of the backend (see `core.ulysses_attention` for what the ring refuses).
 
 We do not use DeepSpeed's `UlyssesSPAttentionHF`: it registers process-wide, fixes the batch size at
 construction, can be set up once per process and drops padding masks.
@@ -23,20 +31,10 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from lightning_ulysses.attention.all_to_all import (
-    all_gather_sequence,
-    heads_to_sequence,
-)
-from lightning_ulysses.attention.core import (
-    ProcessGroupHandle,
-    hybrid_attention,
-    scatter_heads_gather_sequence,
-    validate_head_counts,
-)
-from lightning_ulysses.layout import ShardOrder
+from lightning_ulysses.attention.backends import BACKENDS, check_backend
+from lightning_ulysses.attention.core import ProcessGroupHandle, ulysses_attention, validate_head_counts
 
 ULYSSES_ATTENTION = "ulysses"
-SUPPORTED_BACKENDS = ("sdpa", "flash_attention_2", "flash_attention_3")
 _BINDING_ATTRIBUTE = "_lightning_ulysses"
 
 
@@ -60,34 +58,35 @@ class _Binding:
     group: ProcessGroupHandle
     backend: str
     decode: Optional[DecodeState] = None
-    ring: Optional[ProcessGroupHandle] = None  # K/V blocks pass around this group (hybrid Ulysses × ring)
+    # K/V blocks pass around this group (hybrid Ulysses × ring); of one rank (no group) for pure Ulysses.
+    ring: ProcessGroupHandle = field(default_factory=lambda: ProcessGroupHandle(None))
 
     def __deepcopy__(self, memo):
         return self
 
 
-class _Overlay:
-    """Reads through to `target` except for a few overridden attributes (no copy of the target)."""
-
-    def __init__(self, target: Any, **overrides: Any):
-        self.__dict__["_target"] = target
-        self.__dict__.update(overrides)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["_target"], name)
-
-
-def _causal_padding_mask(padding_mask: torch.Tensor, is_causal: bool) -> torch.Tensor:
-    """`[batch, seq]` key-padding mask → `[batch, 1, seq, seq]` boolean mask for SDPA (True = attend).
-
-    Rows of left-padding queries come out empty; SDPA (torch >= 2.5) returns zeros for them with finite
-    gradients, which is also what Hugging Face's own SDPA path computes, so padded outputs match it exactly.
-    """
-    seq = padding_mask.size(-1)
-    allowed = padding_mask[:, None, None, :].expand(-1, 1, seq, -1)
-    if is_causal:
-        allowed = allowed & torch.ones(seq, seq, dtype=torch.bool, device=padding_mask.device).tril()
-    return allowed
+def _reject_unsupported(module, attention_mask, kwargs, row_length: int) -> None:
+    """Fail, the same way on every rank and before any collective, on inputs the Ulysses core would get wrong."""
+    if any(name in kwargs for name in ("cu_seq_lens_q", "cu_seq_lens_k")):
+        raise ValueError(
+            "cu_seq_lens_q/cu_seq_lens_k describe documents of the whole (unsharded) row. Under sequence parallelism"
+            " lightning_ulysses reads packed documents from position_ids restarting at 0 instead: drop the flash"
+            " kwargs from the batch (e.g. DataCollatorWithFlattening(return_flash_attn_kwargs=False))."
+        )
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(
+            f"{type(module).__name__} got a {attention_mask.dim()}-D attention mask; under sequence parallelism only"
+            " 2-D padding masks ([batch, seq]) and packed position_ids can be cut along the sequence."
+        )
+    sliding_window = kwargs.get("sliding_window")
+    if sliding_window is not None and sliding_window < row_length:
+        raise NotImplementedError(
+            f"{type(module).__name__} uses a sliding window of {sliding_window} tokens, which Ulysses attention does"
+            " not apply yet: use rows no longer than the window, or a model without sliding-window attention."
+        )
+    for name in ("softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"{type(module).__name__} passes {name}, which Ulysses attention does not apply yet.")
 
 
 def _ulysses_attention_forward(module, query, key, value, attention_mask, **kwargs):
@@ -100,63 +99,19 @@ def _ulysses_attention_forward(module, query, key, value, attention_mask, **kwar
     group = binding.group.group
     if binding.decode is not None and binding.decode.prefilled:
         return _decode_attention(query, key, value, binding.decode, group, kwargs.get("scaling")), None
-    if any(name in kwargs for name in ("cu_seq_lens_q", "cu_seq_lens_k")):
-        raise NotImplementedError("Packed sequences (cu_seq_lens) are not supported under sequence parallelism yet.")
-    if binding.ring is not None:
-        return _ring_attention_forward(module, query, key, value, attention_mask, binding, **kwargs), None
-
-    # q, k, v: [batch, heads, seq/P, dim] -> [batch, heads/P, seq, dim]
-    query, key, value = scatter_heads_gather_sequence(query, key, value, group, head_dim=1, seq_dim=2)
-    # The local backend sees whole sequences, so shard-local position ids would describe the wrong tokens; the
-    # strategy rejects packed rows, so positions carry no masking information the causal flag does not.
-    kwargs.pop("position_ids", None)
-    if attention_mask is not None:
-        # This shard's 2-D padding mask (see _shard_padding_mask): gather it whole, on every SP rank alike.
-        attention_mask = all_gather_sequence(attention_mask.bool(), group, seq_dim=1)
-        if bool(attention_mask.all()):
-            attention_mask = None  # nothing padded: keep the backends' fast causal path
-        elif binding.backend == "sdpa":
-            attention_mask = _causal_padding_mask(attention_mask, getattr(module, "is_causal", True))
-    # After replication each rank may hold fewer query heads per KV head than the model's configuration says.
-    local_module = _Overlay(
-        module,
-        num_key_value_groups=query.size(1) // key.size(1),
-        config=_Overlay(module.config, _attn_implementation=binding.backend),
+    row_length = query.size(2) * binding.group.world_size * binding.ring.world_size
+    _reject_unsupported(module, attention_mask, kwargs, row_length)
+    is_causal = kwargs.get("is_causal")
+    output = ulysses_attention(
+        query, key, value, group, binding.backend,
+        position_ids=kwargs.get("position_ids"),  # global positions: packed documents are read from them
+        padding_mask=attention_mask,  # this shard's 2-D padding mask (see _shard_padding_mask)
+        is_causal=getattr(module, "is_causal", True) if is_causal is None else is_causal,
+        scale=kwargs.get("scaling"),
+        dropout_p=kwargs.get("dropout", 0.0),
+        ring_group=binding.ring.group,  # with a ring, ring attention replaces the backend
     )
-    output, _ = ALL_ATTENTION_FUNCTIONS[binding.backend](local_module, query, key, value, attention_mask, **kwargs)
-    # output: [batch, seq, heads/P, dim] -> [batch, seq/P, heads, dim], the layout the model expects back
-    return heads_to_sequence(output, group, head_dim=2, seq_dim=1), None
-
-
-def _ring_attention_forward(module, query, key, value, attention_mask, binding: _Binding, dropout=0.0, scaling=None,
-                            sliding_window=None, softcap=None, **unused):
-    """Hybrid Ulysses × ring attention for one HF attention module: q/k/v `[batch, heads, tokens, dim]` →
-    `[batch, tokens, heads, dim]`. The ring computes plain softmax attention itself (the backend is not called)."""
-    if dropout or sliding_window is not None or softcap is not None:
-        raise NotImplementedError(
-            f"{type(module).__name__} asks for attention dropout, a sliding window or logit soft-capping, which ring"
-            " attention does not implement. Use ring_size=1 (pure Ulysses), or set attention_dropout=0."
-        )
-    is_causal = getattr(module, "is_causal", True)
-    if attention_mask is not None:
-        _check_right_padding(attention_mask, binding, is_causal)
-    output = hybrid_attention(query, key, value, binding.group.group, binding.ring.group, is_causal, scaling)
-    return output.transpose(1, 2)
-
-
-def _check_right_padding(shard_mask: torch.Tensor, binding: _Binding, is_causal: bool) -> None:
-    """Ring attention masks by position only. That is exact for padding at the end of causal rows: no real token
-    attends to a later one, and padded positions carry ignored labels. Anything else is refused."""
-    mask = shard_mask.bool()
-    for group in (binding.group, binding.ring):  # Ulysses pieces, then ring portions: SP-rank (shard) order
-        mask = all_gather_sequence(mask, group.group, seq_dim=1)
-    mask = ShardOrder(binding.group.world_size * binding.ring.world_size, binding.ring.world_size).restore(mask, dim=1)
-    right_padded = bool((mask[:, :-1] >= mask[:, 1:]).all())  # the same on every SP rank: all raise or none
-    if not (right_padded and is_causal) and not bool(mask.all()):
-        raise NotImplementedError(
-            "Ring attention (ring_size > 1) supports padding only at the end of rows of causal models; this batch"
-            " has left or inner padding. Pad on the right (tokenizer.padding_side='right'), or use ring_size=1."
-        )
+    return output, None  # [batch, seq/P, heads, dim], the layout the model expects back
 
 
 def _shard_padding_mask(*args, attention_mask=None, **kwargs):
@@ -257,12 +212,14 @@ def find_hf_models(root: torch.nn.Module) -> list[PreTrainedModel]:
 def validate_hf_model(model: PreTrainedModel, sequence_parallel_size: int) -> str:
     """Check that `model` can run Ulysses attention at this SP size; returns its attention backend."""
     backend = model.config._attn_implementation
-    if sequence_parallel_size > 1 and backend not in SUPPORTED_BACKENDS:
+    if sequence_parallel_size > 1 and backend not in BACKENDS:
         raise ValueError(
             f"{type(model).__name__} uses attn_implementation={backend!r}, which sequence parallelism cannot wrap"
-            f" (supported: {', '.join(SUPPORTED_BACKENDS)}). Load or build the model with"
+            f" (supported: {', '.join(BACKENDS)}). Load or build the model with"
             " attn_implementation='sdpa' (e.g. AutoModelForCausalLM.from_config(cfg, attn_implementation='sdpa'))."
         )
+    if sequence_parallel_size > 1:
+        check_backend(backend)  # installed and usable here, checked before any collective
     validate_head_counts(*hf_head_counts(model), sequence_parallel_size)
     return backend
 
@@ -284,7 +241,7 @@ def prepare_hf_model(
     sharded in the zig-zag layout (`SequenceSharder(..., ring_size=...)`).
     """
     group = ProcessGroupHandle(sequence_parallel_group)
-    ring = ProcessGroupHandle(ring_group) if ring_group is not None else None
+    ring = ProcessGroupHandle(ring_group)
     backend = validate_hf_model(model, group.world_size)
     if model.config._attn_implementation == ULYSSES_ATTENTION:
         raise RuntimeError(f"{type(model).__name__} is already prepared for sequence parallelism: restore() it first.")
@@ -293,7 +250,7 @@ def prepare_hf_model(
         prepared.original_loss_function = model.__dict__.get("_loss_function", _NOT_SET)
         prepared.loss_swapped = True
         model.loss_function = loss_function
-    if group.world_size == 1 and ring is None:
+    if group.world_size == 1 and ring.world_size == 1:
         return prepared  # nothing to exchange: the model keeps its own attention untouched
     _register_attention()
     # Private config copy, installed on every module that referenced the shared one (or a sub-config of it).

@@ -1,6 +1,9 @@
 """A GPT-3-style decoder written for sequence parallelism.
 
-- Attention goes through `UlyssesAttention` (the strategy binds the SP group), with a fused QKV projection.
+- Attention goes through `UlyssesAttention` (the strategy binds the SP group), with a fused QKV projection and
+  the backend named by `GPTConfig.attention_backend` (the same core and backends as Hugging Face models).
+- Packed rows: the `position_ids` passed to `forward` reach every attention, which keeps documents apart where
+  positions restart (sharded or not); without them each row is one sequence.
 - Positions are rotary (RoPE) computed from the *global* `position_ids` the strategy puts in each sharded batch,
   so a token's encoding does not depend on which shard it landed in, and sequences can grow past the training
   length. We use RoPE for the BLOOM shape too (BLOOM used ALiBi): ALiBi is an additive attention bias, which
@@ -42,6 +45,7 @@ class GPTConfig:
     bias: bool = True  # GPT-3 and BLOOM use biases
     tie_word_embeddings: bool = True
     initializer_range: float = 0.02
+    attention_backend: str = "sdpa"  # sdpa, flash_attention_2, flash_attention_3 or flex_attention
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
@@ -120,21 +124,18 @@ class Attention(nn.Module):
         kv = config.num_key_value_heads
         self.qkv = _Linear(config.hidden_size, (config.num_heads + 2 * kv) * config.head_dim, config.bias, std)
         self.out = _Linear(config.hidden_size, config.hidden_size, config.bias, depth_std)
-        self.attention = UlyssesAttention(_causal_attention, causal=True, num_heads=config.num_heads,
+        self.attention = UlyssesAttention(config.attention_backend, causal=True, num_heads=config.num_heads,
                                           num_key_value_heads=config.num_key_value_heads)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         batch, seq, _ = hidden.shape
         c = self.config
         qkv = self.qkv(hidden).view(batch, seq, c.num_heads + 2 * c.num_key_value_heads, c.head_dim).transpose(1, 2)
         q, k, v = qkv.split([c.num_heads, c.num_key_value_heads, c.num_key_value_heads], dim=1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        out = self.attention(q, k, v)  # [batch, heads, seq, head_dim], all-to-all inside under SP
+        out = self.attention(q, k, v, position_ids)  # [batch, heads, seq, head_dim], all-to-all inside under SP
         return self.out(out.transpose(1, 2).reshape(batch, seq, c.hidden_size))
-
-
-def _causal_attention(q, k, v):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.size(1) != q.size(1))
 
 
 class Block(nn.Module):
@@ -147,8 +148,8 @@ class Block(nn.Module):
         self.up = _Linear(config.hidden_size, config.intermediate_size, config.bias, config.initializer_range)
         self.down = _Linear(config.intermediate_size, config.hidden_size, config.bias, depth_std)
 
-    def forward(self, hidden, cos, sin):
-        hidden = hidden + self.attention(self.attention_norm(hidden), cos, sin)
+    def forward(self, hidden, cos, sin, position_ids=None):
+        hidden = hidden + self.attention(self.attention_norm(hidden), cos, sin, position_ids)
         return hidden + self.down(F.gelu(self.up(self.mlp_norm(hidden)), approximate="tanh"))
 
 
@@ -188,15 +189,17 @@ class GPT(nn.Module, LossFunctionHost):
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None, **unused) -> CausalLMOutput:
+        # Given positions may describe packed documents: the attention reads them (None: one sequence per row).
+        given_positions = position_ids
         if position_ids is None:
             position_ids = torch.arange(input_ids.size(1), device=input_ids.device).expand(input_ids.size(0), -1)
         hidden = self.embed(input_ids)
         cos, sin = self.rotary(position_ids, hidden.dtype)
         for block in self.blocks:
             if self.gradient_checkpointing and self.training:
-                hidden = torch.utils.checkpoint.checkpoint(block, hidden, cos, sin, use_reentrant=False)
+                hidden = torch.utils.checkpoint.checkpoint(block, hidden, cos, sin, given_positions, use_reentrant=False)
             else:
-                hidden = block(hidden, cos, sin)
+                hidden = block(hidden, cos, sin, given_positions)
         logits = self.lm_head(self.final_norm(hidden))
         loss = None if labels is None else self.loss_function(logits, labels, vocab_size=self.config.vocab_size)
         return CausalLMOutput(loss=loss, logits=logits)

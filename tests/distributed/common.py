@@ -11,6 +11,19 @@ VOCAB = 64
 NUM_HEADS = 4
 
 
+def summed_gradient_error(model, reference, group) -> float:
+    """Largest gap, relative to the largest reference gradient, between the reference's gradients and `model`'s
+    summed over the SP group (what DeepSpeed's reduction over the SP ranks adds up), over all parameters."""
+    import torch.distributed as dist
+
+    worst = 0.0
+    for mine, full in zip(model.parameters(), reference.parameters()):
+        grad = mine.grad.clone()
+        dist.all_reduce(grad, group=group)
+        worst = max(worst, (grad - full.grad).abs().max().item() / full.grad.abs().max().item())
+    return worst
+
+
 def tiny_llama(num_key_value_heads: int, seed: int = 0, attn_implementation: str = "sdpa",
                num_heads: int = NUM_HEADS) -> LlamaForCausalLM:
     config = LlamaConfig(

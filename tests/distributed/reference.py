@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from typing import Callable, Optional
+
+from torch.utils.data import Dataset
+
 from tests.distributed.common import UnevenlyMaskedTokens, build_model, collate
+
+
+def _model_loss(model, batch: dict) -> torch.Tensor:
+    return model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
 
 
 def reference_training(
@@ -14,13 +22,16 @@ def reference_training(
     lr: float = 0.5,
     gradient_clip_val: float | None = None,
     kind: str = "llama",
+    dataset: Optional[Dataset] = None,
+    replica_loss: Callable[..., torch.Tensor] = _model_loss,
 ) -> dict:
     """Train on `steps[t][dp_rank]` = sample indices, averaging the DP replicas' losses as DDP/ZeRO do.
 
     Uses eager attention and Hugging Face's own shifted loss (for the native GPT: its own unsharded forward and
-    shifted loss), independent of everything under test.
+    shifted loss), independent of everything under test; `replica_loss(model, batch)` replaces that loss (packed
+    rows: every document alone), `dataset` the `UnevenlyMaskedTokens` samples.
     """
-    dataset = UnevenlyMaskedTokens(10_000, seq_len)
+    dataset = dataset if dataset is not None else UnevenlyMaskedTokens(10_000, seq_len)
     model = build_model(kind, num_key_value_heads, reference=True)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
@@ -29,8 +40,7 @@ def reference_training(
         optimizer.zero_grad()
         replica_losses = []
         for indices in replicas:
-            batch = collate([dataset[i] for i in indices])
-            replica_losses.append(model(input_ids=batch["input_ids"], labels=batch["labels"]).loss)
+            replica_losses.append(replica_loss(model, collate([dataset[i] for i in indices])))
         torch.stack(replica_losses).mean().backward()
         if gradient_clip_val:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), gradient_clip_val)
@@ -39,3 +49,12 @@ def reference_training(
         losses.append([loss.item() for loss in replica_losses])
     final = {name: p.detach().clone() for name, p in model.named_parameters()}
     return {"losses": losses, "initial": initial, "final": final}
+
+
+def assert_weights_match(weights: dict, reference: dict) -> None:
+    """Weights after the SGD steps equal the reference's within 1e-4 of the size of its update."""
+    for name, final in reference["final"].items():
+        update = (final - reference["initial"][name]).norm()
+        error = (weights[name] - final).norm()
+        assert update > 0, name
+        assert error <= 1e-4 * update, f"{name}: error {error:.3e} vs update {update:.3e}"

@@ -19,7 +19,8 @@ CASES = {
     "no_attention_to_wrap": ({}, "ValueError", ["no Hugging Face PreTrainedModel and no lightning_ulysses.UlyssesAttention", "UlyssesAttention(F.scaled_dot_product_attention)"]),
     "length_not_divisible": ({"stage": 2}, "ValueError", ["sequence length 15 is not divisible by sequence_parallel_size(2)", "pad_to_multiple_of=2", "sequence_padding='pad'"]),
     "tuple_batch": ({"stage": 1}, "TypeError", ["must be a dict with at least 'input_ids'", "got list"]),
-    "packed_rows": ({"stage": 0}, "NotImplementedError", ["Packed sequences are not supported"]),
+    "whole_row_documents": ({"stage": 0}, "ValueError", ["batch['cu_seq_lens_q'] describes packed documents of the whole row", "position_ids restarting at 0"]),
+    "unavailable_backend": ({"stage": 0}, "ImportError", ["'flash_attention_2' needs the flash-attn package", "use 'sdpa'"]),
 }
 
 

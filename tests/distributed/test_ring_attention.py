@@ -2,7 +2,7 @@
 
 One 4-rank launch: SP 4 = Ulysses 2 × ring 2, SP 4 = pure ring 4, SP 2 = pure ring 2 inside world 4 (two SP
 groups). Attention with 2 KV heads, 2 heads in total, MQA and non-causal; Hugging Face Llama models with a
-right-padded row; every gather back to sequence order.
+right-padded row; packed rows refused (HF and native) on every rank; every gather back to sequence order.
 """
 
 import pytest
@@ -57,6 +57,15 @@ def test_hf_model_with_right_padding_equals_full_model(results, layout, model):
 def test_left_padding_is_refused_with_the_fix(results, layout):
     for rank in _ranks(results, layout):
         assert "ring_size=1" in rank["left_padding_error"] and "padding_side='right'" in rank["left_padding_error"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_packed_rows_are_refused_with_the_fix(results, layout):
+    for rank in _ranks(results, layout):
+        for kind in ("hf", "native"):
+            message = rank[f"packed_{kind}_error"]
+            assert "cannot keep packed documents apart" in message and "ring_size=1" in message, message
+        assert rank["padding_restart_error"] is None
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -94,3 +94,15 @@ def test_explicit_ring_size_is_checked_against_the_heads():
         resolve_ring_size([(2, 2)], 4, 1)
     with pytest.raises(ValueError, match=r"must be a multiple of num_key_value_heads"):
         resolve_ring_size([(4, 3)], 4, None)
+
+
+def test_sharder_keeps_each_tokens_own_position_in_zig_zag_order():
+    # Packed positions (which the ring then refuses) and shifted ones: every token keeps the position it had in
+    # the whole row, and the shards put back in natural order give the row again.
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11, 12]])
+    batch = {"input_ids": torch.arange(8).expand(2, -1), "position_ids": positions}
+    order = ShardOrder(2, 2)
+    shards = [SequenceSharder(2, rank, ring_size=2)(batch) for rank in range(2)]
+    for rank, shard in enumerate(shards):
+        assert torch.equal(shard["position_ids"], positions[:, order.positions(8, rank)])
+    assert torch.equal(order.restore(torch.cat([s["position_ids"] for s in shards], dim=1), dim=1), positions)

@@ -48,11 +48,19 @@ def test_error_mode_names_the_fix():
         SequenceSharder(4, 0, sequence_padding="error")(batch(seq_len=7))
 
 
-def test_packed_rows_are_rejected():
+def test_packed_rows_keep_their_positions():
     full = batch()
-    full["position_ids"] = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]] * 2)
-    with pytest.raises(NotImplementedError, match="Packed sequences"):
+    full["position_ids"] = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1]])
+    out = SequenceSharder(2, 1)(full)
+    assert torch.equal(out["position_ids"], full["position_ids"][:, 4:])
+
+
+@pytest.mark.parametrize("key", ["cu_seq_lens_q", "max_length_k", "seq_idx"])
+def test_whole_row_document_descriptions_are_rejected_when_cutting(key):
+    full = dict(batch(), **{key: torch.tensor([0, 3, 8])})
+    with pytest.raises(ValueError, match="position_ids restarting at 0"):
         SequenceSharder(2, 0)(full)
+    assert torch.equal(SequenceSharder(1, 0)(full)[key], full[key])  # nothing is cut at SP 1
 
 
 def test_mismatched_shapes_are_rejected():

@@ -16,7 +16,7 @@ from lightning_ulysses import SequenceSharder, UlyssesAttention, prepare_hf_mode
 from lightning_ulysses.attention import heads_to_sequence, sequence_to_heads
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
 from lightning_ulysses.loss import SequenceParallelCausalLMLoss
-from tests.distributed.common import tiny_llama
+from tests.distributed.common import summed_gradient_error, tiny_llama
 
 
 def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -82,12 +82,7 @@ def check_hf_model(groups, results):
         loss = model(**shard).loss
         loss.backward()
         results[f"hf_loss_kv{kv_heads}"] = abs(loss.item() - reference_loss.item())
-        worst = 0.0
-        for (name, mine), full in zip(model.named_parameters(), reference.parameters()):
-            grad = mine.grad.clone()
-            dist.all_reduce(grad, group=group)  # what DeepSpeed's reduction over the SP ranks adds up
-            worst = max(worst, max_error(grad, full.grad) / full.grad.abs().max().item())
-        results[f"hf_grad_relative_kv{kv_heads}"] = worst
+        results[f"hf_grad_relative_kv{kv_heads}"] = summed_gradient_error(model, reference, group)
         prepared.restore()
         results[f"restored_kv{kv_heads}"] = (
             model.config._attn_implementation == "sdpa" and "_loss_function" not in model.__dict__

@@ -54,10 +54,12 @@ class TupleBatches(torch.utils.data.Dataset):
         return torch.arange(16), torch.arange(16)
 
 
-class PackedRows(UnevenlyMaskedTokens):
+class FlashKwargsRows(UnevenlyMaskedTokens):
+    """Rows with the whole-row document description of flash-attention collators."""
+
     def __getitem__(self, index):
         sample = super().__getitem__(index)
-        sample["position_ids"] = torch.cat([torch.arange(10), torch.arange(self.seq_len - 10)])
+        sample["cu_seq_lens_q"] = torch.tensor([0, 10, self.seq_len], dtype=torch.int32)
         return sample
 
 
@@ -81,8 +83,14 @@ def build(case):
         data = DataLoader(UnevenlyMaskedTokens(8, 15), batch_size=2, collate_fn=collate)
     elif kind == "tuple_batch":
         data = DataLoader(TupleBatches(), batch_size=2)
-    elif kind == "packed_rows":
-        data = DataLoader(PackedRows(8, 16), batch_size=2, collate_fn=collate)
+    elif kind == "whole_row_documents":
+        data = DataLoader(FlashKwargsRows(8, 16), batch_size=2, collate_fn=collate)
+    elif kind == "unavailable_backend":
+        # A native model asking for a backend this machine lacks: rejected at setup, before any collective.
+        module = CausalLM(num_key_value_heads=4, kind="gpt")
+        for attention in module.model.modules():
+            if isinstance(attention, lightning_ulysses.UlyssesAttention):
+                attention.backend = "flash_attention_2"
     return module, lightning_ulysses.UlyssesDeepSpeedStrategy(stage=case.get("stage", 3), **strategy_kwargs), data
 
 

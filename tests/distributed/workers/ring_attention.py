@@ -20,7 +20,7 @@ from lightning_ulysses.inference import sequence_outputs
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, ShardOrder
 from lightning_ulysses.loss import SequenceParallelCausalLMLoss
 from lightning_ulysses.metrics import SequenceParallel
-from tests.distributed.common import VOCAB, tiny_llama
+from tests.distributed.common import VOCAB, summed_gradient_error, tiny_llama
 
 # (query heads, KV heads, causal): GQA with 2 KV heads, 2 heads in total (fewer than SP 4), MQA, non-causal MHA.
 ATTENTION_CASES = [(4, 2, True), (2, 2, True), (2, 1, True), (4, 1, True), (4, 4, False)]
@@ -98,12 +98,7 @@ def check_hf_model(groups, results):
         out = model(**shard)
         out.loss.backward()
         results[f"hf_loss_{name}"] = abs(out.loss.item() - reference_out.loss.item())
-        worst = 0.0
-        for mine, full in zip(model.parameters(), reference.parameters()):
-            grad = mine.grad.clone()
-            dist.all_reduce(grad, group=sp_group)  # what DeepSpeed's reduction over the SP ranks adds up
-            worst = max(worst, max_error(grad, full.grad) / full.grad.abs().max().item())
-        results[f"hf_grad_relative_{name}"] = worst
+        results[f"hf_grad_relative_{name}"] = summed_gradient_error(model, reference, sp_group)
 
         # Everything that gathers the zig-zag shards back must restore the natural order.
         logits, full_logits = out.logits.detach(), reference_out.logits.detach()
@@ -122,11 +117,31 @@ def check_hf_model(groups, results):
     # Left padding is refused on every rank alike (the decision is taken on the gathered mask).
     model = tiny_llama(2)
     prepare_hf_model(model, groups.ulysses_group, ring_group=groups.ring_group)
+    results["left_padding_error"] = _error_of(lambda: model(**sharder(padded_batch(left_padding=True))))
+
+    # Packed rows (positions restarting inside a row) too: the ring masks by position only.
+    packed = dict(padded_batch(), position_ids=torch.arange(SEQ_LEN).remainder(5).expand(2, -1))
+    results["packed_hf_error"] = _error_of(lambda: model(**sharder(packed)))
+    attention = UlyssesAttention()
+    attention.bind_parallel_groups(groups)
+    shard = sharder(packed)
+    q = torch.randn(2, 4, SEQ_LEN // sp, 8)
+    results["packed_native_error"] = _error_of(lambda: attention(q, q, q, shard["position_ids"]))
+    # Positions restarting only inside the right padding separate no real tokens: accepted.
+    padded = dict(padded_batch(), position_ids=torch.arange(SEQ_LEN).expand(2, -1).clone())
+    padded["position_ids"][0, -3:] = 0
+    shard = sharder(padded)
+    results["padding_restart_error"] = _error_of(
+        lambda: attention(q, q, q, shard["position_ids"], shard["attention_mask"]))
+
+
+def _error_of(run) -> str | None:
+    """The message of the NotImplementedError `run()` raises (None if it returns)."""
     try:
-        model(**sharder(padded_batch(left_padding=True)))
-        results["left_padding_error"] = None
+        run()
     except NotImplementedError as error:
-        results["left_padding_error"] = str(error)
+        return str(error)
+    return None
 
 
 def check_gathers(groups, results):

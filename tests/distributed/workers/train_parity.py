@@ -14,6 +14,9 @@ from torch.utils.data import DataLoader
 
 import lightning_ulysses
 from tests.distributed.common import CausalLM, UnevenlyMaskedTokens, collate
+from tests.distributed.packed import PackedDocuments
+
+DATASETS = {"uneven": UnevenlyMaskedTokens, "packed": PackedDocuments}  # case["data"], "uneven" by default
 
 
 class CaptureWeights(L.Callback):
@@ -37,7 +40,8 @@ def run_case(case: dict, world_size: int) -> dict:
         callbacks=[CaptureWeights()], **case.get("trainer_kwargs", {}),
     )
     batch_size = case["batch_size"]
-    dataset = UnevenlyMaskedTokens(batch_size * case["steps"] * (world_size // case["sp"]), case["seq_len"])
+    dataset_type = DATASETS[case.get("data", "uneven")]
+    dataset = dataset_type(batch_size * case["steps"] * (world_size // case["sp"]), case["seq_len"])
     trainer.fit(module, DataLoader(dataset, batch_size=batch_size, collate_fn=collate))
     weights = module.final_weights
     path = str(Path(case["workdir"]) / f"{case['name']}.ckpt")

@@ -1,0 +1,141 @@
+"""The local attention that runs on whole rows after the all-to-all, one function per backend.
+
+Native models and Hugging Face models both end here (through `core.ulysses_attention`), so packed documents,
+padding and GQA mean the same thing whichever model family or backend is used. The backend is chosen by name:
+
+- `sdpa`: `F.scaled_dot_product_attention`; the causal fast path for plain rows, a dense `[batch, 1, seq, seq]`
+  boolean mask for packed or padded rows (quadratic memory: at long lengths pack with a flash backend).
+- `flash_attention_2` / `flash_attention_3`: the `flash_attn` / `flash_attn_interface` (FA3, Hopper) kernels;
+  packed or padded rows run the variable-length kernel over the whole-row `cu_seqlens` (padding dropped).
+  CUDA, fp16/bf16 only.
+- `flex_attention`: `torch.nn.attention.flex_attention` with a block mask from the same documents (compiled on
+  CUDA; on CPU torch runs it uncompiled and without backward, enough for inference and checks).
+
+All take `[batch, heads, seq, dim]` query/key/value (fewer KV heads than query heads allowed) and return
+`[batch, seq, heads, dim]`, the layout both Hugging Face attention modules and output projections want.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from lightning_ulysses.attention.documents import DocumentMask
+
+BACKENDS = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+_FLASH_MODULES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+
+
+def check_backend(name: object) -> str:
+    """Raise a fix-naming error unless `name` is a backend that can run in this environment; return it."""
+    if name not in BACKENDS:
+        raise ValueError(
+            f"attention backend {name!r} is not one lightning_ulysses runs under sequence parallelism. Choose one of"
+            f" {', '.join(BACKENDS)} (Hugging Face: attn_implementation=...; native GPT: GPTConfig(attention_backend=...))."
+        )
+    module = _FLASH_MODULES.get(name)
+    if module is not None:
+        if importlib.util.find_spec(module) is None:
+            package = "flash-attn" if name == "flash_attention_2" else "flash-attn-3 (flash_attn_interface, built from hopper/)"
+            raise ImportError(
+                f"attention backend {name!r} needs the {package} package, which is not installed. Install it, or"
+                " use 'sdpa' (or 'flex_attention')."
+            )
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"attention backend {name!r} needs a CUDA GPU; use 'sdpa' on this machine.")
+    if name == "flex_attention" and importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
+        raise ImportError(f"attention backend 'flex_attention' needs torch >= 2.5 (found {torch.__version__}); use 'sdpa'.")
+    return name
+
+
+def local_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    backend: str,
+    documents: Optional[DocumentMask] = None,
+    is_causal: bool = True,
+    scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Attention over whole rows within `documents` (None: one unpadded sequence per row); `[b, s, h, d]` out."""
+    if backend == "sdpa":
+        return _sdpa(query, key, value, documents, is_causal, scale, dropout_p)
+    if backend in _FLASH_MODULES:
+        return _flash(query, key, value, backend, documents, is_causal, scale, dropout_p)
+    if backend == "flex_attention":
+        return _flex(query, key, value, documents, is_causal, scale, dropout_p)
+    check_backend(backend)  # raises the fix-naming error
+    raise AssertionError(backend)
+
+
+def _sdpa(query, key, value, documents, is_causal, scale, dropout_p):
+    # Left-padding queries get an empty row: SDPA (torch >= 2.5) returns zeros there, with finite gradients.
+    mask = None if documents is None else documents.dense_mask(is_causal)
+    output = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal and mask is None, scale=scale,
+        enable_gqa=key.size(1) != query.size(1),
+    )
+    return output.transpose(1, 2)
+
+
+def _flash(query, key, value, backend, documents, is_causal, scale, dropout_p):
+    # Written against flash_attn 2.x and FA3's flash_attn_interface; not exercised by the CPU test suite.
+    dtype = query.dtype
+    if dtype not in (torch.float16, torch.bfloat16):
+        if not torch.is_autocast_enabled(query.device.type):
+            raise TypeError(
+                f"{backend} runs in fp16/bf16 only, got {dtype} inputs: train with precision='bf16-mixed' (or"
+                " bf16-true), or use the 'sdpa' backend."
+            )
+        query, key, value = (t.to(torch.get_autocast_dtype(query.device.type)) for t in (query, key, value))
+    kernels = importlib.import_module(_FLASH_MODULES[backend])
+    options = {"softmax_scale": scale, "causal": is_causal}
+    if dropout_p:
+        if backend == "flash_attention_3":
+            raise ValueError("flash_attention_3 has no attention dropout: set the model's attention dropout to 0.")
+        options["dropout_p"] = dropout_p
+    # The kernels take [batch, seq, heads, dim] (and handle GQA themselves).
+    query, key, value = (t.transpose(1, 2) for t in (query, key, value))
+    batch, seq = query.shape[:2]
+    if documents is None:
+        output = kernels.flash_attn_func(query, key, value, **options)
+        output = output[0] if isinstance(output, tuple) else output  # some FA3 builds also return the log-sum-exp
+        return output.to(dtype)
+    kept, cu_seqlens, longest = documents.varlen_layout()
+    flat = [t.reshape(batch * seq, *t.shape[2:]) for t in (query, key, value)]
+    if kept is not None:
+        flat = [t.index_select(0, kept) for t in flat]
+    output = kernels.flash_attn_varlen_func(*flat, cu_seqlens, cu_seqlens, longest, longest, **options)
+    output = output[0] if isinstance(output, tuple) else output
+    if kept is not None:  # padding positions: zeros, as in transformers' flash path
+        output = output.new_zeros(batch * seq, *output.shape[1:]).index_copy(0, kept, output)
+    return output.reshape(batch, seq, *output.shape[1:]).to(dtype)
+
+
+@functools.cache
+def _flex_functions(compiled: bool):
+    """flex_attention (compiled once per process on CUDA, where the uncompiled one materialises the scores)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    return (torch.compile(flex_attention) if compiled else flex_attention), create_block_mask
+
+
+def _flex(query, key, value, documents, is_causal, scale, dropout_p):
+    if dropout_p:
+        raise ValueError("flex_attention has no attention dropout: set the model's attention dropout to 0.")
+    flex_attention, create_block_mask = _flex_functions(query.is_cuda)
+    batch, seq = query.size(0), query.size(2)
+    block_mask = None
+    if documents is not None:
+        block_mask = create_block_mask(documents.mask_mod(is_causal), batch, None, seq, seq, device=query.device)
+    elif is_causal:
+        block_mask = create_block_mask(lambda b, h, q, k: q >= k, None, None, seq, seq, device=query.device)
+    output = flex_attention(query, key, value, block_mask=block_mask, scale=scale,
+                            enable_gqa=key.size(1) != query.size(1))
+    return output.transpose(1, 2)

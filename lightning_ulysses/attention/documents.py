@@ -1,0 +1,97 @@
+"""Which tokens of a whole row may attend to which: packed documents and padding.
+
+A row may hold several documents. A token whose `position_ids` entry does not continue the previous token's by
+one (in practice: a restart at 0) starts a new document, the rule transformers applies to packed rows
+(`masking_utils.find_packed_sequence_indices`). A query attends to the keys of its own document (causally, for
+causal models) that are not padding (2-D `attention_mask`), Hugging Face's padding semantics: a left-padding
+query has no key at all and its output is zero, as in transformers' own sdpa and flash paths.
+
+The structure must be built from the *whole* row: under sequence parallelism that is the gathered positions and
+mask after the all-to-all, identical on every rank of the SP group, so every rank makes the same choices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class DocumentMask:
+    """`document_ids[b, t]` (non-decreasing per row; None: one document per row) and `real_tokens[b, t]` (False
+    for padding; None: no padding). At least one of the two is set."""
+
+    document_ids: Optional[torch.Tensor]
+    real_tokens: Optional[torch.Tensor]
+
+    @classmethod
+    def from_rows(
+        cls, batch_size: int, position_ids: Optional[torch.Tensor] = None, padding_mask: Optional[torch.Tensor] = None
+    ) -> Optional["DocumentMask"]:
+        """The mask of whole rows, or None when every row is one unpadded sequence (plain causal attention).
+
+        `position_ids` and `padding_mask` (True/1 = real token) are `[batch or 1, seq]` for the whole rows. Costs
+        one host sync per given input; the rows are whole, so the answer is the same on every SP rank.
+        """
+        document_ids = real_tokens = None
+        if position_ids is not None:
+            starts = position_ids.expand(batch_size, -1).diff(dim=1) != 1
+            if bool(starts.any()):
+                document_ids = torch.nn.functional.pad(starts.long().cumsum(dim=1), (1, 0))
+        if padding_mask is not None:
+            real = padding_mask.bool().expand(batch_size, -1)
+            if not bool(real.all()):
+                real_tokens = real
+        if document_ids is None and real_tokens is None:
+            return None
+        return cls(document_ids, real_tokens)
+
+    def dense_mask(self, is_causal: bool) -> torch.Tensor:
+        """`[batch, 1, seq, seq]` boolean mask for SDPA (True = attend). Quadratic in memory: long rows want flash."""
+        reference = self.document_ids if self.document_ids is not None else self.real_tokens
+        batch, seq = reference.shape
+        allowed = torch.ones(batch, seq, seq, dtype=torch.bool, device=reference.device)
+        if self.document_ids is not None:
+            allowed = self.document_ids[:, :, None] == self.document_ids[:, None, :]
+        if self.real_tokens is not None:
+            allowed = allowed & self.real_tokens[:, None, :]
+        if is_causal:
+            allowed = allowed & torch.ones(seq, seq, dtype=torch.bool, device=reference.device).tril()
+        return allowed[:, None]
+
+    def varlen_layout(self) -> tuple[Optional[torch.Tensor], torch.Tensor, int]:
+        """For the variable-length flash kernels, over the rows flattened one after another: the flat indices of
+        the real tokens (None: all), `cu_seqlens` (int32) of the documents among them, and the longest one.
+
+        Padding is dropped rather than masked (the kernels have no key mask); its outputs are zero.
+        """
+        reference = self.document_ids if self.document_ids is not None else self.real_tokens
+        batch, seq = reference.shape
+        rows = torch.arange(batch, device=reference.device)[:, None].expand(batch, seq).reshape(-1)
+        documents = self.document_ids.reshape(-1) if self.document_ids is not None else torch.zeros_like(rows)
+        kept = None
+        if self.real_tokens is not None:
+            kept = self.real_tokens.reshape(-1).nonzero().reshape(-1)
+            rows, documents = rows[kept], documents[kept]
+        starts = torch.ones_like(rows, dtype=torch.bool)
+        starts[1:] = (rows[1:] != rows[:-1]) | (documents[1:] != documents[:-1])
+        offsets = starts.nonzero().reshape(-1)
+        total = torch.tensor([rows.numel()], device=rows.device, dtype=offsets.dtype)
+        cu_seqlens = torch.cat([offsets, total]).to(torch.int32)
+        return kept, cu_seqlens, int(cu_seqlens.diff().max()) if cu_seqlens.numel() > 1 else 0
+
+    def mask_mod(self, is_causal: bool):
+        """The `mask_mod(batch, head, query, key)` of flex attention."""
+        document_ids, real_tokens = self.document_ids, self.real_tokens
+
+        def allowed(batch, head, query, key):
+            result = query >= key if is_causal else query == query
+            if document_ids is not None:
+                result = result & (document_ids[batch, query] == document_ids[batch, key])
+            if real_tokens is not None:
+                result = result & real_tokens[batch, key]
+            return result
+
+        return allowed
