@@ -14,13 +14,14 @@ def reference_training(
     lr: float = 0.5,
     gradient_clip_val: float | None = None,
     kind: str = "llama",
+    dataset_kwargs: dict | None = None,
 ) -> dict:
     """Train on `steps[t][dp_rank]` = sample indices, averaging the DP replicas' losses as DDP/ZeRO do.
 
     Uses eager attention and Hugging Face's own shifted loss (for the native GPT: its own unsharded forward and
     shifted loss), independent of everything under test.
     """
-    dataset = UnevenlyMaskedTokens(10_000, seq_len)
+    dataset = UnevenlyMaskedTokens(10_000, seq_len, **(dataset_kwargs or {}))
     model = build_model(kind, num_key_value_heads, reference=True)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
@@ -39,3 +40,12 @@ def reference_training(
         losses.append([loss.item() for loss in replica_losses])
     final = {name: p.detach().clone() for name, p in model.named_parameters()}
     return {"losses": losses, "initial": initial, "final": final}
+
+
+def assert_weights_match(weights: dict, reference: dict) -> None:
+    """Weights after the SGD steps equal the reference's within 1e-4 of the size of the update."""
+    for name, final in reference["final"].items():
+        update = (final - reference["initial"][name]).norm()
+        error = (weights[name] - final).norm()
+        assert update > 0, name
+        assert error <= 1e-4 * update, f"{name}: error {error:.3e} vs update {update:.3e}"
