@@ -128,6 +128,8 @@ def apply_memory_options(model: nn.Module, options: MemoryOptions,
                 store = HostActivationStore()
             offload_to = store if options.offload_activations else None
             restores += [checkpoint_layer(layer, offload_to) for layer in layers]
+            if offload_to is not None:
+                restores.insert(0, offload_to.release)  # undone last: unpins the host buffers
     except Exception:
         for restore in reversed(restores):
             restore()

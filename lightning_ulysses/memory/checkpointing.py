@@ -61,12 +61,21 @@ class HostActivationStore:
         return sum(b.numel() * b.element_size() for buffers in self._free.values() for b in buffers)
 
     def release(self) -> None:
-        """Unpin and drop every buffer (buffers in flight stay valid until their owners are done)."""
-        from torch.cuda._pin_memory_utils import unpin_memory
+        """Unpin and drop every buffer. Call it between steps (no stashed activation in flight); memory freed while
+        still registered would make a later registration of the same addresses fail."""
+        if self._pinned:
+            torch.cuda.synchronize()  # no copy may still be reading or writing a buffer
+            from torch.cuda._pin_memory_utils import unpin_memory
 
-        for buffer in self._pinned:
-            unpin_memory(buffer.data_ptr())
+            for buffer in self._pinned:
+                unpin_memory(buffer.data_ptr())
         self._pinned, self._free = [], defaultdict(list)
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:  # interpreter shutdown: CUDA may be gone already
+            pass
 
     def __deepcopy__(self, memo):  # host buffers are a cache, not state
         return self
