@@ -73,6 +73,23 @@ def sequence_parallel_cross_entropy(
         ignore_index=ignore_index,
         reduction="sum",
     )
+    return sequence_parallel_token_mean(token_loss_sum, shift_labels, group, gradient_scale, ignore_index,
+                                        num_items_in_batch)
+
+
+def sequence_parallel_token_mean(
+    token_loss_sum: torch.Tensor,
+    shift_labels: torch.Tensor,
+    group=None,
+    gradient_scale: float = 1.0,
+    ignore_index: int = IGNORE_INDEX,
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The whole sequence's token mean from this shard's summed token losses (see `sequence_parallel_cross_entropy`).
+
+    Separate from it so that losses computed without whole logits (`lightning_ulysses.memory`'s tiled logits +
+    loss) are reduced by exactly the same code.
+    """
     if num_items_in_batch is None:
         count = (shift_labels != ignore_index).sum().to(token_loss_sum.device)
         if group is not None:
@@ -99,6 +116,11 @@ class SequenceParallelCausalLMLoss:
         return sequence_parallel_cross_entropy(
             logits, targets, self.group, self.gradient_scale, ignore_index, num_items_in_batch
         )
+
+    def reduce_token_loss_sum(self, token_loss_sum, shift_labels, ignore_index=IGNORE_INDEX, num_items_in_batch=None):
+        """Same value and gradient as `__call__`, from this shard's summed token losses instead of its logits."""
+        return sequence_parallel_token_mean(token_loss_sum, shift_labels, self.group, self.gradient_scale,
+                                            ignore_index, num_items_in_batch)
 
     def __deepcopy__(self, memo):  # holds a process group: share it, see ProcessGroupHandle
         return self

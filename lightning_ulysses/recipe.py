@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -10,6 +11,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_ulysses.attention.core import validate_head_counts
 from lightning_ulysses.layout import ParallelLayout
+from lightning_ulysses.memory import MemoryOptions
+from lightning_ulysses.planner import ModelShape, TrainingSetup, plan_memory
 from lightning_ulysses.strategy import _split_ulysses_block
 
 _RUNTIME_ENVIRONMENT = {
@@ -60,8 +63,16 @@ def check_recipe(cfg: DictConfig, spec: Any) -> ParallelLayout:
     return layout
 
 
+def _shape(spec: Any) -> ModelShape:
+    from lightning_ulysses.models.gpt import GPTConfig
+
+    if isinstance(spec, GPTConfig):
+        return ModelShape.from_gpt_config(spec)
+    return ModelShape.from_hf_config(spec.config)
+
+
 def plan(cfg: DictConfig) -> str:
-    """Parameter count, layout, batch and model-state memory per GPU, from the config alone (meta device)."""
+    """Parameter count, layout, batch and the memory planner's per-GPU terms, from the config alone (meta device)."""
     spec = instantiate(cfg.model.model)
     layout = check_recipe(cfg, spec)
     params = spec.num_parameters()
@@ -71,12 +82,13 @@ def plan(cfg: DictConfig) -> str:
     global_batch = micro * accumulate * layout.data_parallel_size
     stage = int(cfg.strategy.get("stage", 3))
     offload = bool(cfg.strategy.get("offload_optimizer", False))
-    # ZeRO-3 model states (mixed precision): bf16 weights 2 B + bf16 gradients 2 B + fp32 master, Adam m and v 12 B
-    # per parameter, each sharded over all ranks at stage 3 (stage 1/2 shard only what they shard).
-    shard = layout.world_size
-    weights = 2 * params / (shard if stage == 3 else 1)
-    gradients = 2 * params / (shard if stage >= 2 else 1)
-    optimizer = 12 * params / (shard if stage >= 1 else 1)
+    memory = MemoryOptions.coerce(OmegaConf.to_container(cfg.strategy.memory) if cfg.strategy.get("memory") else None)
+    if cfg.model.get("activation_checkpointing") and not memory.activation_checkpointing:
+        memory = dataclasses.replace(memory, activation_checkpointing=True)  # the model's own: same bytes
+    setup = TrainingSetup(seq_len=seq_len, micro_batch=micro, sequence_parallel_size=layout.sequence_parallel_size,
+                          data_parallel_size=layout.data_parallel_size, zero_stage=stage,
+                          offload_optimizer=1.0 if offload else 0.0, memory=memory)
+    memory_plan = plan_memory(_shape(spec), setup)
     gib = 2**30
     lines = [
         f"model:        {type(spec).__name__}, {params / 1e9:.2f}B parameters",
@@ -85,11 +97,10 @@ def plan(cfg: DictConfig) -> str:
         f"sequence:     {seq_len} tokens, {seq_len // layout.sequence_parallel_size} per rank",
         f"batch:        micro {micro} × accumulation {accumulate} × DP {layout.data_parallel_size}"
         f" = {global_batch} sequences = {global_batch * seq_len / 1e6:.1f}M tokens per optimizer step",
-        f"memory/GPU:   ZeRO-{stage} model states: weights {weights / gib:.1f} GiB + gradients {gradients / gib:.1f} GiB"
-        f" + optimizer {optimizer / gib:.1f} GiB {'(offloaded to CPU)' if offload else '(on GPU)'}",
-        f"              GPU total {(weights + gradients + (0 if offload else optimizer)) / gib:.1f} GiB before"
-        " activations and buffers (activation planning: memory planner, not in this release)",
+        f"memory/GPU:   {memory_plan.gpu_total / gib:.1f} GiB, optimizer states"
+        f" {'(offloaded to CPU)' if offload else '(on GPU)'}; terms (lightning_ulysses.planner):",
+        memory_plan.table(),
     ]
     if offload:
-        lines.append(f"CPU/node:     optimizer states {optimizer * devices / gib:.0f} GiB pinned host memory")
+        lines.append(f"CPU/node:     {memory_plan.host_total * devices / gib:.0f} GiB host memory")
     return "\n".join(lines)

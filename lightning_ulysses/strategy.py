@@ -39,6 +39,7 @@ from lightning_ulysses.attention.core import UlyssesAttention, resolve_ring_size
 from lightning_ulysses.attention.hf import find_hf_models, hf_head_counts, prepare_hf_model, validate_hf_model
 from lightning_ulysses.faults import RankWatchdog, is_peer_failure
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, check_ring_size, check_sequence_parallel_size
+from lightning_ulysses.memory import MemoryOptions, apply_allocator_settings, apply_memory_options
 from lightning_ulysses.loss import (
     LossFunctionHost,
     SequenceParallelCausalLMLoss,
@@ -117,6 +118,9 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         config_overrides: merged (recursively) into the DeepSpeed config built from the other arguments, for
             settings that have no argument, e.g. `{"data_types": {"grad_accum_dtype": "fp32"}}`; `None` values
             are skipped.
+        memory: the long-sequence memory features (`lightning_ulysses.memory.MemoryOptions` or a mapping of its
+            fields: tiled MLP, tiled logits + loss, activation checkpointing with host offload, expandable segments),
+            applied to every Hugging Face causal LM and native GPT in the module; all off by default.
         start_method: how the ranks are started. `None` (the default): Lightning's script launch (re-runs the
             script, or ranks come from torchrun/SLURM). `"fork"`: fork the current process, for Jupyter notebooks
             (`strategy="ulysses_notebook"`); see `lightning_ulysses.notebook`.
@@ -144,10 +148,12 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         config: Optional[Union[str, dict[str, Any]]] = None,
         config_overrides: Optional[Mapping[str, Any]] = None,
         sequence_parallel_in_evaluation: bool = True,
+        memory: Union[MemoryOptions, Mapping[str, Any], None] = None,
         start_method: Optional[Literal["fork"]] = None,
         heartbeat_timeout: Optional[float] = 120.0,
         **kwargs: Any,
     ) -> None:
+        memory = MemoryOptions.coerce(memory)  # bad options fail here, in the launching process
         config = self._load_config(config)
         if config is not None:
             config, configured_size = _split_ulysses_block(config)
@@ -180,6 +186,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._sharder: Optional[SequenceSharder] = None
         self._restore_callbacks: list[Callable[[], None]] = []
         self.sequence_parallel_in_evaluation = sequence_parallel_in_evaluation
+        self.memory = memory
         self._unsharded_evaluation = False  # True while validate/test/predict runs with plain attention
         self._load_consolidated_weights = False  # see load_checkpoint
         # DeepSpeedStrategy does not forward DDPStrategy's start_method (it stays "popen", the script launch).
@@ -261,6 +268,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def setup_environment(self) -> None:
+        apply_allocator_settings(self.memory)  # before this rank initialises CUDA
         if isinstance(self.accelerator, CUDAAccelerator):
             super().setup_environment()
         else:
@@ -416,6 +424,12 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._restore_callbacks += [
             swap_loss_function(host, loss) for host in module.modules() if isinstance(host, LossFunctionHost)
         ]
+        if self.memory.changes_models:
+            from lightning_ulysses.models.gpt import GPT
+
+            native_models = [m for m in module.modules() if isinstance(m, GPT)]
+            for model in [*hf_models, *native_models]:
+                self._restore_callbacks += apply_memory_options(model, self.memory)
 
     def _restore_modules(self) -> None:
         for restore in reversed(self._restore_callbacks):

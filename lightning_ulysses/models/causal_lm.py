@@ -61,6 +61,9 @@ class CausalLMModule(L.LightningModule):
         outputs = self.model(**batch)
         self.log(f"{stage}/loss", outputs.loss, prog_bar=True, sync_dist=stage == "val")
         if self.hparams.report_loss_split is not None:
+            if outputs.logits is None:
+                raise ValueError("report_loss_split needs the logits, which tiled logits + loss never materialises in"
+                                 " training: set strategy.memory.tiled_logits_loss=false or report_loss_split=null.")
             first, second = self._split_losses(outputs.logits.detach(), batch)
             self.log(f"{stage}/loss_first", first, prog_bar=True, sync_dist=stage == "val")
             self.log(f"{stage}/loss_second", second, prog_bar=True, sync_dist=stage == "val")

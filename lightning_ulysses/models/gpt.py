@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -138,19 +138,30 @@ class Attention(nn.Module):
         return self.out(out.transpose(1, 2).reshape(batch, seq, c.hidden_size))
 
 
+class MLP(nn.Module):
+    """Position-wise GELU MLP; its own module (as in Hugging Face decoder layers) so it can be tiled as a whole."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        depth_std = config.initializer_range / math.sqrt(2 * config.num_layers)
+        self.up = _Linear(config.hidden_size, config.intermediate_size, config.bias, config.initializer_range)
+        self.down = _Linear(config.intermediate_size, config.hidden_size, config.bias, depth_std)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(hidden), approximate="tanh"))
+
+
 class Block(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.attention_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.attention = Attention(config)
         self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        depth_std = config.initializer_range / math.sqrt(2 * config.num_layers)
-        self.up = _Linear(config.hidden_size, config.intermediate_size, config.bias, config.initializer_range)
-        self.down = _Linear(config.intermediate_size, config.hidden_size, config.bias, depth_std)
+        self.mlp = MLP(config)
 
     def forward(self, hidden, cos, sin, position_ids=None):
         hidden = hidden + self.attention(self.attention_norm(hidden), cos, sin, position_ids)
-        return hidden + self.down(F.gelu(self.up(self.mlp_norm(hidden)), approximate="tanh"))
+        return hidden + self.mlp(self.mlp_norm(hidden))
 
 
 class CausalLMOutput(NamedTuple):
@@ -182,13 +193,33 @@ class GPT(nn.Module, LossFunctionHost):
             self.lm_head.weight = self.embed.weight
         self.loss_function = shifted_cross_entropy
         self.gradient_checkpointing = False
+        self.logits_loss = None  # set by lightning_ulysses.memory (tiled logits + loss); see use_logits_loss
 
     def gradient_checkpointing_enable(self) -> None:
         """Recompute each block in backward (the same switch name as Hugging Face models)."""
         self.gradient_checkpointing = True
 
+    def use_logits_loss(self, logits_loss) -> Callable[[], None]:
+        """Training forwards with labels return `logits_loss(hidden, lm_head, labels, loss_function)` and no
+        logits (see `lightning_ulysses.memory`); returns the callable that switches back."""
+        self.logits_loss = logits_loss
+
+        def restore() -> None:
+            self.logits_loss = None
+
+        return restore
+
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None, **unused) -> CausalLMOutput:
+        hidden = self.final_hidden_states(input_ids, position_ids)
+        if labels is not None and self.training and self.logits_loss is not None:
+            return CausalLMOutput(loss=self.logits_loss(hidden, self.lm_head, labels, self.loss_function), logits=None)
+        logits = self.lm_head(hidden)
+        loss = None if labels is None else self.loss_function(logits, labels, vocab_size=self.config.vocab_size)
+        return CausalLMOutput(loss=loss, logits=logits)
+
+    def final_hidden_states(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None):
+        """The last block's output after the final norm: what the output head reads."""
         # Given positions may describe packed documents: the attention reads them (None: one sequence per row).
         given_positions = position_ids
         if position_ids is None:
@@ -200,6 +231,4 @@ class GPT(nn.Module, LossFunctionHost):
                 hidden = torch.utils.checkpoint.checkpoint(block, hidden, cos, sin, given_positions, use_reentrant=False)
             else:
                 hidden = block(hidden, cos, sin, given_positions)
-        logits = self.lm_head(self.final_norm(hidden))
-        loss = None if labels is None else self.loss_function(logits, labels, vocab_size=self.config.vocab_size)
-        return CausalLMOutput(loss=loss, logits=logits)
+        return self.final_norm(hidden)

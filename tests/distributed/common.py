@@ -63,21 +63,24 @@ class UnevenlyMaskedTokens(Dataset):
     have a varying masked prefix plus scattered masked positions.
     """
 
-    def __init__(self, num_samples: int, seq_len: int):
-        self.num_samples, self.seq_len = num_samples, seq_len
+    def __init__(self, num_samples: int, seq_len: int, odd_rows_shorter_by: int = 0):
+        # odd_rows_shorter_by: odd-numbered samples are this much shorter (batch size 1), so DP ranks see
+        # different lengths in one step.
+        self.num_samples, self.seq_len, self.odd_rows_shorter_by = num_samples, seq_len, odd_rows_shorter_by
 
     def __len__(self) -> int:
         return self.num_samples
 
     def __getitem__(self, index: int) -> dict:
         generator = torch.Generator().manual_seed(1000 + index)
-        input_ids = torch.randint(0, VOCAB, (self.seq_len,), generator=generator)
+        seq_len = self.seq_len - self.odd_rows_shorter_by * (index % 2)
+        input_ids = torch.randint(0, VOCAB, (seq_len,), generator=generator)
         labels = input_ids.clone()
         if index % 4 == 0:
-            labels[: self.seq_len // 2] = -100
+            labels[: seq_len // 2] = -100
         else:
-            labels[: (index * 3) % (self.seq_len // 2)] = -100
-            labels[torch.rand(self.seq_len, generator=generator) < 0.2] = -100
+            labels[: (index * 3) % (seq_len // 2)] = -100
+            labels[torch.rand(seq_len, generator=generator) < 0.2] = -100
         return {"input_ids": input_ids, "labels": labels, "sample_index": torch.tensor(index)}
 
 

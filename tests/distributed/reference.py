@@ -24,14 +24,15 @@ def reference_training(
     kind: str = "llama",
     dataset: Optional[Dataset] = None,
     replica_loss: Callable[..., torch.Tensor] = _model_loss,
+    dataset_kwargs: dict | None = None,
 ) -> dict:
     """Train on `steps[t][dp_rank]` = sample indices, averaging the DP replicas' losses as DDP/ZeRO do.
 
     Uses eager attention and Hugging Face's own shifted loss (for the native GPT: its own unsharded forward and
     shifted loss), independent of everything under test; `replica_loss(model, batch)` replaces that loss (packed
-    rows: every document alone), `dataset` the `UnevenlyMaskedTokens` samples.
+    rows: every document alone), `dataset` the `UnevenlyMaskedTokens` samples (or `dataset_kwargs` its options).
     """
-    dataset = dataset if dataset is not None else UnevenlyMaskedTokens(10_000, seq_len)
+    dataset = dataset if dataset is not None else UnevenlyMaskedTokens(10_000, seq_len, **(dataset_kwargs or {}))
     model = build_model(kind, num_key_value_heads, reference=True)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)

@@ -26,6 +26,8 @@ class CaptureWeights(L.Callback):
         params = dict(pl_module.model.named_parameters())
         with deepspeed.zero.GatheredParameters(list(params.values()), enabled=trainer.strategy.zero_stage_3):
             pl_module.final_weights = {name: p.detach().clone() for name, p in params.items()}
+        # Which modules trained with a wrapped forward (the memory features), seen before teardown undoes them.
+        pl_module.wrapped_modules = sorted({type(m).__name__ for m in pl_module.model.modules() if "forward" in m.__dict__})
 
 
 def run_case(case: dict, world_size: int) -> dict:
@@ -41,7 +43,8 @@ def run_case(case: dict, world_size: int) -> dict:
     )
     batch_size = case["batch_size"]
     dataset_type = DATASETS[case.get("data", "uneven")]
-    dataset = dataset_type(batch_size * case["steps"] * (world_size // case["sp"]), case["seq_len"])
+    dataset = dataset_type(batch_size * case["steps"] * (world_size // case["sp"]), case["seq_len"],
+                           **case.get("dataset_kwargs", {}))
     trainer.fit(module, DataLoader(dataset, batch_size=batch_size, collate_fn=collate))
     weights = module.final_weights
     path = str(Path(case["workdir"]) / f"{case['name']}.ckpt")
@@ -72,6 +75,7 @@ def run_case(case: dict, world_size: int) -> dict:
         "node_rank": strategy.node_rank,
         "weights": weights if dist.get_rank() == 0 else None,
         "weights_checksum": sum(w.double().abs().sum().item() for w in weights.values()),
+        "wrapped_modules": module.wrapped_modules,
     }
 
 

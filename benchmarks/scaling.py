@@ -1,0 +1,98 @@
+"""Multi-GPU scaling of UlyssesDeepSpeedStrategy (written for N GPUs; not run yet: only one GPU was lent).
+
+    torchrun --nproc_per_node N benchmarks/scaling.py --mode weak --tokens-per-gpu 32768
+    torchrun --nproc_per_node N benchmarks/scaling.py --mode compare --seq 131072
+
+- weak: SP = N, sequence = tokens_per_gpu × N (fixed tokens per GPU); reports tokens/s per GPU, MFU, peak memory and
+  the share of step time spent in NCCL all-to-all kernels (torch.profiler over one step).
+- compare: the write-ups' comparison at one sequence length on the same N GPUs: Ulysses SP = N + ZeRO-3 against pure
+  ZeRO-3 (SP 1, DP = N, every GPU holding the whole sequence): memory per GPU and tokens/s (pure ZeRO-3 may OOM).
+One JSON line per configuration on rank 0. Llama 3 8B shape (or --model), random init, bf16, memory features on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+import lightning_ulysses  # noqa: E402,F401
+from lightning_ulysses.callbacks import ThroughputCallback  # noqa: E402
+from lightning_ulysses.models import CausalLMModule, HuggingFaceCausalLM  # noqa: E402
+from lightning_ulysses.planner import MODELS  # noqa: E402
+
+MEMORY = {"tiled_mlp": True, "tiled_logits_loss": True, "activation_checkpointing": True,
+          "offload_activations": True, "expandable_segments": True}
+
+
+def run(args, sequence_parallel_size: int, seq_len: int, devices: int) -> dict:
+    shape = MODELS[args.model]
+    spec = HuggingFaceCausalLM("llama", vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+                               intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
+                               num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_key_value_heads,
+                               max_position_embeddings=1 << 21, tie_word_embeddings=shape.tie_word_embeddings)
+    module = CausalLMModule(spec)
+    ids = torch.randint(0, shape.vocab_size, (args.steps * devices, seq_len))
+    data = DataLoader([{"input_ids": row, "labels": row} for row in ids], batch_size=1)
+    strategy = lightning_ulysses.UlyssesDeepSpeedStrategy(sequence_parallel_size=sequence_parallel_size, stage=3,
+                                                         memory=MEMORY)
+    throughput = ThroughputCallback(peak_flops=772e12, prog_bar=False)
+    trainer = L.Trainer(accelerator="cuda", devices=devices, strategy=strategy, precision="bf16-true",
+                        max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        callbacks=[throughput, _AllToAllShare()])
+    result = {"model": args.model, "devices": devices, "sp": sequence_parallel_size, "seq": seq_len}
+    try:
+        trainer.fit(module, data)
+        result.update(status="ok", **{k: v for k, v in throughput.last_metrics.items()},
+                      all_to_all_share=trainer.callbacks[-1].share)
+    except torch.OutOfMemoryError:
+        result.update(status="oom")
+    return result
+
+
+class _AllToAllShare(L.Callback):
+    """Share of the last step's device time spent in NCCL all-to-all kernels (profiled on the last step)."""
+
+    share = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == trainer.max_steps - 1:
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            self.profiler.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == trainer.max_steps - 1:
+            torch.cuda.synchronize()
+            self.profiler.__exit__(None, None, None)
+            events = self.profiler.key_averages()
+            total = sum(e.device_time_total for e in events)
+            all_to_all = sum(e.device_time_total for e in events if "AllToAll" in e.key or "all_to_all" in e.key)
+            self.share = all_to_all / total if total else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=["weak", "compare"], default="weak")
+    parser.add_argument("--model", default="llama3-8b", choices=sorted(MODELS))
+    parser.add_argument("--tokens-per-gpu", type=int, default=32768)
+    parser.add_argument("--seq", type=int, default=131072)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    devices = torch.cuda.device_count()
+    configs = ([(devices, args.tokens_per_gpu * devices)] if args.mode == "weak"
+               else [(devices, args.seq), (1, args.seq)])
+    for sequence_parallel_size, seq_len in configs:
+        result = run(args, sequence_parallel_size, seq_len, devices)
+        if torch.distributed.get_rank() == 0:
+            print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

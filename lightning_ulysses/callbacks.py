@@ -1,0 +1,113 @@
+"""`ThroughputCallback`: tokens/s, model TFLOP/s, MFU and peak memory, in the progress bar and the logger.
+
+Model FLOPs per step follow the issue's formula, per sequence of `seq` tokens: `6·params·seq + 6·layers·seq²·hidden`
+(causal attention counted once, as useful work; recomputation is not counted). Tokens are counted over all ranks
+(an SP group's shards add up to whole sequences; DP replicas add up), so a whole-job number is what is logged.
+The peak defaults to Lightning's `get_available_flops` for the device and precision (datasheet dense peak);
+pass `peak_flops` to measure against a measured one (e.g. 772e12 for the H200's bf16 matmul).
+
+Lightning's own `ThroughputMonitor` needs a per-batch FLOP count from the user (`measure_flops` traces the model,
+which counts attention as dense and cannot see the SP shards); this callback computes the count analytically from
+the model's shape and the global sequence length instead.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from typing_extensions import override
+
+from lightning_ulysses.planner import ModelShape
+
+
+def infer_model_shape(module: torch.nn.Module) -> ModelShape:
+    """The shape of the first native GPT or Hugging Face causal LM inside `module`."""
+    from lightning_ulysses.models.gpt import GPT
+
+    for child in module.modules():
+        if isinstance(child, GPT):
+            return ModelShape.from_gpt_config(child.config)
+        config = getattr(child, "config", None)
+        if config is not None and hasattr(config, "num_hidden_layers") and hasattr(config, "vocab_size"):
+            return ModelShape.from_hf_config(config.get_text_config() if hasattr(config, "get_text_config") else config)
+    raise ValueError(f"ThroughputCallback found no GPT or Hugging Face causal LM in {type(module).__name__}:"
+                     " pass model_shape=lightning_ulysses.planner.ModelShape(...).")
+
+
+def model_flops_per_sequence(shape: ModelShape, seq_len: int) -> float:
+    return 6 * shape.num_parameters * seq_len + 6 * shape.num_layers * seq_len**2 * shape.hidden_size
+
+
+class ThroughputCallback(pl.Callback):
+    """Logs `throughput/tokens_per_s`, `throughput/tflops`, `throughput/mfu` (when a peak is known) and
+    `memory/peak_gib` (GPU: max allocated; CPU: the process's peak resident memory) every training step.
+
+    Args:
+        peak_flops: FLOP/s per device that MFU is measured against; `None`: from the device (Lightning's table).
+        model_shape: the model's shape; `None`: inferred from the LightningModule.
+        prog_bar: also show the numbers in the progress bar.
+    """
+
+    def __init__(self, peak_flops: Optional[float] = None, model_shape: Optional[ModelShape] = None,
+                 prog_bar: bool = True) -> None:
+        self.peak_flops = peak_flops
+        self.model_shape = model_shape
+        self.prog_bar = prog_bar
+        self.total_tokens = 0
+        self._started = 0.0
+
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if self.peak_flops is None and trainer.strategy.root_device.type == "cuda":
+            from lightning.fabric.utilities.throughput import get_available_flops
+
+            self.peak_flops = get_available_flops(trainer.strategy.root_device, _compute_dtype(trainer))
+
+    @override
+    def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
+        if self.model_shape is None:
+            self.model_shape = infer_model_shape(pl_module)
+        _synchronize(trainer)
+        self._started = time.perf_counter()
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch: Any, batch_idx: int) -> None:
+        _synchronize(trainer)
+        seconds = time.perf_counter() - self._started
+        input_ids = batch["input_ids"]
+        sequence_parallel = getattr(trainer.strategy, "sequence_parallel_world_size", 1)
+        if not getattr(trainer.strategy, "batches_are_sharded", False):
+            sequence_parallel = 1
+        seq_len = input_ids.size(1) * sequence_parallel  # the whole sequence (an SP rank holds 1/SP of it)
+        local = torch.tensor([input_ids.numel(), input_ids.size(0)], dtype=torch.float64,
+                             device=trainer.strategy.root_device)
+        tokens, rows = trainer.strategy.reduce(local, reduce_op="sum").tolist()
+        sequences = rows / sequence_parallel  # each sequence's rows are counted once per SP rank
+        flops = sequences * model_flops_per_sequence(self.model_shape, seq_len)
+        self.total_tokens += int(tokens)
+        metrics = {"throughput/tokens_per_s": tokens / seconds, "throughput/tflops": flops / seconds / 1e12,
+                   "memory/peak_gib": _peak_memory(trainer) / 2**30}
+        if self.peak_flops:
+            metrics["throughput/mfu"] = flops / seconds / (self.peak_flops * trainer.world_size)
+        self.last_metrics = dict(metrics, tokens=tokens, flops=flops, seconds=seconds)
+        pl_module.log_dict(metrics, prog_bar=self.prog_bar, on_step=True, on_epoch=False, sync_dist=False)
+
+
+def _compute_dtype(trainer) -> torch.dtype:
+    precision = str(trainer.precision)
+    return torch.bfloat16 if "bf16" in precision else torch.float16 if "16" in precision else torch.float32
+
+
+def _synchronize(trainer) -> None:
+    if trainer.strategy.root_device.type == "cuda":
+        torch.cuda.synchronize(trainer.strategy.root_device)
+
+
+def _peak_memory(trainer) -> float:
+    if trainer.strategy.root_device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(trainer.strategy.root_device))
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB

@@ -1,0 +1,140 @@
+"""The long-sequence memory engine: each feature on or off on its own, each exact.
+
+```python
+UlyssesDeepSpeedStrategy(memory=MemoryOptions(tiled_mlp=True, tiled_logits_loss=True,
+                                              activation_checkpointing=True, offload_activations=True))
+UlyssesDeepSpeedStrategy(memory={"tiled_mlp": True})          # a mapping works too (Hydra recipes)
+```
+
+- `tiled_mlp`: every decoder layer's `mlp` runs over `mlp_tile_tokens`-token tiles, recomputed in backward.
+- `tiled_logits_loss`: training forwards with labels compute the loss from the final hidden states tile by tile
+  (`logits_tile_tokens`); whole `[seq, vocab]` logits never exist, and `outputs.logits` is `None`.
+- `activation_checkpointing`: every decoder layer keeps only its input and recomputes itself in backward;
+  `offload_activations` moves those inputs to pinned host memory.
+- `expandable_segments`: the CUDA allocator grows segments in place instead of fragmenting
+  (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` unless that variable is set already).
+
+Applied by `UlyssesDeepSpeedStrategy` to every Hugging Face causal LM (Llama-style: decoder layers with an `mlp`,
+a linear output head) and every native `GPT` in the LightningModule, before DeepSpeed wraps the model; undone at
+teardown. `apply_memory_options` does the same for a model used without the strategy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+from torch import nn
+
+from lightning_ulysses.memory.checkpointing import HostActivationStore, checkpoint_layer
+from lightning_ulysses.memory.logits_loss import TiledLogitsLoss, fuse_head_with_loss, fuse_hugging_face_loss
+from lightning_ulysses.memory.tiled_mlp import tile_mlp
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    tiled_mlp: bool = False
+    mlp_tile_tokens: int = 8192
+    tiled_logits_loss: bool = False
+    logits_tile_tokens: int = 4096
+    activation_checkpointing: bool = False
+    offload_activations: bool = False
+    expandable_segments: bool = False
+
+    def __post_init__(self) -> None:
+        if self.offload_activations and not self.activation_checkpointing:
+            raise ValueError("offload_activations=True moves the checkpointed layer inputs to host memory: it needs"
+                             " activation_checkpointing=True as well.")
+        for name in ("mlp_tile_tokens", "logits_tile_tokens"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be a positive number of tokens, got {getattr(self, name)}")
+
+    @classmethod
+    def coerce(cls, options: Union["MemoryOptions", Mapping[str, Any], None]) -> "MemoryOptions":
+        if options is None:
+            return cls()
+        if isinstance(options, cls):
+            return options
+        if not isinstance(options, Mapping):
+            raise TypeError(f"memory must be a MemoryOptions or a mapping of its fields, got {type(options).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(options) - known
+        if unknown:
+            raise ValueError(f"Unknown memory option(s) {sorted(unknown)}; valid: {sorted(known)}")
+        return cls(**{key: value for key, value in options.items() if value is not None})
+
+    @property
+    def changes_models(self) -> bool:
+        return self.tiled_mlp or self.tiled_logits_loss or self.activation_checkpointing
+
+
+def apply_allocator_settings(options: MemoryOptions) -> None:
+    """Expandable segments for the CUDA caching allocator; an explicit `PYTORCH_CUDA_ALLOC_CONF` wins."""
+    if not options.expandable_segments or "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
+        return
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # read when CUDA initialises
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from lightning_ulysses.models.gpt import GPT
+
+    if isinstance(model, GPT):
+        return list(model.blocks)
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def apply_memory_options(model: nn.Module, options: MemoryOptions,
+                         store: Optional[HostActivationStore] = None) -> list[Callable[[], None]]:
+    """Apply `options` to one causal LM (Hugging Face or native GPT); return the callables that undo it.
+
+    All checks run before anything changes, so a refused model is left as it was.
+    """
+    from lightning_ulysses.models.gpt import GPT
+
+    restores: list[Callable[[], None]] = []
+    if not options.changes_models:
+        return restores
+    layers = _decoder_layers(model)
+    if not layers:
+        raise ValueError(f"The memory options need a model with decoder layers; found none in {type(model).__name__}.")
+    if options.tiled_mlp:
+        missing = [type(layer).__name__ for layer in layers if not isinstance(getattr(layer, "mlp", None), nn.Module)]
+        if missing:
+            raise ValueError(f"tiled_mlp needs an `mlp` module in every decoder layer; {missing[0]} has none."
+                             " Switch tiled_mlp off for this model.")
+    own_checkpointing = [getattr(m, "gradient_checkpointing", False) is True for m in [model, *layers]]
+    if options.activation_checkpointing and any(own_checkpointing):
+        raise ValueError(f"{type(model).__name__} already has its own gradient checkpointing enabled; with the memory"
+                         " option activation_checkpointing=True every layer would be recomputed twice. Disable one of"
+                         " them (for the recipes: model.activation_checkpointing=false).")
+    try:
+        if options.tiled_logits_loss:  # first: it refuses models whose logits are transformed before the loss
+            loss = TiledLogitsLoss(options.logits_tile_tokens)
+            if isinstance(model, GPT):
+                restores += [fuse_head_with_loss(model.lm_head, loss), model.use_logits_loss(loss)]
+            else:
+                restores.append(fuse_hugging_face_loss(model, loss))
+        if options.tiled_mlp:
+            restores += [tile_mlp(layer.mlp, options.mlp_tile_tokens) for layer in layers]
+        if options.activation_checkpointing:
+            if options.offload_activations and store is None:
+                store = HostActivationStore()
+            offload_to = store if options.offload_activations else None
+            restores += [checkpoint_layer(layer, offload_to) for layer in layers]
+            if offload_to is not None:
+                restores.insert(0, offload_to.release)  # undone last: unpins the host buffers
+    except Exception:
+        for restore in reversed(restores):
+            restore()
+        raise
+    return restores
+
+
+__all__ = ["HostActivationStore", "MemoryOptions", "TiledLogitsLoss", "apply_allocator_settings", "apply_memory_options"]

@@ -1,0 +1,67 @@
+"""`python -m lightning_ulysses.plan`: per-GPU memory of a training step, the longest sequence that fits, and the
+published 176B figures term by term.
+
+    python -m lightning_ulysses.plan --model llama3-8b --seq 131072 --features ac,offload,mlp,logits
+    python -m lightning_ulysses.plan --model llama3-8b --longest --gpu-gib 134 --host-gib 112 \
+        --features ac,offload,mlp,logits --offload-optimizer 0.3
+    python -m lightning_ulysses.plan --model gpt3-175b --seq 32768 --sp 8 --dp 4 --offload-optimizer 1 --features ac
+    python -m lightning_ulysses.plan --published-176b
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from lightning_ulysses.memory import MemoryOptions
+from lightning_ulysses.planner import GIB, MODELS, TrainingSetup, longest_sequence, plan_memory, published_176b_comparison
+
+FEATURES = {"ac": "activation_checkpointing", "offload": "offload_activations", "mlp": "tiled_mlp",
+            "logits": "tiled_logits_loss"}
+
+
+def memory_options(features: str, mlp_tile_tokens: int = 8192, logits_tile_tokens: int = 4096) -> MemoryOptions:
+    """`"ac,offload,mlp,logits"` (or `+`-joined, or `none`) → `MemoryOptions`."""
+    names = [name for name in features.replace("+", ",").split(",") if name and name != "none"]
+    unknown = [name for name in names if name not in FEATURES]
+    if unknown:
+        raise ValueError(f"Unknown feature(s) {unknown}; choose from {sorted(FEATURES)} or none")
+    return MemoryOptions(mlp_tile_tokens=mlp_tile_tokens, logits_tile_tokens=logits_tile_tokens,
+                         **{FEATURES[name]: True for name in names})
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m lightning_ulysses.plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama3-8b")
+    parser.add_argument("--seq", type=int, default=32768, help="tokens per sequence")
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--sp", type=int, default=1, help="sequence-parallel size")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel size")
+    parser.add_argument("--zero", type=int, default=3, help="ZeRO stage")
+    parser.add_argument("--offload-optimizer", type=float, default=0.0, help="fraction of optimizer states on the host")
+    parser.add_argument("--features", default="none", help="comma-separated: ac, offload, mlp, logits (or none)")
+    parser.add_argument("--longest", action="store_true", help="find the longest sequence that fits")
+    parser.add_argument("--gpu-gib", type=float, default=134.0, help="usable GPU memory per GPU (GiB)")
+    parser.add_argument("--host-gib", type=float, default=float("inf"), help="usable host memory per GPU (GiB)")
+    parser.add_argument("--published-176b", action="store_true", help="explain the quoted 176B figures")
+    args = parser.parse_args(argv)
+    if args.published_176b:
+        print(published_176b_comparison())
+        return
+    setup = TrainingSetup(seq_len=args.seq, micro_batch=args.micro_batch, sequence_parallel_size=args.sp,
+                          data_parallel_size=args.dp, zero_stage=args.zero, offload_optimizer=args.offload_optimizer,
+                          memory=memory_options(args.features))
+    shape = MODELS[args.model]
+    if args.longest:
+        seq = longest_sequence(shape, setup, args.gpu_gib * GIB, args.host_gib * GIB)
+        print(f"longest sequence that fits {args.sp * args.dp} GPU(s) of {args.gpu_gib} GiB"
+              f" (+ {args.host_gib} GiB host each): {seq} tokens")
+        if not seq:
+            return
+        setup = dataclasses.replace(setup, seq_len=seq)
+    print(plan_memory(shape, setup).table())
+
+
+if __name__ == "__main__":
+    main()

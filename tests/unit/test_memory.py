@@ -1,0 +1,119 @@
+"""Memory features, one process: loss and every gradient equal the plain model's (fp32), each feature alone and
+all together, for the native GPT and a Hugging Face Llama; tiles that do not divide the sequence."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from lightning_ulysses.loss import SequenceParallelCausalLMLoss
+from lightning_ulysses.memory import HostActivationStore, MemoryOptions, apply_memory_options
+from tests.distributed.common import tiny_gpt, tiny_llama
+
+SEQ_LEN = 13  # tiles of 4 and 3 tokens leave a short last tile
+FEATURES = {
+    "tiled_mlp": dict(tiled_mlp=True, mlp_tile_tokens=4),
+    "tiled_logits_loss": dict(tiled_logits_loss=True, logits_tile_tokens=3),
+    "checkpointing": dict(activation_checkpointing=True),
+    "checkpointing_offload": dict(activation_checkpointing=True, offload_activations=True),
+    "all": dict(tiled_mlp=True, mlp_tile_tokens=5, tiled_logits_loss=True, logits_tile_tokens=3,
+                activation_checkpointing=True, offload_activations=True),
+}
+
+
+def _batch(batch_size=2):
+    generator = torch.Generator().manual_seed(7)
+    input_ids = torch.randint(0, 64, (batch_size, SEQ_LEN), generator=generator)
+    labels = input_ids.clone()
+    labels[0, :5] = -100  # masked prefix: the token count is not the length
+    labels[1, 8] = -100
+    return input_ids, labels
+
+
+def _loss_and_grads(model, input_ids, labels, **kwargs):
+    model.zero_grad()
+    loss = model(input_ids=input_ids, labels=labels, **kwargs).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same(expected, actual):
+    (loss, grads), (loss_actual, grads_actual) = expected, actual
+    torch.testing.assert_close(loss_actual, loss, rtol=1e-6, atol=1e-6)
+    assert grads.keys() == grads_actual.keys()
+    for name in grads:
+        torch.testing.assert_close(grads_actual[name], grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_feature_equals_plain_path(kind, feature):
+    plain = tiny_gpt(2) if kind == "gpt" else tiny_llama(2)
+    plain.train()
+    input_ids, labels = _batch()
+    expected = _loss_and_grads(plain, input_ids, labels)
+    model = copy.deepcopy(plain)
+    store = HostActivationStore()
+    restores = apply_memory_options(model, MemoryOptions(**FEATURES[feature]), store)
+    assert restores
+    actual = _loss_and_grads(model, input_ids, labels)
+    _assert_same(expected, actual)
+    if FEATURES[feature].get("offload_activations"):
+        # Both layers' inputs (batch 2 × 13 tokens × width 32, fp32) went to the host store and came back; a second
+        # step reuses the same buffers.
+        assert store.host_bytes == 2 * (2 * SEQ_LEN * 32 * 4)
+        _assert_same(expected, _loss_and_grads(model, input_ids, labels))
+        assert store.host_bytes == 2 * (2 * SEQ_LEN * 32 * 4)
+    outputs = model(input_ids=input_ids, labels=labels)
+    assert (outputs.logits is None) == bool(FEATURES[feature].get("tiled_logits_loss"))
+    # Evaluation returns logits as usual; undoing gives the plain model back.
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=input_ids).logits, plain.eval()(input_ids=input_ids).logits)
+    for restore in reversed(restores):
+        restore()
+    model.train(), plain.train()
+    _assert_same(expected, _loss_and_grads(model, input_ids, labels))
+    assert model(input_ids=input_ids, labels=labels).logits is not None
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_tiled_logits_loss_composes_with_sequence_parallel_loss(kind):
+    """With the strategy's loss (pre-shifted labels, global count, ZeRO gradient scale) the fused path reduces
+    the same way: value equal, gradient scaled the same."""
+    plain = tiny_gpt(2) if kind == "gpt" else tiny_llama(2)
+    plain.train()
+    input_ids, labels = _batch()
+    shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    sp_loss = SequenceParallelCausalLMLoss(group=None, gradient_scale=2.0)
+    plain.loss_function = sp_loss
+    expected = _loss_and_grads(plain, input_ids, shifted)
+    model = copy.deepcopy(plain)
+    model.loss_function = sp_loss
+    apply_memory_options(model, MemoryOptions(tiled_logits_loss=True, logits_tile_tokens=4))
+    _assert_same(expected, _loss_and_grads(model, input_ids, shifted))
+
+
+def test_hugging_face_num_items_in_batch():
+    plain = tiny_llama(2).train()
+    input_ids, labels = _batch()
+    expected = _loss_and_grads(plain, input_ids, labels, num_items_in_batch=torch.tensor(40))
+    model = copy.deepcopy(plain)
+    apply_memory_options(model, MemoryOptions(tiled_logits_loss=True, logits_tile_tokens=4))
+    _assert_same(expected, _loss_and_grads(model, input_ids, labels, num_items_in_batch=torch.tensor(40)))
+
+
+def test_bad_options_name_the_fix():
+    with pytest.raises(ValueError, match="needs activation_checkpointing=True"):
+        MemoryOptions(offload_activations=True)
+    with pytest.raises(ValueError, match="Unknown memory option"):
+        MemoryOptions.coerce({"tiled_mpl": True})
+    with pytest.raises(ValueError, match="positive number of tokens"):
+        MemoryOptions(tiled_mlp=True, mlp_tile_tokens=0)
+    model = tiny_gpt(2)
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match="recomputed twice"):
+        apply_memory_options(model, MemoryOptions(tiled_mlp=True, activation_checkpointing=True))
+    assert "forward" not in model.blocks[0].mlp.__dict__  # refused before anything changed
