@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -43,15 +44,15 @@ def run(args, sequence_parallel_size: int, seq_len: int, devices: int) -> dict:
     data = DataLoader([{"input_ids": row, "labels": row} for row in ids], batch_size=1)
     strategy = lightning_ulysses.UlyssesDeepSpeedStrategy(sequence_parallel_size=sequence_parallel_size, stage=3,
                                                          memory=MEMORY)
-    throughput = ThroughputCallback(peak_flops=772e12, prog_bar=False)
+    throughput, all_to_all = ThroughputCallback(peak_flops=772e12, prog_bar=False), _AllToAllShare()
     trainer = L.Trainer(accelerator="cuda", devices=devices, strategy=strategy, precision="bf16-true",
                         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        callbacks=[throughput, _AllToAllShare()])
+                        callbacks=[throughput, all_to_all])
     result = {"model": args.model, "devices": devices, "sp": sequence_parallel_size, "seq": seq_len}
     try:
         trainer.fit(module, data)
         result.update(status="ok", **{k: v for k, v in throughput.last_metrics.items()},
-                      all_to_all_share=trainer.callbacks[-1].share)
+                      all_to_all_share=all_to_all.share)
     except torch.OutOfMemoryError:
         result.update(status="oom")
     return result
@@ -85,7 +86,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=131072)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
-    devices = torch.cuda.device_count()
+    devices = int(os.environ.get("WORLD_SIZE", torch.cuda.device_count()))  # the processes torchrun started
     configs = ([(devices, args.tokens_per_gpu * devices)] if args.mode == "weak"
                else [(devices, args.seq), (1, args.seq)])
     for sequence_parallel_size, seq_len in configs:
