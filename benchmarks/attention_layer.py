@@ -2,7 +2,7 @@
 the full sequence, one GPU per rank; SP = the number of processes.
 
     python benchmarks/attention_layer.py                                           # 1 GPU: the SP-1 overhead
-    torchrun --nproc_per_node 2 benchmarks/attention_layer.py --overlap            # SP 2 vs one GPU, full sequence
+    torchrun --nproc_per_node 2 benchmarks/attention_layer.py                      # SP 2 vs one GPU, full sequence
     torchrun --nproc_per_node 4 benchmarks/attention_layer.py --modes sdpa hybrid  # Ulysses 2 × ring 2
     torchrun --nproc_per_node 2 benchmarks/attention_layer.py --device cpu --tiny  # CPU smoke test (gloo)
 
@@ -11,8 +11,6 @@ Modes (each on this rank's shard `[batch, heads, seq/P, head_dim]`, except sdpa)
   "one GPU runs the full sequence" baseline, measured concurrently on every GPU).
 - `ulysses`: `UlyssesAttention` over all ranks (all-to-alls + SDPA). At 1 process: the module unbound, i.e. the
   overhead of our path over plain SDPA.
-- `ulysses_overlap` (`--overlap`): Ulysses with the all-to-alls of one head group in flight on the NCCL stream
-  while another group's attention computes (`attention/pipelined.py`, `--overlap-chunks` head groups).
 - `ring`: ring attention over all ranks (zig-zag shards, K/V blocks passed around). At 1 process: our fused
   kernel + custom backward on one block.
 - `hybrid`: `ulysses_size = P / 2` × `ring_size = 2` (Ulysses over neighbouring ranks, a ring across the two
@@ -38,11 +36,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_ulysses.attention.core import UlyssesAttention
-from lightning_ulysses.attention.pipelined import pipelined_ulysses_attention
 from lightning_ulysses.attention.ring import ring_attention
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, ShardOrder
 
-MODES = ("sdpa", "ulysses", "ulysses_overlap", "ring", "hybrid")
+MODES = ("sdpa", "ulysses", "ring", "hybrid")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -52,8 +49,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="small shapes, few iterations, fp32 (smoke test)")
     parser.add_argument("--seq", type=int, nargs="+", default=[32768, 65536, 131072, 262144])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=["sdpa", "ulysses", "ring", "hybrid"])
-    parser.add_argument("--overlap", action="store_true", help="also measure ulysses_overlap")
-    parser.add_argument("--overlap-chunks", type=int, default=4, help="head groups of ulysses_overlap")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=None, help="default: as many as --heads")
@@ -70,8 +65,6 @@ def parse_args() -> argparse.Namespace:
         args.heads, args.head_dim, args.dtype = min(args.heads, 8), min(args.head_dim, 16), "fp32"
         args.warmup, args.iters = min(args.warmup, 1), min(args.iters, 3)
     args.kv_heads = args.kv_heads or args.heads
-    if args.overlap and "ulysses_overlap" not in args.modes:
-        args.modes.append("ulysses_overlap")
     return args
 
 
@@ -128,12 +121,6 @@ def build_attention(mode: str, base_groups: SequenceParallelGroups, args):
         attention = UlyssesAttention(causal_sdpa)
         attention.bind_parallel_groups(base_groups)
         return attention, ShardOrder(world), (world, 1)
-    if mode == "ulysses_overlap":
-        chunks = args.overlap_chunks
-        if args.heads % (chunks * world) or args.kv_heads % (chunks * world):
-            return None
-        group = base_groups.sequence_parallel_group
-        return (lambda q, k, v: pipelined_ulysses_attention(q, k, v, group, True, None, chunks)), ShardOrder(world), (world, 1)
     ring = {"ring": world, "hybrid": 2}[mode]
     if mode == "hybrid" and (world < 4 or world % 2):
         return None
@@ -212,7 +199,7 @@ def main() -> None:
             point = {"mode": mode, "world_size": world, "seq_len": seq_len, "batch": args.batch, "heads": args.heads,
                      "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": args.dtype, "device": device.type}
             if built is None:
-                point["skipped"] = "needs heads % (chunks × P) == 0" if mode == "ulysses_overlap" else "needs an even number of ranks, at least 4"
+                point["skipped"] = "needs an even number of ranks, at least 4"
             else:
                 attention, order, (ulysses_size, ring_size) = built
                 needed = (order or ShardOrder(1)).length_multiple
@@ -221,8 +208,6 @@ def main() -> None:
                 else:
                     point.update(ulysses_size=ulysses_size, ring_size=ring_size, warmup=args.warmup, iters=args.iters)
                     point.update(measure(mode, attention, order, seq_len, base_groups, device, args))
-                    if mode == "ulysses_overlap":
-                        point["overlap_chunks"] = args.overlap_chunks
                     # causal forward 2·B·H·N²·D flops (two matmuls, half the scores), backward 2.5× that
                     flops = 3.5 * 2 * args.batch * args.heads * seq_len**2 * args.head_dim
                     gpus = 1 if mode == "sdpa" else world

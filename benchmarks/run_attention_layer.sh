@@ -9,7 +9,7 @@ gpus=$(nvidia-smi -L | wc -l)
 nvidia-smi topo -m > "$out/topology.txt" 2>&1
 python -m lightning_ulysses preflight --parameters 8e9 --offload-optimizer > "$out/preflight.txt" 2>&1
 if [ "$gpus" -ge 2 ]; then
-  torchrun --nproc_per_node 2 benchmarks/attention_layer.py --modes sdpa ulysses ring --overlap \
+  torchrun --nproc_per_node 2 benchmarks/attention_layer.py --modes sdpa ulysses ring \
     --seq 32768 65536 131072 --warmup 3 --iters 20 --output "$out/sp2.jsonl" > "$out/sp2.log" 2>&1
 fi
 python benchmarks/attention_layer.py --modes sdpa ulysses ring --seq 32768 131072 --warmup 3 --iters 20 \

@@ -74,7 +74,8 @@ class _AllToAllShare(L.Callback):
             self.profiler.__exit__(None, None, None)
             events = self.profiler.key_averages()
             total = sum(e.device_time_total for e in events)
-            all_to_all = sum(e.device_time_total for e in events if "AllToAll" in e.key or "all_to_all" in e.key)
+            # NCCL runs all-to-all as grouped send/receive: its kernels are named ncclDevKernel_SendRecv.
+            all_to_all = sum(e.device_time_total for e in events if "SendRecv" in e.key or "AllToAll" in e.key)
             self.share = all_to_all / total if total else None
 
 

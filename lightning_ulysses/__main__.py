@@ -2,6 +2,7 @@
 
     checkpoint inspect|export ...   check a checkpoint; export weights and Hugging Face folders
     preflight ...                   check this machine for a planned run
+    plan ...                        per-GPU memory of a planned run; the longest sequence that fits
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"checkpoint": "lightning_ulysses.checkpoint", "preflight": "lightning_ulysses.preflight"}
+    commands = {"checkpoint": "lightning_ulysses.checkpoint", "preflight": "lightning_ulysses.preflight",
+                "plan": "lightning_ulysses.plan"}
     if not argv or argv[0] not in commands:
         print(__doc__.strip(), file=sys.stderr)
         return 2

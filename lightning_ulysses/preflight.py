@@ -78,6 +78,8 @@ def format_report(findings: Sequence[Finding], title: str = "lightning_ulysses p
 # -- GPU interconnect ----------------------------------------------------------------------------------------------
 def parse_topology(text: str) -> dict[tuple[int, int], str]:
     """`nvidia-smi topo -m` → {(gpu_a, gpu_b): link}, links like "NV18", "PIX", "PXB", "PHB", "NODE", "SYS"."""
+    # nvidia-smi underlines the header with terminal escapes even into a pipe (seen on the H200 machines).
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
     lines = [line for line in text.splitlines() if line.strip()]
     header = next((line.split() for line in lines if line.split()[:1] == ["GPU0"]), None)
     if header is None:

@@ -26,6 +26,14 @@ def test_topology_parsing():
     assert (0, 0) not in links and len(links) == 12
 
 
+def test_topology_parsing_of_real_output_with_terminal_escapes():
+    # Verbatim from the lent 2 × H200 machine (benchmarks/results/2026-11-29-h200x2-attention-layer/topology.txt):
+    # the header carries an underline escape that once made the check report NVLink GPUs as "P2P".
+    text = "\t\x1b[4mGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m\nGPU0\t X \tNV18\t0-31\t0\t\tN/A\n" \
+           "GPU1\tNV18\t X \t0-31\t0\t\tN/A\n"
+    assert preflight.parse_topology(text) == {(0, 1): "NV18", (1, 0): "NV18"}
+
+
 def levels(findings, topic):
     return [(f.level, f.detail) for f in findings if f.topic == topic]
 

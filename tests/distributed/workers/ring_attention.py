@@ -15,9 +15,8 @@ import torch.nn.functional as F
 
 from lightning_ulysses import SequenceSharder, UlyssesAttention, prepare_hf_model
 from lightning_ulysses.attention.all_to_all import all_gather_sequence
-from lightning_ulysses.attention.pipelined import pipelined_ulysses_attention
 from lightning_ulysses.inference import sequence_outputs
-from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, ShardOrder
+from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
 from lightning_ulysses.loss import SequenceParallelCausalLMLoss
 from lightning_ulysses.metrics import SequenceParallel
 from tests.distributed.common import VOCAB, summed_gradient_error, tiny_llama
@@ -55,17 +54,6 @@ def check_attention(groups, results):
         compare_with_full_attention(attention, heads, kv_heads, causal, groups.shard_order,
                                     groups.sequence_parallel_rank, results,
                                     f"h{heads}_kv{kv_heads}_{'causal' if causal else 'full'}")
-
-
-def check_pipelined(groups, results):
-    """Head-chunk-pipelined Ulysses (contiguous shards, the whole SP group), MHA and GQA, 2 chunks."""
-    def attention(q, k, v):
-        return pipelined_ulysses_attention(q, k, v, groups.sequence_parallel_group, chunks=2)
-
-    sp = groups.sequence_parallel_world_size
-    for kv_heads in (8, 2 * sp):
-        compare_with_full_attention(attention, 8, kv_heads, True, ShardOrder(sp), groups.sequence_parallel_rank,
-                                    results, f"pipelined_kv{kv_heads}")
 
 
 def padded_batch(left_padding: bool = False) -> dict:
@@ -164,9 +152,6 @@ def main():
     for sp, ring in spec["layouts"]:
         if sp not in base:  # the SP/DP groups of one SP size, split differently by each ring size
             base[sp] = SequenceParallelGroups.build(ParallelLayout(dist.get_world_size(), sp))
-            pipelined = {}
-            check_pipelined(base[sp], pipelined)
-            output[f"sp{sp}_pipelined"] = pipelined
         groups = base[sp].with_ring_size(ring)
         results = {"ulysses_size": groups.ulysses_size, "ring_size": groups.ring_size,
                    "sequence_parallel_rank": groups.sequence_parallel_rank}
