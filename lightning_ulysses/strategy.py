@@ -633,7 +633,10 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         if isinstance(environment, SLURMEnvironment) and environment.auto_requeue and self.is_global_zero:
             job_id = os.environ.get("SLURM_ARRAY_JOB_ID")
             job_id = f"{job_id}_{os.environ['SLURM_ARRAY_TASK_ID']}" if job_id else os.environ["SLURM_JOB_ID"]
-            subprocess.call(["scontrol", "requeue", job_id])
+            try:
+                subprocess.call(["scontrol", "requeue", job_id])
+            except FileNotFoundError:  # saved anyway; the job just is not requeued
+                rank_zero_warn(f"lightning_ulysses: `scontrol` not found; SLURM job {job_id} was not requeued.")
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -40,10 +40,17 @@ class LaunchOutcome:
     failure: Optional[str]  # "timeout", "a rank failed" or None
 
 
+def torchrun_variables(rank: int, world_size: int) -> dict[str, str]:
+    """What torchrun gives every process of a single node."""
+    return dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                NODE_RANK="0")
+
+
 def run_ranks(script: Path, world_size: int, spec: dict, workdir: Path, timeout: float = 300,
-              stop_on_first_failure: bool = True) -> LaunchOutcome:
+              stop_on_first_failure: bool = True, launcher_variables=torchrun_variables) -> LaunchOutcome:
     """Run `script` on `world_size` ranks; return their exit statuses and logs. Ranks still running at the timeout
-    (or, with `stop_on_first_failure`, shortly after one rank fails) are killed."""
+    (or, with `stop_on_first_failure`, shortly after one rank fails) are killed. `launcher_variables(rank,
+    world_size)` gives the variables a launcher would set (torchrun's by default; SLURM's srun in a test)."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec))
@@ -55,13 +62,9 @@ def run_ranks(script: Path, world_size: int, spec: dict, workdir: Path, timeout:
         env.update(
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
-            WORLD_SIZE=str(world_size),
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world_size),
-            NODE_RANK="0",
             OMP_NUM_THREADS="1",
             PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
+            **launcher_variables(rank, world_size),
         )
         env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
         log = open(workdir / f"rank_{rank}.log", "w")

@@ -1,4 +1,5 @@
-"""Two "nodes" of two CPU processes each on loopback, started by torchrun with a static rendezvous, as on a cluster.
+"""Two "nodes" of two CPU processes each on loopback, started by torchrun with a static rendezvous, or with the
+variables SLURM's srun sets, as on a cluster.
 
 The core parity check must pass unchanged; SP groups stay inside a node unless the SP size asks for more
 processes than a node has, and then the strategy warns.
@@ -13,7 +14,7 @@ import sys
 
 import torch
 
-from tests.distributed.harness import ROOT, _free_port
+from tests.distributed.harness import ROOT, _free_port, run_ranks
 from tests.distributed.test_parity import _case, check_parity
 
 WORKER = ROOT / "tests" / "distributed" / "workers" / "train_parity.py"
@@ -49,6 +50,7 @@ def test_two_nodes_via_torchrun(tmp_path):
 
     for case in CASES:
         ranks = [result[case["name"]] for result in results]
+        assert {rank["cluster_environment"] for rank in ranks} == {"TorchElasticEnvironment"}
         check_parity(case, ranks)
         nodes_of_group = {}
         for rank in ranks:
@@ -57,3 +59,21 @@ def test_two_nodes_via_torchrun(tmp_path):
         assert all(len(group_nodes) == (NODES if spans else 1) for group_nodes in nodes_of_group.values())
     warning = "sequence_parallel_size=4 with 2 devices per node: SP groups span nodes"
     assert logs[0].count(warning) == 1  # once, on global rank 0, for the case that asked for it
+
+
+def slurm_variables(rank: int, world_size: int) -> dict[str, str]:
+    """What `srun --nodes 2 --ntasks-per-node 2` gives each task (Lightning's SLURMEnvironment reads these)."""
+    return dict(SLURM_NTASKS=str(world_size), SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % PER_NODE),
+                SLURM_NODEID=str(rank // PER_NODE), SLURM_NNODES=str(NODES), SLURM_NTASKS_PER_NODE=str(PER_NODE),
+                SLURM_JOB_ID="4242", SLURM_JOB_NAME="ulysses-test", SLURM_NODELIST="127.0.0.1")
+
+
+def test_two_nodes_via_slurm_variables(tmp_path):
+    case = CASES[0]
+    outcome = run_ranks(WORKER, NODES * PER_NODE, {"world_size": NODES * PER_NODE, "cases": [case]}, tmp_path,
+                        launcher_variables=slurm_variables)
+    assert outcome.failure is None, "\n".join(log[-3000:] for log in outcome.logs)
+    ranks = [torch.load(tmp_path / f"result_{rank}.pt")[case["name"]] for rank in range(NODES * PER_NODE)]
+    check_parity(case, ranks)
+    assert {rank["cluster_environment"] for rank in ranks} == {"SLURMEnvironment"}
+    assert [rank["node_rank"] for rank in ranks] == [0, 0, 1, 1]  # Lightning took the nodes from SLURM

@@ -73,6 +73,7 @@ def run_case(case: dict, world_size: int) -> dict:
         "sequence_parallel_rank": strategy.sequence_parallel_rank,
         "data_parallel_rank": strategy.data_parallel_rank,
         "node_rank": strategy.node_rank,
+        "cluster_environment": type(strategy.cluster_environment).__name__,
         "weights": weights if dist.get_rank() == 0 else None,
         "weights_checksum": sum(w.double().abs().sum().item() for w in weights.values()),
         "wrapped_modules": module.wrapped_modules,
