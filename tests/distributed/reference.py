@@ -59,3 +59,12 @@ def assert_weights_match(weights: dict, reference: dict) -> None:
         error = (weights[name] - final).norm()
         assert update > 0, name
         assert error <= 1e-4 * update, f"{name}: error {error:.3e} vs update {update:.3e}"
+
+
+def assert_training_matches(ranks: list[dict], reference: dict) -> None:
+    """Every rank's per-step loss equals its DP replica's reference loss (1e-5) and the final weights match."""
+    for rank in ranks:
+        for step, record in enumerate(rank["records"]):
+            expected = reference["losses"][step][rank["data_parallel_rank"]]
+            assert abs(record["loss"] - expected) < 1e-5, (step, record["loss"], expected)
+    assert_weights_match(next(rank["weights"] for rank in ranks if rank["weights"] is not None), reference)
