@@ -1,4 +1,4 @@
-"""Multi-GPU scaling of UlyssesDeepSpeedStrategy (written for N GPUs; not run yet: only one GPU was lent).
+"""Multi-GPU scaling of UlyssesDeepSpeedStrategy, for N GPUs (run on 2 × H200: benchmarks/results/2026-11-29-h200x2-scaling/).
 
     torchrun --nproc_per_node N benchmarks/scaling.py --mode weak --tokens-per-gpu 32768
     torchrun --nproc_per_node N benchmarks/scaling.py --mode compare --seq 131072
