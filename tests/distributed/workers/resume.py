@@ -48,6 +48,18 @@ class ResumableLM(CausalLM):
         return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)]
 
 
+class SigtermInStep(L.Callback):
+    """A SIGTERM that reaches some ranks while they are inside a batch (before Lightning's end-of-batch check):
+    a scheduler that signals only the launching process, or ranks skewed in time when the signal lands."""
+
+    def __init__(self, batch_idx: int, ranks: list):
+        self.batch_idx, self.ranks = batch_idx, ranks
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.batch_idx and trainer.global_rank in self.ranks:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 class SigtermAfterStep(L.Callback):
     """What a scheduler's SIGTERM looks like to each rank: the signal arrives between two steps."""
 
@@ -69,8 +81,11 @@ def run(case: dict, workdir: Path, world_size: int) -> dict:
                                          save_top_k=-1, filename="{step}"))
     if case.get("sigterm_after"):
         callbacks.append(SigtermAfterStep(case["sigterm_after"]))
+    if case.get("sigterm_in_batch") is not None:
+        callbacks.append(SigtermInStep(case["sigterm_in_batch"], case.get("sigterm_ranks", list(range(world_size)))))
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, max_steps=case["steps"], precision="32-true", logger=False,
+        accelerator="cpu", devices=world_size, max_steps=case["steps"], precision="32-true",
+        accumulate_grad_batches=case.get("accumulate", 1), logger=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
         default_root_dir=workdir / case.get("root", case["name"]),
         strategy=lightning_ulysses.UlyssesDeepSpeedStrategy(sequence_parallel_size=case["sp"], stage=3),
