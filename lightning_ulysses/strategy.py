@@ -195,6 +195,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._watchdog: Optional[RankWatchdog] = None
         self._hf_model_configs: dict[str, Any] = {}  # module path → the config save_pretrained will need
         self._resume: Optional[_PendingResume] = None
+        self._sigterm_pending = False  # a SIGTERM this rank received, not yet agreed on (see _agree_on_sigterm)
 
     # -- the parallel layout ------------------------------------------------------------------------------------
     @property
@@ -369,16 +370,18 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     def _make_sigterm_handler_collective_free(self, trainer: "pl.Trainer") -> None:
         """Lightning's SIGTERM handler broadcasts from rank 0 *inside the signal handler*, i.e. wherever the main
         thread happens to be: with a scheduler's signal arriving mid-step, that broadcast pairs with another rank's
-        all-to-all or reduce-scatter (a hang, or silently wrong data). Only record the signal; the training loop
-        already broadcasts rank 0's flag at the next step boundary, where every rank is."""
-        if threading.current_thread() is not threading.main_thread() or self.world_size == 1:
+        all-to-all or reduce-scatter (a hang, or silently wrong data). Only record the signal privately:
+        `_agree_on_sigterm` turns it into Lightning's flag on every rank at once. (Lightning's end-of-batch check
+        reads each rank's own flag, so a flag set here directly would stop only the ranks the signal reached.)"""
+        self._sigterm_pending = False
+        if threading.current_thread() is not threading.main_thread():
             return
         connector = trainer._signal_connector
         previous = signal.getsignal(signal.SIGTERM)
 
         def record_sigterm(signum, frame) -> None:
-            rank_zero_info("lightning_ulysses: SIGTERM received; saving at the next step boundary.")
-            connector.received_sigterm = True
+            rank_zero_info("lightning_ulysses: SIGTERM received; saving at the next optimizer-step boundary.")
+            self._sigterm_pending = True
             # Lightning's own non-broadcasting handlers (SLURM's "bypass") and the user's handlers keep running.
             for handler in getattr(previous, "signal_handlers", []):
                 if getattr(handler, "__func__", None) is not type(connector)._sigterm_notifier_fn and callable(handler):
@@ -611,12 +614,27 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             if self._resume.rng_state is not None:
                 checkpoints.restore_rng_state(self._resume.rng_state)
             self._resume = None
+        self._agree_on_sigterm()
         super().on_train_batch_start(batch, batch_idx)
+
+    def _agree_on_sigterm(self) -> None:
+        """Whether any rank got a SIGTERM, agreed by all ranks at the same batch (one all-reduce), and handed to
+        Lightning's end-of-batch check on every rank together only at an optimizer-step boundary: a checkpoint
+        holds no gradients accumulated inside a window, so saving there would lose them on resume."""
+        pending = self._sigterm_pending
+        if self.world_size > 1:
+            flag = torch.tensor([int(pending)], device=self.root_device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            pending = bool(flag.item())
+        self._sigterm_pending = pending
+        trainer = self.lightning_module.trainer
+        if pending and not trainer.fit_loop._should_accumulate():
+            trainer._signal_connector.received_sigterm = True
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        # Lightning raises SIGTERMException on every rank at the same step boundary (it broadcasts rank 0's flag
-        # before each batch), so all ranks are here together and can save.
+        # Lightning raises SIGTERMException on every rank at the same step boundary (`_agree_on_sigterm` sets every
+        # rank's flag in the same batch), so all ranks are here together and can save.
         if isinstance(exception, SIGTERMException) and self._groups is not None:
             self._save_on_sigterm()
         elif self._watchdog is not None and is_peer_failure(exception):

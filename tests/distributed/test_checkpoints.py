@@ -23,7 +23,7 @@ CASES = [
     {"name": "sp1", "sp": 1, "batch_size": 1, "steps": STEPS, "save_every": SAVE_AT},
     {"name": "sp1_to_sp4", "sp": 4, "batch_size": 4, "steps": STEPS, "resume": f"sp1/step={SAVE_AT}.ckpt"},
     {"name": "sp2", "sp": 2, "batch_size": 2, "steps": STEPS},
-    {"name": "sp2_sigterm", "sp": 2, "batch_size": 2, "steps": STEPS, "sigterm_after": SAVE_AT},
+    {"name": "sp2_sigterm", "sp": 2, "batch_size": 2, "steps": STEPS, "sigterm_in_batch": SAVE_AT - 1},
     {"name": "sp2_from_sigterm", "sp": 2, "batch_size": 2, "steps": STEPS, "resume": "hpc", "root": "sp2_sigterm"},
 ]
 
@@ -135,6 +135,8 @@ def test_sigterm_inside_an_accumulation_window_resumes_exactly(accumulation_runs
     full, resumed = steps(results, "accumulate"), steps(results, "accumulate_resumed")
     assert all(rank["accumulate_sigterm"]["exited_cleanly"] for rank in results)
     # The save waits for the window's optimizer step: no accumulated gradient is lost with the process.
+    assert {rank["accumulate_sigterm"]["global_step"] for rank in results} == {2}
+    assert sorted(resumed) == [2]
     for step in resumed:
         assert resumed[step] == full[step]
     for name, value in results[0]["accumulate"]["weights"].items():

@@ -49,25 +49,14 @@ class ResumableLM(CausalLM):
 
 
 class SigtermInStep(L.Callback):
-    """A SIGTERM that reaches some ranks while they are inside a batch (before Lightning's end-of-batch check):
-    a scheduler that signals only the launching process, or ranks skewed in time when the signal lands."""
+    """What a scheduler's SIGTERM looks like to a rank: it arrives while a step runs. With `ranks` a subset: a
+    scheduler that signals only the launching process, or ranks skewed in time when the signal lands."""
 
     def __init__(self, batch_idx: int, ranks: list):
         self.batch_idx, self.ranks = batch_idx, ranks
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == self.batch_idx and trainer.global_rank in self.ranks:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-
-class SigtermAfterStep(L.Callback):
-    """What a scheduler's SIGTERM looks like to each rank: the signal arrives between two steps."""
-
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.step:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -79,8 +68,6 @@ def run(case: dict, workdir: Path, world_size: int) -> dict:
     if case.get("save_every"):
         callbacks.append(ModelCheckpoint(dirpath=workdir / case["name"], every_n_train_steps=case["save_every"],
                                          save_top_k=-1, filename="{step}"))
-    if case.get("sigterm_after"):
-        callbacks.append(SigtermAfterStep(case["sigterm_after"]))
     if case.get("sigterm_in_batch") is not None:
         callbacks.append(SigtermInStep(case["sigterm_in_batch"], case.get("sigterm_ranks", list(range(world_size)))))
     trainer = L.Trainer(
