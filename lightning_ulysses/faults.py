@@ -105,11 +105,14 @@ class RankWatchdog:
                     elif now - last_change[rank] > self.timeout and not self._finished(store, rank):
                         self._abort(self._describe(store, rank, now - last_change[rank]))
             except Exception as error:  # the store lives in rank 0 or the launcher: it is gone with them
-                if self._stop.is_set():
+                # At the normal end of a job the store's host (rank 0) may leave its script while this rank is
+                # still finishing: wait one timeout for this rank to finish too before calling it a failure.
+                if self._stop.wait(self.timeout):
                     return
                 self._abort(
                     f"the rendezvous store at {self.host}:{self.port} stopped answering ({type(error).__name__}:"
-                    f" {error}); it lives in global rank 0 (or in torchrun's agent), which has most likely died"
+                    f" {error}) and this rank did not finish within {self.timeout:.0f} s; the store lives in global"
+                    " rank 0 (or in torchrun's agent), which has most likely died"
                 )
 
     def _finished(self, store, rank: int) -> bool:

@@ -47,3 +47,12 @@ def test_a_rank_killed_mid_save_leaves_the_last_complete_checkpoint(tmp_path):
     # ...and the half-written save is refused with a message naming the good one.
     with pytest.raises(checkpoints.IncompleteCheckpointError, match="load last.ckpt"):
         checkpoints.resolve_checkpoint(checkpoints.staging_path(last))
+
+
+def test_rank_0_leaving_first_at_the_end_of_a_job_is_not_a_failure(tmp_path):
+    # Rank 0 hosts the rendezvous store; here it finishes and exits while rank 1 still lingers after training. The
+    # watchdog of rank 1 loses the store but must wait for its own rank to finish rather than report a death.
+    linger = HEARTBEAT_TIMEOUT / 2
+    outcome = run_ranks(WORKER, 2, {"kill": "none", "victim": 1, "linger": linger, "sp": 2, "steps": 2,
+                                    "heartbeat_timeout": HEARTBEAT_TIMEOUT}, tmp_path, timeout=BOUND)
+    assert outcome.returncodes == [0, 0], outcome.logs[1][-3000:]

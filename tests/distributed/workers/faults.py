@@ -1,13 +1,16 @@
 """Worker: one rank is SIGKILLed mid-step or mid-save; what do the others do?
 
 `spec["kill"]`: "step" kills `victim` at the start of training step `at` (before its collectives); "save" kills it
-inside the `at`-th checkpoint save, after DeepSpeed wrote its shards and before the save was committed.
+inside the `at`-th checkpoint save, after DeepSpeed wrote its shards and before the save was committed; "none"
+kills nobody, and `victim` lingers `linger` seconds after training before the strategy tears down, so that rank 0
+(which hosts the rendezvous store) leaves first, as it may at the end of any job.
 """
 
 import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -22,6 +25,14 @@ from tests.distributed.common import CausalLM, UnevenlyMaskedTokens, collate
 def die() -> None:
     print(f"rank {os.environ['RANK']}: killing myself (pid {os.getpid()})", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+class LingerAfterTraining(L.Callback):
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def on_train_end(self, trainer, pl_module):
+        time.sleep(self.seconds)
 
 
 class KillAtStep(L.Callback):
@@ -40,6 +51,8 @@ def main() -> None:
     callbacks = [ModelCheckpoint(dirpath=workdir / "checkpoints", save_last=True, every_n_train_steps=1, save_top_k=0)]
     if spec["kill"] == "step" and is_victim:
         callbacks.append(KillAtStep(spec["at"]))
+    if spec["kill"] == "none" and is_victim:
+        callbacks.append(LingerAfterTraining(spec["linger"]))
     if spec["kill"] == "save" and is_victim:
         save_rng_state, calls = checkpoints.save_rng_state, []
 
@@ -52,7 +65,7 @@ def main() -> None:
         checkpoints.save_rng_state = save_then_die
     world_size = int(os.environ["WORLD_SIZE"])
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, max_steps=50, precision="32-true", logger=False,
+        accelerator="cpu", devices=world_size, max_steps=spec.get("steps", 50), precision="32-true", logger=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
         strategy=lightning_ulysses.UlyssesDeepSpeedStrategy(
             sequence_parallel_size=spec["sp"], heartbeat_timeout=spec["heartbeat_timeout"]),
