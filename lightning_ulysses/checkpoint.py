@@ -60,6 +60,9 @@ class CheckpointManifest:
     # prefix of the epoch's sample order that a resume skips, whatever the new DP size.
     epoch_samples_consumed: int
     hf_models: tuple[str, ...] = ()
+    # Samples per training batch over all DP ranks (batch size × DP): a mid-epoch resume must keep it, since
+    # Lightning's restored batch counter is in batches of this size.
+    global_batch_size: Optional[int] = None
     format: int = FORMAT_VERSION
 
     def write(self, directory: Path) -> None:
@@ -197,8 +200,16 @@ class ResumableSampler(Sampler):
         self.data_parallel_size = data_parallel_size
         self._skip_per_rank = 0
 
-    def skip_once(self, epoch_samples_consumed: int) -> None:
+    def skip_once(self, epoch_samples_consumed: int, saved_global_batch: Optional[int] = None,
+                  global_batch: Optional[int] = None) -> None:
         """Skip `epoch_samples_consumed` (counted over all DP ranks) at the start of the next iteration."""
+        if saved_global_batch is not None and global_batch is not None and saved_global_batch != global_batch:
+            raise ValueError(
+                f"The checkpoint was written in the middle of an epoch with a global batch of {saved_global_batch}"
+                f" samples (batch size × data-parallel size) and this run has {global_batch}: Lightning counts the"
+                " epoch's progress in batches, so the data position cannot be continued. Keep the global batch (e.g."
+                " halve the batch size when doubling the data-parallel size) or resume from an epoch-end checkpoint."
+            )
         if epoch_samples_consumed % self.data_parallel_size:
             raise ValueError(
                 f"The checkpoint was written after {epoch_samples_consumed} samples of the current epoch, which the"

@@ -91,6 +91,7 @@ class _PendingResume:
     """What a loaded checkpoint still has to restore once training starts."""
 
     epoch_samples_consumed: int
+    global_batch_size: Optional[int]
     rng_state: Optional[dict[str, Any]]
 
 
@@ -532,8 +533,13 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             data_parallel_size=groups.data_parallel_world_size,
             zero_stage=self.config["zero_optimization"]["stage"],
             epoch_samples_consumed=self._epoch_samples_consumed(),
+            global_batch_size=self._global_batch_size(),
             hf_models=tuple(self._hf_model_configs),
         )
+
+    def _global_batch_size(self) -> Optional[int]:
+        batch_size = getattr(self.lightning_module.trainer.train_dataloader, "batch_size", None)
+        return None if batch_size is None else batch_size * self.parallel_groups.data_parallel_world_size
 
     def _epoch_samples_consumed(self) -> int:
         """Samples of the current epoch trained on so far, over all DP ranks (0 between epochs)."""
@@ -541,10 +547,10 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         progress = trainer.fit_loop.epoch_loop.batch_progress
         if progress.is_last_batch or not progress.current.processed:
             return 0
-        batch_size = getattr(trainer.train_dataloader, "batch_size", None)
-        if batch_size is None:  # a custom batch sampler: positions cannot be counted in samples
+        global_batch = self._global_batch_size()
+        if global_batch is None:  # a custom batch sampler: positions cannot be counted in samples
             return -1
-        return progress.current.processed * batch_size * self.parallel_groups.data_parallel_world_size
+        return progress.current.processed * global_batch
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -565,6 +571,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             same_layout = manifest.sequence_parallel_size == self.sequence_parallel_world_size
             self._resume = _PendingResume(
                 epoch_samples_consumed=manifest.epoch_samples_consumed,
+                global_batch_size=manifest.global_batch_size,
                 # Each rank's generators continue where they were; at another split ranks play other roles.
                 rng_state=checkpoints.load_rng_state(Path(checkpoint_path), self.global_rank) if same_layout else None,
             )
@@ -601,8 +608,11 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             rank_zero_warn("The checkpoint's position inside its epoch cannot be restored for this dataloader (a"
                            " custom batch sampler or an iterable dataset): the epoch's data restarts from its beginning.")
             return dataloader
-        sampler = checkpoints.ResumableSampler(dataloader.sampler, self.parallel_groups.data_parallel_world_size)
-        sampler.skip_once(resume.epoch_samples_consumed)  # raises before any collective if the split cannot match
+        data_parallel_size = self.parallel_groups.data_parallel_world_size
+        sampler = checkpoints.ResumableSampler(dataloader.sampler, data_parallel_size)
+        global_batch = None if dataloader.batch_size is None else dataloader.batch_size * data_parallel_size
+        # Raises before any collective (every rank has the same manifest and loader) if the position cannot continue.
+        sampler.skip_once(resume.epoch_samples_consumed, resume.global_batch_size, global_batch)
         resume.epoch_samples_consumed = 0
         return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
 

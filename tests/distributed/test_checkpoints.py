@@ -20,6 +20,9 @@ CASES = [
     {"name": "sp4_to_sp4", "sp": 4, "batch_size": 4, "steps": STEPS, "resume": f"sp4/step={SAVE_AT}.ckpt"},
     {"name": "sp4_to_sp2", "sp": 2, "batch_size": 2, "steps": STEPS, "resume": f"sp4/step={SAVE_AT}.ckpt"},
     {"name": "sp4_to_sp1", "sp": 1, "batch_size": 1, "steps": STEPS, "resume": f"sp4/step={SAVE_AT}.ckpt"},
+    # Half the global batch: Lightning's restored batch counter could not continue the epoch's data.
+    {"name": "sp4_to_sp2_half_batch", "sp": 2, "batch_size": 1, "steps": STEPS, "resume": f"sp4/step={SAVE_AT}.ckpt",
+     "expect_error": True},
     {"name": "sp1", "sp": 1, "batch_size": 1, "steps": STEPS, "save_every": SAVE_AT},
     {"name": "sp1_to_sp4", "sp": 4, "batch_size": 4, "steps": STEPS, "resume": f"sp1/step={SAVE_AT}.ckpt"},
     {"name": "sp2", "sp": 2, "batch_size": 2, "steps": STEPS},
@@ -77,6 +80,13 @@ def test_resume_at_another_split_continues_the_same_training(runs, reference, re
         after_mean = mean(after[step]["losses"], len(after[step]["losses"]))
         assert abs(full_mean - after_mean) < 1e-5
     assert max_relative_weight_error(results, resumed, reference) < 1e-4
+
+
+def test_a_mid_epoch_resume_with_another_global_batch_is_refused_on_every_rank(runs):
+    results, _ = runs
+    for rank in results:
+        assert "global batch of 4 samples" in rank["sp4_to_sp2_half_batch"]["error"]
+        assert rank["sp4_to_sp2_half_batch"]["records"] == []  # refused before the first step
 
 
 def test_sigterm_saves_exits_cleanly_and_resumes_exactly(runs):

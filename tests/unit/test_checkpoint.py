@@ -93,6 +93,13 @@ def test_a_position_the_new_data_parallel_size_cannot_reach_is_refused():
         sampler.skip_once(6)
 
 
+def test_a_different_global_batch_cannot_continue_an_epoch():
+    sampler = checkpoints.ResumableSampler(DistributedSampler(list(range(12)), num_replicas=2, rank=0), 2)
+    with pytest.raises(ValueError, match="global batch of 4 .* this run has 2"):
+        sampler.skip_once(8, saved_global_batch=4, global_batch=2)
+    sampler.skip_once(8, saved_global_batch=4, global_batch=4)
+
+
 def test_watchdog_rejects_a_non_positive_timeout():
     with pytest.raises(ValueError, match="positive"):
         RankWatchdog("127.0.0.1", 1, rank=0, world_size=2, timeout=0)

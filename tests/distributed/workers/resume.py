@@ -81,17 +81,22 @@ def run(case: dict, workdir: Path, world_size: int) -> dict:
     ckpt_path = case.get("resume")
     if ckpt_path and ckpt_path != "hpc":
         ckpt_path = str(workdir / ckpt_path)
-    exited = False
+    exited, error = False, None
     try:
         trainer.fit(module, loader, ckpt_path=ckpt_path)
     except SystemExit as stop:  # Lightning's SIGTERMException
         exited = stop.code in (None, 0)
+    except ValueError as refused:
+        if not case.get("expect_error"):
+            raise
+        error = str(refused)
     return {
         "records": [{k: v for k, v in r.items() if k in ("loss", "sample_index", "rng_probe", "global_step")}
                     for r in module.records],
         "weights": getattr(module, "final_weights", None) if dist.get_rank() == 0 else None,
         "initial": initial if dist.get_rank() == 0 else None,
         "exited_cleanly": exited,
+        "error": error,
         "global_step": trainer.global_step,
     }
 
