@@ -1,0 +1,34 @@
+"""Regressions found in review (one 2-rank launch, see workers/review_regressions.py)."""
+
+import pytest
+
+from tests.distributed.harness import ROOT, launch
+
+WORKER = ROOT / "tests" / "distributed" / "workers" / "review_regressions.py"
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return launch(WORKER, 2, {}, tmp_path_factory.mktemp("review"))
+
+
+@pytest.mark.parametrize("sequence_parallel_in_evaluation", [True, False])
+def test_sequence_parallel_metric_counts_every_token_once(results, sequence_parallel_in_evaluation):
+    # Unsharded evaluation gives both SP ranks the same whole rows: syncing over the world counts them twice.
+    for rank in results:
+        assert rank[f"counted_{sequence_parallel_in_evaluation}"] == 64
+
+
+def test_throughput_flops_add_up_every_rank_own_length(results):
+    steps = list(zip(*(rank["throughput_steps"] for rank in results)))
+    assert any(len({step["length"] for step in ranks}) > 1 for ranks in steps), "DP ranks must differ in length"
+    for ranks in steps:
+        expected = sum(step["own_flops"] for step in ranks)
+        for step in ranks:
+            assert step["flops"] == pytest.approx(expected, rel=1e-12), (ranks, expected)
+
+
+def test_last_logits_skip_the_padding_the_strategy_added(results):
+    # 15 tokens at SP 2: the sharder appends one padding token; "last" must still be token 14's logits.
+    for rank in results:
+        assert rank["last_error"] < 1e-5
