@@ -5,7 +5,6 @@
 - `sequence_outputs(..., "last")` on a 15-token row that the sharder pads to 16 (no attention mask).
 """
 
-import json
 import sys
 from pathlib import Path
 
@@ -23,8 +22,8 @@ from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
 from lightning_ulysses.metrics import SequenceParallel
 from tests.distributed.common import CausalLM, UnevenlyMaskedTokens, collate, tiny_llama
 
-TRAINER = dict(accelerator="cpu", devices=2, precision="32-true", logger=False, enable_progress_bar=False,
-               enable_model_summary=False, enable_checkpointing=False)
+TRAINER = {"accelerator": "cpu", "devices": 2, "precision": "32-true", "logger": False, "enable_progress_bar": False,
+           "enable_model_summary": False, "enable_checkpointing": False}
 
 
 class TokenCounting(CausalLM):
