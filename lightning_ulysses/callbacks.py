@@ -83,11 +83,11 @@ class ThroughputCallback(pl.Callback):
         if not getattr(trainer.strategy, "batches_are_sharded", False):
             sequence_parallel = 1
         seq_len = input_ids.size(1) * sequence_parallel  # the whole sequence (an SP rank holds 1/SP of it)
-        local = torch.tensor([input_ids.numel(), input_ids.size(0)], dtype=torch.float64,
-                             device=trainer.strategy.root_device)
-        tokens, rows = trainer.strategy.reduce(local, reduce_op="sum").tolist()
-        sequences = rows / sequence_parallel  # each sequence's rows are counted once per SP rank
-        flops = sequences * model_flops_per_sequence(self.model_shape, seq_len)
+        # Each rank adds the FLOPs of its own rows at its own length (DP ranks may hold different lengths in one
+        # step); every sequence's rows sit on all its SP ranks, so each rank adds 1/SP of them.
+        local_flops = input_ids.size(0) / sequence_parallel * model_flops_per_sequence(self.model_shape, seq_len)
+        local = torch.tensor([input_ids.numel(), local_flops], dtype=torch.float64, device=trainer.strategy.root_device)
+        tokens, flops = trainer.strategy.reduce(local, reduce_op="sum").tolist()
         self.total_tokens += int(tokens)
         metrics = {"throughput/tokens_per_s": tokens / seconds, "throughput/tflops": flops / seconds / 1e12,
                    "memory/peak_gib": _peak_memory(trainer) / 2**30}
