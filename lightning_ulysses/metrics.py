@@ -86,12 +86,17 @@ class SequenceParallel(Metric):
         self._sequence_parallel_group: Optional[Any] = None
         self._shard_order = None  # how the rows were cut (zig-zag with a ring): gathered pieces are put back in order
 
-    def bind_parallel_groups(self, groups) -> None:
-        """Called by the strategy at setup, and with None to unbind."""
+    def bind_parallel_groups(self, groups, whole_rows: bool = False) -> None:
+        """Called by the strategy at setup, and with None to unbind. `whole_rows=True` (evaluation with
+        `sequence_parallel_in_evaluation=False`): every SP rank already holds the same whole rows, so nothing is
+        gathered, but the state still syncs over DP only."""
         if groups is None or groups.sequence_parallel_world_size == 1:
             self._sequence_parallel_group, self.metric.process_group, self._shard_order = None, None, None
         else:
-            self._sequence_parallel_group, self._shard_order = groups.sequence_parallel_group, groups.shard_order
+            if whole_rows:
+                self._sequence_parallel_group, self._shard_order = None, None
+            else:
+                self._sequence_parallel_group, self._shard_order = groups.sequence_parallel_group, groups.shard_order
             # SP ranks hold identical states after the gather: sync over DP only, or each sample counts SP times.
             self.metric.process_group = groups.data_parallel_group
 

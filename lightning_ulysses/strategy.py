@@ -40,6 +40,7 @@ from lightning_ulysses.attention.hf import find_hf_models, hf_head_counts, prepa
 from lightning_ulysses.faults import RankWatchdog, is_peer_failure
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, check_ring_size, check_sequence_parallel_size
 from lightning_ulysses.memory import MemoryOptions, apply_allocator_settings, apply_memory_options
+from lightning_ulysses.metrics import SequenceParallel
 from lightning_ulysses.loss import (
     LossFunctionHost,
     SequenceParallelCausalLMLoss,
@@ -456,6 +457,11 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         if not self.sequence_parallel_in_evaluation and not self._unsharded_evaluation:
             self._restore_modules()
             self._unsharded_evaluation = True
+            # Every SP rank now evaluates the same whole rows: SP-aware metrics must still sync over DP only.
+            for metric in self.lightning_module.modules():
+                if isinstance(metric, SequenceParallel):
+                    metric.bind_parallel_groups(self.parallel_groups, whole_rows=True)
+                    self._restore_callbacks.append(functools.partial(metric.bind_parallel_groups, None))
 
     @override
     def on_validation_end(self) -> None:
