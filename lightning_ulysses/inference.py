@@ -40,12 +40,15 @@ def sequence_outputs(
     attention_mask: Optional[torch.Tensor] = None,
     ignore_index: int = IGNORE_INDEX,
     order: Optional[ShardOrder] = None,
+    sequence_length: Optional[int] = None,
 ) -> torch.Tensor:
     """Assemble `kind` from this rank's `logits` shard (see the module docstring).
 
     `labels` (aligned with the logits, as the strategy delivers them) are needed for `"log_probs"`;
-    `attention_mask` (this rank's shard) tells `"last"` where each row really ends (default: the last position);
-    `order`: how the batch was cut (`strategy.parallel_groups.shard_order`; None: contiguous shards).
+    `attention_mask` (this rank's shard) tells `"last"` where each row really ends; without one, `sequence_length`
+    (the rows' length before the sharder padded them to a multiple of the SP size: `SequenceSharder.unpadded_length`)
+    does, else the last position of the padded rows. `order`: how the batch was cut
+    (`strategy.parallel_groups.shard_order`; None: contiguous shards).
     """
     group = sequence_parallel_group
     if kind == "full":
@@ -58,17 +61,18 @@ def sequence_outputs(
         log_probs = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets).squeeze(-1) * valid
         return all_gather_sequence(log_probs, group, 1, order)
     if kind == "last":
-        return _last_position_logits(logits, group, attention_mask, order)
+        return _last_position_logits(logits, group, attention_mask, order, sequence_length)
     raise ValueError(f"kind must be 'last', 'log_probs' or 'full', got {kind!r}")
 
 
 def _last_position_logits(logits: torch.Tensor, group, attention_mask: Optional[torch.Tensor],
-                          order: Optional[ShardOrder]) -> torch.Tensor:
+                          order: Optional[ShardOrder], sequence_length: Optional[int] = None) -> torch.Tensor:
     batch, local_len, _ = logits.shape
     size = 1 if group is None else dist.get_world_size(group)
     rank = 0 if group is None else dist.get_rank(group)
     if attention_mask is None:
-        full_mask = torch.ones(batch, local_len * size, dtype=torch.bool, device=logits.device)
+        real = torch.arange(local_len * size, device=logits.device) < (sequence_length or local_len * size)
+        full_mask = real.expand(batch, -1)
     else:
         full_mask = all_gather_sequence(attention_mask.bool(), group, 1, order)
     # Index of the last real token of each row (right padding), in global positions.

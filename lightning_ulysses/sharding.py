@@ -51,6 +51,9 @@ class SequenceSharder:
         self.sequence_padding = sequence_padding
         self.pad_token_id = pad_token_id
         self.order = ShardOrder(sequence_parallel_size, ring_size)
+        # The length of the last batch's rows before padding: where `inference.sequence_outputs(kind="last")` finds
+        # each row's last real token when the batch carries no attention mask.
+        self.unpadded_length: int | None = None
 
     def __call__(self, batch: Any) -> Any:
         if not isinstance(batch, Mapping) or "input_ids" not in batch:
@@ -63,7 +66,7 @@ class SequenceSharder:
                 " Return such a dict from your Dataset/collate_fn."
             )
         batch = dict(batch)
-        seq_len = batch["input_ids"].size(1)
+        seq_len = self.unpadded_length = batch["input_ids"].size(1)
         self._check_shapes(batch, seq_len)
         if self.sequence_parallel_size > 1:
             self._check_no_whole_row_documents(batch)

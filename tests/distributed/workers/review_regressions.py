@@ -78,8 +78,11 @@ def main():
         expected = tiny_llama(2)(input_ids=input_ids).logits[:, -1]
         model = tiny_llama(2)
         prepare_hf_model(model, groups.sequence_parallel_group)
-        shard = SequenceSharder(2, groups.sequence_parallel_rank)({"input_ids": input_ids})
-        last = sequence_outputs(model(**shard).logits, "last", groups.sequence_parallel_group)
+        sharder = SequenceSharder(2, groups.sequence_parallel_rank)
+        shard = sharder({"input_ids": input_ids})
+        last = sequence_outputs(model(**shard).logits, "last", groups.sequence_parallel_group,
+                                sequence_length=sharder.unpadded_length)
+    out["unpadded_length"] = sharder.unpadded_length
     out["last_error"] = (last - expected).abs().max().item()
     torch.save(out, workdir / f"result_{dist.get_rank()}.pt")
 
