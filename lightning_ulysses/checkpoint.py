@@ -242,10 +242,10 @@ def deepspeed_tag(path: Path) -> str:
 
 
 def consolidated_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """The LightningModule's full fp32 state dict, assembled from the ZeRO shards (CPU memory: one model copy)."""
+    """The LightningModule's full fp32 state dict, assembled from the ZeRO shards of the complete checkpoint at
+    `path` (as `resolve_checkpoint` returns it; CPU memory: one model copy)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    path = resolve_checkpoint(Path(path))
     return get_fp32_state_dict_from_zero_checkpoint(str(path), tag=deepspeed_tag(path))
 
 

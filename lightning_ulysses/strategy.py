@@ -197,6 +197,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._watchdog: Optional[RankWatchdog] = None
         self._hf_model_configs: dict[str, Any] = {}  # module path → the config save_pretrained will need
         self._resume: Optional[_PendingResume] = None
+        self._preflight_reported = False
         self._sigterm_pending = False  # a SIGTERM this rank received, not yet agreed on (see _agree_on_sigterm)
 
     # -- the parallel layout ------------------------------------------------------------------------------------
@@ -347,7 +348,10 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         self._prepare_modules()
         super().setup(trainer)
-        if self.local_rank == 0:  # once per node: links, NUMA and host memory are per machine
+        # Once per node (links, NUMA and host memory are per machine) and per strategy: fit → validate → test in
+        # one process sets up again on the same machine.
+        if self.local_rank == 0 and not self._preflight_reported:
+            self._preflight_reported = True
             _log.info(preflight.format_report(preflight.check(self._planned_run()),
                                               title=f"lightning_ulysses preflight (node {self.node_rank})"))
 
@@ -587,19 +591,13 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         # into an engine without optimizer (it calls `_restore_from_bit16_weights` on `DeepSpeedZeRoOffload`).
         # Consolidate the fp32 weights from the shards instead and let Lightning's full-weights path copy them into
         # the partitioned parameters, module by module.
-        from deepspeed.utils.zero_to_fp32 import (
-            get_fp32_state_dict_from_zero_checkpoint,
-        )
-
-        tag = checkpoints.deepspeed_tag(Path(checkpoint_path))
+        path = Path(checkpoint_path)
         # Lightning's own entries (epoch, callbacks, ...) are saved as DeepSpeed client state in every model-state file.
-        states = Path(checkpoint_path) / tag / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+        states = path / checkpoints.deepspeed_tag(path) / "zero_pp_rank_0_mp_rank_00_model_states.pt"
         checkpoint = torch.load(states, map_location="cpu", weights_only=False)
         # Only global rank 0 reads the weights (`_restore_zero_state` copies them in from rank 0 alone): one full
         # fp32 copy of the model in host memory, not one per rank.
-        checkpoint["state_dict"] = (
-            get_fp32_state_dict_from_zero_checkpoint(checkpoint_path, tag=tag) if self.is_global_zero else {}
-        )
+        checkpoint["state_dict"] = checkpoints.consolidated_state_dict(path) if self.is_global_zero else {}
         self._load_consolidated_weights = True
         return checkpoint
 
