@@ -9,12 +9,14 @@ are switched per point (every MLP is marked a ZeRO-3 leaf before DeepSpeed start
         --steps 3 > results.jsonl
 
 Features per point: none, or '+'-joined ac (layer checkpointing), offload (its inputs on the host), mlp (tiled
-MLP), logits (tiled logits + loss). One JSON line per point; an OOM is a line too.
+MLP), logits (tiled logits + loss), attn (keep attention outputs), everyK (checkpoint every K-th layer's input)
+— `lightning_ulysses.plan.memory_options`. One JSON line per point; an OOM is a line too.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -28,14 +30,18 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from lightning_ulysses.memory import MemoryOptions, apply_memory_options  # noqa: E402
+from lightning_ulysses.memory import apply_memory_options  # noqa: E402
+from lightning_ulysses.plan import memory_options  # noqa: E402
 from lightning_ulysses.planner import MODELS, TrainingSetup, plan_memory  # noqa: E402
 
 PEAK_FLOPS = 772e12  # measured bf16 matmul peak of the lent H200 (DESIGN-NOTES)
 GIB = 2**30
-FEATURES = {"ac": "activation_checkpointing", "offload": "offload_activations", "mlp": "tiled_mlp",
-            "logits": "tiled_logits_loss"}
+SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 
 
 def model_flops(shape, seq_len: int) -> float:
@@ -43,9 +49,6 @@ def model_flops(shape, seq_len: int) -> float:
     return 6 * shape.num_parameters * seq_len + 6 * shape.num_layers * seq_len**2 * shape.hidden_size
 
 
-def memory_options(features: str, mlp_tile: int, logits_tile: int) -> MemoryOptions:
-    flags = {} if features == "none" else {FEATURES[f]: True for f in features.split("+")}
-    return MemoryOptions(mlp_tile_tokens=mlp_tile, logits_tile_tokens=logits_tile, **flags)
 
 
 def host_rss() -> int:
@@ -86,6 +89,55 @@ def build_engine(name: str, offload_ratio: float, sub_group_size: int):
     return shape, model, engine
 
 
+def sdpa_priority(name: str):
+    """SDPA kernels tried first to last (torch's default order tries flash first; cuDNN's kernels are faster on
+    Hopper: benchmarks/attention_kernels.py)."""
+    if name == "default":
+        return contextlib.nullcontext()
+    first = SDPA_BACKENDS[name]
+    return sdpa_kernel([first] + [b for b in SDPA_BACKENDS.values() if b != first], set_priority=True)
+
+
+class _KernelNames(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def attention_kernel(shape) -> str:
+    """The kernel F.scaled_dot_product_attention picks for this model's heads (causal, GQA as HF calls it)."""
+    q = torch.randn(1, shape.num_heads, 1024, shape.head_dim, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, shape.num_key_value_heads, 1024, shape.head_dim, device="cuda", dtype=torch.bfloat16)
+    with _KernelNames() as names:
+        F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
+    return ",".join(n for n in names.names if "attention" in n)
+
+
+def host_peak_rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_steps(engine, input_ids, args, times: list, rss: list) -> None:
+    for step in range(args.warmup + args.steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = engine(input_ids=input_ids, labels=input_ids).loss
+        rss[0] = max(rss[0], host_rss())
+        engine.backward(loss)
+        engine.step()
+        torch.cuda.synchronize()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+    args.last_loss = float(loss)
+
+
 def run_point(shape, model, engine, seq: int, features: str, args, offload_ratio: float) -> dict:
     options = memory_options(features, args.mlp_tile, args.logits_tile)
     predicted = plan_memory(shape, TrainingSetup(seq_len=seq, memory=options, offload_optimizer=offload_ratio,
@@ -94,25 +146,19 @@ def run_point(shape, model, engine, seq: int, features: str, args, offload_ratio
               "predicted_gpu_gib": predicted.gpu_total / GIB, "predicted_host_gib": predicted.host_total / GIB,
               "predicted_terms_gib": {k: round(v / GIB, 3) for k, v in predicted.gpu.items()}}
     restores = apply_memory_options(model, options)
+    record["sdpa_backend"] = args.sdpa_backend
     generator = torch.Generator(device="cuda").manual_seed(seq)
     input_ids = torch.randint(0, shape.vocab_size, (1, seq), device="cuda", generator=generator)
-    times, rss_after_forward = [], 0
+    times, rss = [], [0]
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     rss_before = host_rss()
     try:
-        for step in range(args.warmup + args.steps):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            loss = engine(input_ids=input_ids, labels=input_ids).loss
-            rss_after_forward = max(rss_after_forward, host_rss())
-            engine.backward(loss)
-            engine.step()
-            torch.cuda.synchronize()
-            if step >= args.warmup:
-                times.append(time.perf_counter() - start)
+        with sdpa_priority(args.sdpa_backend):
+            record["attention_kernel"] = attention_kernel(shape)
+            run_steps(engine, input_ids, args, times, rss)
         step_time = statistics.median(times)
-        record.update(status="ok", loss=float(loss), step_times=times, step_time=step_time, tokens_per_s=seq / step_time,
+        record.update(status="ok", loss=args.last_loss, step_times=times, step_time=step_time, tokens_per_s=seq / step_time,
                       tflops=model_flops(shape, seq) / step_time / 1e12,
                       mfu=model_flops(shape, seq) / step_time / PEAK_FLOPS)
     except torch.OutOfMemoryError as error:
@@ -121,10 +167,10 @@ def run_point(shape, model, engine, seq: int, features: str, args, offload_ratio
         for restore in reversed(restores):
             restore()
         engine.zero_grad()
-        loss = None
     record.update(peak_allocated_gib=torch.cuda.max_memory_allocated() / GIB,
                   peak_reserved_gib=torch.cuda.max_memory_reserved() / GIB,
-                  host_rss_before_gib=rss_before / GIB, host_rss_after_forward_gib=rss_after_forward / GIB)
+                  host_rss_before_gib=rss_before / GIB, host_rss_after_forward_gib=rss[0] / GIB,
+                  host_peak_rss_gib=host_peak_rss() / GIB)
     if record["status"] == "ok":
         record["prediction_error"] = record["predicted_gpu_gib"] / record["peak_allocated_gib"] - 1
     gc.collect()
@@ -135,7 +181,8 @@ def run_point(shape, model, engine, seq: int, features: str, args, offload_ratio
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="llama3.2-1b", choices=sorted(MODELS))
-    parser.add_argument("--points", required=True, help="seq:features,... e.g. 8192:none,32768:ac+logits")
+    parser.add_argument("--points", required=True,
+                        help="seq:features[:sdpa backend][@warmup/steps],... e.g. 8192:none,32768:ac+logits:cudnn@1/2")
     parser.add_argument("--offload-optimizer", type=float, default=0.0)
     parser.add_argument("--sub-group-size", type=int, default=1 << 28)
     parser.add_argument("--mlp-tile", type=int, default=8192)
@@ -158,8 +205,9 @@ def main() -> None:
     for point in args.points.split(","):
         # seq:features, optionally @warmup/steps for this point (long sequences: one step is minutes)
         point, _, counts = point.partition("@")
-        seq, features = point.split(":")
+        seq, features, *backend = point.split(":")  # seq:features[:sdpa backend]
         point_args = argparse.Namespace(**vars(args))
+        point_args.sdpa_backend = backend[0] if backend else "default"
         if counts:
             point_args.warmup, point_args.steps = map(int, counts.split("/"))
         print(json.dumps(run_point(shape, model, engine, int(seq), features, point_args, args.offload_optimizer)),

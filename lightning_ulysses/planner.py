@@ -157,8 +157,10 @@ class MemoryPlan:
 
     def _features(self) -> str:
         m = self.setup.memory
-        names = [n for n in ("tiled_mlp", "tiled_logits_loss", "activation_checkpointing", "offload_activations")
-                 if getattr(m, n)]
+        names = [n for n in ("tiled_mlp", "tiled_logits_loss", "activation_checkpointing", "offload_activations",
+                             "keep_attention_outputs") if getattr(m, n)]
+        if m.checkpoint_interval > 1:
+            names.append(f"checkpoint_interval={m.checkpoint_interval}")
         return "features: " + (", ".join(names) if names else "none")
 
     def as_dict(self) -> dict[str, Any]:
@@ -188,7 +190,8 @@ def _layer_backward_transient_per_token(shape: ModelShape, e: int) -> float:
     return e * (2 * h + h + 2 * kv + h)
 
 
-_ACTIVATION_TERMS = ("checkpointed layer inputs", "saved activations (all layers)", "tiled loss: stored gradients")
+_ACTIVATION_TERMS = ("checkpointed layer inputs", "kept attention outputs", "saved activations (all layers)",
+                     "tiled loss: stored gradients")
 
 
 def plan_memory(shape: ModelShape, setup: TrainingSetup) -> MemoryPlan:
@@ -225,13 +228,21 @@ def plan_memory(shape: ModelShape, setup: TrainingSetup) -> MemoryPlan:
     layer_full = _layer_saved_bytes_per_token(shape, e, m.tiled_mlp)
     embedding_output = e * shape.hidden_size * tokens
     if m.activation_checkpointing:
-        checkpoints = e * shape.hidden_size * tokens * shape.num_layers
-        if m.offload_activations:
-            host["checkpointed layer inputs (offloaded)"] = checkpoints
-            gpu["checkpointed layer inputs"] = 0.0
-        else:
-            gpu["checkpointed layer inputs"] = checkpoints
-        layer_transient = (layer_full + _layer_backward_transient_per_token(shape, e)) * tokens
+        # every `checkpoint_interval`-th layer keeps its input; with keep_attention_outputs every layer also keeps
+        # its attention output (16-bit, all heads of its tokens) and fp32 log-sum-exp per head, where inputs go
+        kept = {"checkpointed layer inputs": e * shape.hidden_size * tokens
+                * math.ceil(shape.num_layers / m.checkpoint_interval)}
+        if m.keep_attention_outputs:
+            kept["kept attention outputs"] = (e * shape.hidden_size + 4 * shape.num_heads) * tokens * shape.num_layers
+        for name, value in kept.items():
+            if m.offload_activations:
+                host[f"{name} (offloaded)"] = value
+                gpu[name] = 0.0
+            else:
+                gpu[name] = value
+        # a stretch's recomputed inputs stay on the device until their own layer's backward (k − 1 at most)
+        recomputed_inputs = (m.checkpoint_interval - 1) * e * shape.hidden_size
+        layer_transient = (layer_full + _layer_backward_transient_per_token(shape, e) + recomputed_inputs) * tokens
     else:
         gpu["saved activations (all layers)"] = layer_full * tokens * shape.num_layers + embedding_output
         layer_transient = _layer_backward_transient_per_token(shape, e) * tokens

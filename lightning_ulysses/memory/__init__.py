@@ -10,7 +10,10 @@ UlyssesDeepSpeedStrategy(memory={"tiled_mlp": True})          # a mapping works 
 - `tiled_logits_loss`: training forwards with labels compute the loss from the final hidden states tile by tile
   (`logits_tile_tokens`); whole `[seq, vocab]` logits never exist, and `outputs.logits` is `None`.
 - `activation_checkpointing`: every decoder layer keeps only its input and recomputes itself in backward;
-  `offload_activations` moves those inputs to pinned host memory.
+  `offload_activations` moves those inputs to pinned host memory; `checkpoint_interval` k keeps only every k-th
+  layer's input (the others are recomputed from it: k − 1 extra layer forwards per k layers, 1/k of the kept bytes);
+  `keep_attention_outputs` keeps the attention kernels' outputs (where the inputs are kept) so the recompute skips
+  the attention forward, the dominant kernel at long sequences.
 - `expandable_segments`: the CUDA allocator grows segments in place instead of fragmenting
   (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` unless that variable is set already).
 
@@ -29,7 +32,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from lightning_ulysses.memory.checkpointing import HostActivationStore, checkpoint_layer
+from lightning_ulysses.memory.checkpointing import HostActivationStore, checkpoint_layers
 from lightning_ulysses.memory.logits_loss import TiledLogitsLoss, fuse_head_with_loss, fuse_hugging_face_loss
 from lightning_ulysses.memory.tiled_mlp import tile_mlp
 
@@ -42,15 +45,20 @@ class MemoryOptions:
     logits_tile_tokens: int = 4096
     activation_checkpointing: bool = False
     offload_activations: bool = False
+    checkpoint_interval: int = 1
+    keep_attention_outputs: bool = False
     expandable_segments: bool = False
 
     def __post_init__(self) -> None:
         if self.offload_activations and not self.activation_checkpointing:
             raise ValueError("offload_activations=True moves the checkpointed layer inputs to host memory: it needs"
                              " activation_checkpointing=True as well.")
-        for name in ("mlp_tile_tokens", "logits_tile_tokens"):
+        if (self.checkpoint_interval != 1 or self.keep_attention_outputs) and not self.activation_checkpointing:
+            raise ValueError("checkpoint_interval and keep_attention_outputs tune layer checkpointing: they need"
+                             " activation_checkpointing=True as well.")
+        for name in ("mlp_tile_tokens", "logits_tile_tokens", "checkpoint_interval"):
             if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be a positive number of tokens, got {getattr(self, name)}")
+                raise ValueError(f"{name} must be a positive integer (a number of tokens or layers), got {getattr(self, name)}")
 
     @classmethod
     def coerce(cls, options: Union["MemoryOptions", Mapping[str, Any], None]) -> "MemoryOptions":
@@ -127,7 +135,8 @@ def apply_memory_options(model: nn.Module, options: MemoryOptions,
             if options.offload_activations and store is None:
                 store = HostActivationStore()
             offload_to = store if options.offload_activations else None
-            restores += [checkpoint_layer(layer, offload_to) for layer in layers]
+            restores += checkpoint_layers(layers, offload_to, options.checkpoint_interval,
+                                          options.keep_attention_outputs)
             if offload_to is not None:
                 restores.insert(0, offload_to.release)  # undone last: unpins the host buffers
     except Exception:

@@ -1,24 +1,44 @@
-"""Whole-layer activation checkpointing, optionally keeping the checkpointed hidden states in host memory.
+"""Layer activation checkpointing: kept inputs (optionally in host memory), sparser checkpoints, kept attention.
 
-Each decoder layer keeps only its input hidden states for backward (`seq × hidden` values) and recomputes itself
-there. At long sequences even these inputs add up (Llama 8B, 360K tokens: 32 layers × 2.9 GB = 94 GB), so with
-`offload=True` they are copied to pinned host memory as the forward pass leaves the layer and copied back when its
-backward starts.
+Each checkpointed decoder layer runs its forward without keeping activations and recomputes itself in backward. What
+it keeps is tunable, because at long sequences even the kept tensors add up (Llama 8B, 360K tokens: one layer input
+is 2.9 GB, 94 GB for 32 layers):
+- `offload` (a `HostActivationStore`): kept tensors are copied to pinned host memory as the forward leaves the layer
+  and back when its backward starts;
+- `interval` k: only every k-th layer keeps its input; a layer between two kept inputs gets its input back by
+  re-running the layers before it (without gradients) from the nearest kept one, once per stretch: the inputs
+  of a stretch are recomputed together when its last layer's backward needs them, and each is kept on the device
+  until its own layer's backward. Costs k − 1 extra layer forwards per k layers; saves (k − 1)/k of the kept inputs;
+- `keep_attention_outputs`: the fused attention kernels' outputs (attention output and log-sum-exp) are recorded in
+  the forward and replayed in every recompute, so the most expensive kernel of a long-sequence layer runs once in
+  forward instead of twice (costs one more hidden-sized tensor per layer, where the inputs are kept).
 
 Written as a re-entrant autograd function (like DeepSpeed's own checkpointing) rather than with
-`torch.utils.checkpoint`: the non-re-entrant checkpoint keeps its inputs alive on the device in a closure, where
-no offload can reach them. Parameter gradients accumulate through a normal `backward` of the recomputed layer,
-once per parameter, so ZeRO's hooks see what they see without checkpointing.
+`torch.utils.checkpoint`: the non-re-entrant checkpoint keeps its inputs alive on the device in a closure, where no
+offload can reach them. Parameter gradients accumulate through a normal `backward` of the recomputed layer, once
+per parameter, so ZeRO's hooks see what they see without checkpointing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import defaultdict
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# The fused attention kernels whose outputs `keep_attention_outputs` records (what F.scaled_dot_product_attention
+# dispatches to on CUDA and CPU). The math fallback decomposes into ordinary ops and simply runs again.
+_ATTENTION_KERNELS = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                 "_scaled_dot_product_fused_attention_overrideable")
+    if hasattr(torch.ops.aten, name)
+)
 
 
 class HostActivationStore:
@@ -33,28 +53,42 @@ class HostActivationStore:
         self._free: dict[tuple, list[torch.Tensor]] = defaultdict(list)
         self._pinned: list[torch.Tensor] = []
 
-    def _allocate(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        buffer = torch.empty(shape, dtype=dtype)
+    @staticmethod
+    def _key(tensor: torch.Tensor) -> tuple:
+        return tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype
+
+    def _allocate(self, tensor: torch.Tensor) -> torch.Tensor:
+        # Same strides as the device tensor: kernels such as cuDNN attention's backward expect their own layout.
+        buffer = torch.empty_like(tensor, device="cpu")
         if torch.cuda.is_available() and torch.cuda.is_initialized() and buffer.numel():
             from torch.cuda._pin_memory_utils import pin_memory
 
-            pin_memory(buffer.data_ptr(), buffer.numel() * buffer.element_size())
+            pin_memory(buffer.data_ptr(), buffer.untyped_storage().nbytes())
             self._pinned.append(buffer)
         return buffer
 
     def stash(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.device, bool]:
-        key = (tuple(tensor.shape), tensor.dtype)
-        buffer = self._free[key].pop() if self._free[key] else self._allocate(tensor.shape, tensor.dtype)
+        free = self._free[self._key(tensor)]
+        buffer = free.pop() if free else self._allocate(tensor)
         # Ordered on the current stream: the device memory is only reused by work queued after this copy.
         buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
         return buffer, tensor.device, tensor.requires_grad
 
-    def restore(self, stashed: tuple[torch.Tensor, torch.device, bool]) -> torch.Tensor:
+    def peek(self, stashed: tuple[torch.Tensor, torch.device, bool]) -> torch.Tensor:
+        """A device copy of a stashed tensor; the host copy stays for a later `peek` or `restore`."""
         buffer, device, requires_grad = stashed
         tensor = buffer.to(device, non_blocking=True) if device.type != "cpu" else buffer.clone()
-        # The buffer's next use is a device-to-host copy queued on the same stream after this one.
-        self._free[(tuple(buffer.shape), buffer.dtype)].append(buffer)
         return tensor.requires_grad_(requires_grad)
+
+    def restore(self, stashed: tuple[torch.Tensor, torch.device, bool]) -> torch.Tensor:
+        """A device copy of a stashed tensor; its host buffer is free again."""
+        tensor = self.peek(stashed)
+        self.give_back(stashed)
+        return tensor
+
+    def give_back(self, stashed: tuple[torch.Tensor, torch.device, bool]) -> None:
+        # The buffer's next use is a device-to-host copy queued on the same stream after any copy reading it.
+        self._free[self._key(stashed[0])].append(stashed[0])
 
     @property
     def host_bytes(self) -> int:
@@ -81,58 +115,169 @@ class HostActivationStore:
         return self
 
 
+class _Kept:
+    """A tensor a record keeps: on the device, or stashed in a `HostActivationStore`."""
+
+    def __init__(self, tensor: torch.Tensor, store: Optional[HostActivationStore]) -> None:
+        self.store = store
+        self.value = store.stash(tensor) if store is not None else tensor.detach()
+
+    def get(self) -> torch.Tensor:
+        return self.store.peek(self.value) if self.store is not None else self.value
+
+    def drop(self) -> None:
+        if self.store is not None and self.value is not None:
+            self.store.give_back(self.value)
+        self.value = None
+
+
+class _AttentionOutputs(TorchDispatchMode):
+    """Records the outputs of the fused attention kernels a layer's forward runs; replays them in its recomputes.
+
+    A dispatch mode works below autograd, so a recompute with gradients still builds the attention's backward node,
+    which saves the replayed output and log-sum-exp exactly as if the kernel had run again: gradients are unchanged.
+    """
+
+    def __init__(self, store: Optional[HostActivationStore]) -> None:
+        super().__init__()
+        self.store = store
+        self.recorded: list[tuple] = []
+        self.next_replayed: Optional[int] = None  # None while recording
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in _ATTENTION_KERNELS:
+            return func(*args, **(kwargs or {}))
+        if self.next_replayed is None:
+            outputs = func(*args, **(kwargs or {}))
+            # The large outputs go where the layer inputs go; the scalars (seeds, sizes) stay as they are.
+            self.recorded.append(tuple(_Kept(o, self.store) if torch.is_tensor(o) and o.dim() > 0 else o
+                                       for o in outputs))
+            return outputs
+        if self.next_replayed >= len(self.recorded):
+            raise RuntimeError("A checkpointed layer's recompute ran more attention kernels than its forward;"
+                               " keep_attention_outputs needs the same kernels in both (no data-dependent branches).")
+        outputs = self.recorded[self.next_replayed]
+        self.next_replayed += 1
+        return tuple(o.get() if isinstance(o, _Kept) else o for o in outputs)
+
+    @contextlib.contextmanager
+    def replaying(self):
+        self.next_replayed = 0
+        try:
+            with self:
+                yield
+        finally:
+            self.next_replayed = None
+
+    def drop(self) -> None:
+        for outputs in self.recorded:
+            for output in outputs:
+                if isinstance(output, _Kept):
+                    output.drop()
+        self.recorded = []
+
+
+class _LayerCall:
+    """One checkpointed call of one layer: what its backward, and later layers' backward, need to recompute it."""
+
+    def __init__(self, run: Callable, stretch: list["_LayerCall"], store: Optional[HostActivationStore],
+                 keep_attention_outputs: bool) -> None:
+        self.run, self.stretch, self.store = run, stretch, store
+        self.position = len(stretch)  # 0: this call keeps its input; k > 0: recomputed from the stretch's first
+        stretch.append(self)
+        self.attention = _AttentionOutputs(store) if keep_attention_outputs else None
+        self.kept_input: Optional[_Kept] = None
+        self.recomputed_input: Optional[torch.Tensor] = None
+
+    def forward(self, args: tuple) -> Any:
+        self.other_arguments = (None, *args[1:])  # rotary tables, masks: shared by all layers, kept where they are
+        self.requires_grad = [torch.is_tensor(a) and a.requires_grad for a in args]
+        self.devices = sorted({a.device.index for a in args if torch.is_tensor(a) and a.is_cuda})
+        self.rng = torch.random.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices]
+        if self.position == 0:
+            self.kept_input = _Kept(args[0], self.store)
+        with torch.no_grad(), (self.attention if self.attention is not None else contextlib.nullcontext()):
+            return self.run(*args)
+
+    def recompute(self, hidden: torch.Tensor, with_grad: bool) -> tuple[Any, list]:
+        """Run the layer again on `hidden` exactly as in forward (same random draws, replayed attention)."""
+        args = [hidden if i == 0 else a for i, a in enumerate(self.other_arguments)]
+        if with_grad:
+            args = [a.detach().requires_grad_(needs) if torch.is_tensor(a) else a
+                    for a, needs in zip(args, self.requires_grad)]
+        cpu_rng, cuda_rngs = self.rng
+        replay = self.attention.replaying() if self.attention is not None else contextlib.nullcontext()
+        with torch.random.fork_rng(devices=self.devices), torch.set_grad_enabled(with_grad), replay:
+            torch.random.set_rng_state(cpu_rng)  # dropout in the recompute draws what the forward drew
+            for device, state in zip(self.devices, cuda_rngs):
+                torch.cuda.set_rng_state(state, device)
+            return self.run(*args), args
+
+    def input_for_backward(self) -> torch.Tensor:
+        if self.position == 0:
+            hidden = self.kept_input.get()
+            self.kept_input.drop()
+            return hidden
+        if self.recomputed_input is None:
+            # The stretch's last layer to run backward first: recompute the inputs of every layer before it.
+            hidden = self.stretch[0].kept_input.get()
+            for call in self.stretch[:self.position]:
+                outputs, _ = call.recompute(hidden, with_grad=False)
+                hidden = outputs[0] if isinstance(outputs, tuple) else outputs
+                self.stretch[call.position + 1].recomputed_input = hidden
+        hidden, self.recomputed_input = self.recomputed_input, None
+        return hidden
+
+    def release(self) -> None:
+        if self.attention is not None:
+            self.attention.drop()
+        self.other_arguments = None
+
+
 class _CheckpointedLayer(torch.autograd.Function):
-    """Runs `run(*args)` without keeping activations; recomputes it in backward from its (stashed) inputs."""
+    """Runs a layer without keeping activations; recomputes it in backward (see `_LayerCall`)."""
 
     @staticmethod
-    def forward(ctx, run: Callable, store: Optional[HostActivationStore], *args: Any):
-        ctx.run, ctx.store = run, store
-        ctx.tensor_positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
-        ctx.others = [a if not torch.is_tensor(a) else None for a in args]
-        ctx.inputs_require_grad = [torch.is_tensor(a) and a.requires_grad for a in args]
-        ctx.devices = sorted({a.device.index for a in args if torch.is_tensor(a) and a.is_cuda})
-        ctx.rng = torch.random.get_rng_state(), [torch.cuda.get_rng_state(d) for d in ctx.devices]
-        tensors = [args[i] for i in ctx.tensor_positions]
-        # Offload the layer's hidden-state input (the first argument); the others (rotary tables, masks) are shared
-        # by all layers and stay where they are.
-        if store is not None and ctx.tensor_positions and ctx.tensor_positions[0] == 0:
-            ctx.stashed = store.stash(tensors[0])
-            ctx.save_for_backward(*tensors[1:])
-        else:
-            ctx.stashed = None
-            ctx.save_for_backward(*tensors)
-        with torch.no_grad():
-            return run(*args)
+    def forward(ctx, call: _LayerCall, *args: Any):
+        ctx.call = call
+        return call.forward(args)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        saved = list(ctx.saved_tensors)
-        if ctx.stashed is not None:
-            saved.insert(0, ctx.store.restore(ctx.stashed))
-            ctx.stashed = None
-        args = list(ctx.others)
-        for position, tensor in zip(ctx.tensor_positions, saved):
-            args[position] = tensor.detach().requires_grad_(ctx.inputs_require_grad[position])
-        cpu_rng, cuda_rngs = ctx.rng
-        with torch.random.fork_rng(devices=ctx.devices), torch.enable_grad():
-            torch.random.set_rng_state(cpu_rng)  # dropout in the recompute draws what the forward drew
-            for device, state in zip(ctx.devices, cuda_rngs):
-                torch.cuda.set_rng_state(state, device)
-            outputs = ctx.run(*args)
+        call, ctx.call = ctx.call, None
+        outputs, args = call.recompute(call.input_for_backward(), with_grad=True)
+        call.release()
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grad_outputs)
                  if torch.is_tensor(o) and o.requires_grad and g is not None]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, None, *(a.grad if torch.is_tensor(a) and ctx.inputs_require_grad[i] else None
-                              for i, a in enumerate(args)))
+        return (None, *(a.grad if torch.is_tensor(a) and needs else None
+                        for a, needs in zip(args, call.requires_grad)))
 
 
 # Keyword arguments of Hugging Face decoder layers that carry a KV cache: a recompute must not update it twice.
 _CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "cache", "layer_past")
 
 
-def _checkpointed_forward(layer: nn.Module, original: Callable, store: Optional[HostActivationStore],
+class _Stretches:
+    """Groups the checkpointed calls of one forward pass into stretches of `interval` consecutive layers."""
+
+    def __init__(self, interval: int, store: Optional[HostActivationStore], keep_attention_outputs: bool) -> None:
+        self.interval, self.store, self.keep_attention_outputs = interval, store, keep_attention_outputs
+        self.current: list[_LayerCall] = []
+
+    def call(self, index: int, run: Callable) -> _LayerCall:
+        position = index % self.interval
+        if position == 0:
+            self.current = []  # the previous stretch lives on in its calls, until their backward
+        elif len(self.current) != position:
+            raise RuntimeError(f"Decoder layer {index} ran out of order; checkpoint_interval > 1 needs the layers called"
+                               " in order, once per forward. Set checkpoint_interval=1 for this model.")
+        return _LayerCall(run, self.current, self.store, self.keep_attention_outputs)
+
+
+def _checkpointed_forward(layer: nn.Module, original: Callable, stretches: _Stretches, index: int,
                           *args: Any, **kwargs: Any):
     if not (layer.training and torch.is_grad_enabled()):
         return original(*args, **kwargs)
@@ -141,24 +286,25 @@ def _checkpointed_forward(layer: nn.Module, original: Callable, store: Optional[
     for name in _CACHE_ARGUMENTS:
         if kwargs.get(name) is not None:
             kwargs[name] = None
-    if not args:  # hidden states passed by keyword: move them first, the position that is offloaded
+    if not args:  # hidden states passed by keyword: move them first, the position that is kept
         raise ValueError(f"activation_checkpointing needs {type(layer).__name__}'s hidden states as the first"
                          " positional argument.")
-    return _CheckpointedLayer.apply(functools.partial(original, **kwargs), store, *args)
+    return _CheckpointedLayer.apply(stretches.call(index, functools.partial(original, **kwargs)), *args)
 
 
-def checkpoint_layer(layer: nn.Module, store: Optional[HostActivationStore]) -> Callable[[], None]:
-    """Checkpoint `layer` (offloading its hidden-state input to `store` if given); return the undo."""
-    if getattr(layer, "gradient_checkpointing", False):
-        raise ValueError(
-            f"{type(layer).__name__} already has the model's own gradient checkpointing enabled; with the memory"
-            " option activation_checkpointing=True the layer would be recomputed twice. Disable one of them (for the"
-            " recipes: model.activation_checkpointing=false)."
-        )
-    original = layer.forward
-    layer.forward = functools.partial(_checkpointed_forward, layer, original, store)
-
-    def restore() -> None:
-        layer.__dict__.pop("forward", None)
-
-    return restore
+def checkpoint_layers(layers: list[nn.Module], store: Optional[HostActivationStore], interval: int = 1,
+                      keep_attention_outputs: bool = False) -> list[Callable[[], None]]:
+    """Checkpoint `layers` (in call order); keep every `interval`-th input (in `store` if given); return the undos."""
+    for layer in layers:
+        if getattr(layer, "gradient_checkpointing", False):
+            raise ValueError(
+                f"{type(layer).__name__} already has the model's own gradient checkpointing enabled; with the memory"
+                " option activation_checkpointing=True the layer would be recomputed twice. Disable one of them (for"
+                " the recipes: model.activation_checkpointing=false)."
+            )
+    stretches = _Stretches(interval, store, keep_attention_outputs)
+    restores = []
+    for index, layer in enumerate(layers):
+        layer.forward = functools.partial(_checkpointed_forward, layer, layer.forward, stretches, index)
+        restores.append(functools.partial(layer.__dict__.pop, "forward", None))
+    return restores

@@ -25,12 +25,12 @@ def summed_gradient_error(model, reference, group) -> float:
 
 
 def tiny_llama(num_key_value_heads: int, seed: int = 0, attn_implementation: str = "sdpa",
-               num_heads: int = NUM_HEADS) -> LlamaForCausalLM:
+               num_heads: int = NUM_HEADS, num_layers: int = 2) -> LlamaForCausalLM:
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=48,
-        num_hidden_layers=2,
+        num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_key_value_heads,
         max_position_embeddings=128,
@@ -41,13 +41,13 @@ def tiny_llama(num_key_value_heads: int, seed: int = 0, attn_implementation: str
     return LlamaForCausalLM(config).float()
 
 
-def tiny_gpt(num_key_value_heads: int, seed: int = 0):
+def tiny_gpt(num_key_value_heads: int, seed: int = 0, num_layers: int = 2, **config):
     """The package's native GPT (UlyssesAttention, RoPE from global positions, tied embeddings)."""
     from lightning_ulysses.models import GPTConfig
 
     torch.manual_seed(seed)
-    return GPTConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=NUM_HEADS,
-                     num_key_value_heads=num_key_value_heads).build().float()
+    return GPTConfig(vocab_size=VOCAB, hidden_size=32, num_layers=num_layers, num_heads=NUM_HEADS,
+                     num_key_value_heads=num_key_value_heads, **config).build().float()
 
 
 def build_model(kind: str, num_key_value_heads: int, reference: bool = False):

@@ -9,7 +9,10 @@ import pytest
 import torch
 
 from lightning_ulysses.loss import SequenceParallelCausalLMLoss
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from lightning_ulysses.memory import HostActivationStore, MemoryOptions, apply_memory_options
+from lightning_ulysses.memory.checkpointing import _ATTENTION_KERNELS
 from tests.distributed.common import tiny_gpt, tiny_llama
 
 SEQ_LEN = 13  # tiles of 4 and 3 tokens leave a short last tile
@@ -20,6 +23,11 @@ FEATURES = {
     "checkpointing_offload": dict(activation_checkpointing=True, offload_activations=True),
     "all": dict(tiled_mlp=True, mlp_tile_tokens=5, tiled_logits_loss=True, logits_tile_tokens=3,
                 activation_checkpointing=True, offload_activations=True),
+    "sparse_checkpoints_kept_attention": dict(activation_checkpointing=True, checkpoint_interval=2,
+                                              keep_attention_outputs=True),
+    "all_sparse": dict(tiled_mlp=True, mlp_tile_tokens=5, tiled_logits_loss=True, logits_tile_tokens=3,
+                       activation_checkpointing=True, offload_activations=True, checkpoint_interval=2,
+                       keep_attention_outputs=True),
 }
 
 
@@ -60,7 +68,7 @@ def test_feature_equals_plain_path(kind, feature):
     assert restores
     actual = _loss_and_grads(model, input_ids, labels)
     _assert_same(expected, actual)
-    if FEATURES[feature].get("offload_activations"):
+    if FEATURES[feature].get("offload_activations") and "checkpoint_interval" not in FEATURES[feature]:
         # Both layers' inputs (batch 2 × 13 tokens × width 32, fp32) went to the host store and came back; a second
         # step reuses the same buffers.
         assert store.host_bytes == 2 * (2 * SEQ_LEN * 32 * 4)
@@ -105,12 +113,83 @@ def test_hugging_face_num_items_in_batch():
     _assert_same(expected, _loss_and_grads(model, input_ids, labels, num_items_in_batch=torch.tensor(40)))
 
 
+class _CountAttentionKernels(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in _ATTENTION_KERNELS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind,interval,offload", [("llama", 2, True), ("llama", 3, False), ("gpt", 3, True),
+                                                   ("llama", 1, True)])
+def test_sparse_checkpoints_and_kept_attention(kind, interval, offload):
+    """5 layers in stretches of `interval` (the last one shorter): loss and gradients equal the plain path; every
+    layer runs twice, plus once more for each layer whose successor in its stretch lost its input; the attention
+    kernel runs once per layer (forward only); the host keeps ceil(5 / interval) inputs and every layer's attention
+    output and log-sum-exp."""
+    layers = 5
+    plain = (tiny_gpt(2, num_layers=layers) if kind == "gpt" else tiny_llama(2, num_layers=layers)).train()
+    input_ids, labels = _batch()
+    expected = _loss_and_grads(plain, input_ids, labels)
+    model = copy.deepcopy(plain)
+    store = HostActivationStore()
+    options = MemoryOptions(activation_checkpointing=True, offload_activations=offload, checkpoint_interval=interval,
+                            keep_attention_outputs=True)
+    restores = apply_memory_options(model, options, store)
+    mlp_calls = [0] * layers
+    blocks = model.blocks if kind == "gpt" else model.model.layers
+    for index, block in enumerate(blocks):
+        block.mlp.register_forward_hook(lambda *_, index=index: mlp_calls.__setitem__(index, mlp_calls[index] + 1))
+    with _CountAttentionKernels() as kernels:
+        actual = _loss_and_grads(model, input_ids, labels)
+    _assert_same(expected, actual)
+    last_in_stretch = [index % interval == interval - 1 or index == layers - 1 for index in range(layers)]
+    assert mlp_calls == [2 + (not last) for last in last_in_stretch]
+    assert kernels.count == layers
+    if offload:
+        config = plain.config
+        heads = config.num_heads if kind == "gpt" else config.num_attention_heads
+        hidden = input_ids.numel() * config.hidden_size * 4
+        log_sum_exp = input_ids.numel() * heads * 4
+        assert store.host_bytes == -(-layers // interval) * hidden + layers * (hidden + log_sum_exp)
+    else:
+        assert store.host_bytes == 0
+    for restore in reversed(restores):
+        restore()
+
+
+def test_sparse_checkpoints_replay_dropout():
+    """Recomputing a layer's input from an earlier one draws the same dropout masks as the forward did."""
+    plain = tiny_llama(2, num_layers=3)
+    for layer in plain.model.layers:
+        layer.self_attn.attention_dropout = 0.3
+    plain.train()
+    input_ids, labels = _batch()
+    torch.manual_seed(11)
+    expected = _loss_and_grads(plain, input_ids, labels)
+    model = copy.deepcopy(plain)
+    apply_memory_options(model, MemoryOptions(activation_checkpointing=True, checkpoint_interval=3))
+    torch.manual_seed(11)
+    _assert_same(expected, _loss_and_grads(model, input_ids, labels))
+    torch.manual_seed(12)
+    assert not torch.equal(_loss_and_grads(model, input_ids, labels)[0], expected[0])  # dropout is really on
+
+
 def test_bad_options_name_the_fix():
     with pytest.raises(ValueError, match="needs activation_checkpointing=True"):
         MemoryOptions(offload_activations=True)
+    with pytest.raises(ValueError, match="need activation_checkpointing=True"):
+        MemoryOptions(checkpoint_interval=2)
+    with pytest.raises(ValueError, match="need activation_checkpointing=True"):
+        MemoryOptions(keep_attention_outputs=True)
+    with pytest.raises(ValueError, match="checkpoint_interval must be a positive integer"):
+        MemoryOptions(activation_checkpointing=True, checkpoint_interval=0)
     with pytest.raises(ValueError, match="Unknown memory option"):
         MemoryOptions.coerce({"tiled_mpl": True})
-    with pytest.raises(ValueError, match="positive number of tokens"):
+    with pytest.raises(ValueError, match="positive integer"):
         MemoryOptions(tiled_mlp=True, mlp_tile_tokens=0)
     model = tiny_gpt(2)
     model.gradient_checkpointing_enable()
