@@ -35,10 +35,24 @@ from torch.utils._python_dispatch import TorchDispatchMode
 _ATTENTION_KERNELS = frozenset(
     getattr(torch.ops.aten, name).default
     for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
-                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
-                 "_scaled_dot_product_fused_attention_overrideable")
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
     if hasattr(torch.ops.aten, name)
 )
+
+
+def _with_log_sumexp(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The kernel call with `compute_log_sumexp=True` where the kernel has that flag (cuDNN, memory-efficient).
+
+    F.scaled_dot_product_attention sets it only when an input requires grad, i.e. never in the checkpointed forward
+    (run without gradients); the backward of the recompute then needs the log-sum-exp the recording skipped.
+    """
+    names = [argument.name for argument in func._schema.arguments]
+    if "compute_log_sumexp" not in names:
+        return args, kwargs
+    position = names.index("compute_log_sumexp")
+    if position < len(args):
+        return args[:position] + (True,) + args[position + 1:], kwargs
+    return args, {**kwargs, "compute_log_sumexp": True}
 
 
 class HostActivationStore:
@@ -148,7 +162,8 @@ class _AttentionOutputs(TorchDispatchMode):
         if func not in _ATTENTION_KERNELS:
             return func(*args, **(kwargs or {}))
         if self.next_replayed is None:
-            outputs = func(*args, **(kwargs or {}))
+            args, kwargs = _with_log_sumexp(func, tuple(args), kwargs or {})
+            outputs = func(*args, **kwargs)
             # The large outputs go where the layer inputs go; the scalars (seeds, sizes) stay as they are.
             self.recorded.append(tuple(_Kept(o, self.store) if torch.is_tensor(o) and o.dim() > 0 else o
                                        for o in outputs))

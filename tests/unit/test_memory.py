@@ -12,7 +12,7 @@ from lightning_ulysses.loss import SequenceParallelCausalLMLoss
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_ulysses.memory import HostActivationStore, MemoryOptions, apply_memory_options
-from lightning_ulysses.memory.checkpointing import _ATTENTION_KERNELS
+from lightning_ulysses.memory.checkpointing import _ATTENTION_KERNELS, _with_log_sumexp
 from tests.distributed.common import tiny_gpt, tiny_llama
 
 SEQ_LEN = 13  # tiles of 4 and 3 tokens leave a short last tile
@@ -159,6 +159,19 @@ def test_sparse_checkpoints_and_kept_attention(kind, interval, offload):
         assert store.host_bytes == 0
     for restore in reversed(restores):
         restore()
+
+
+def test_recorded_attention_kernels_compute_the_log_sum_exp():
+    """The checkpointed forward runs without gradients, where F.scaled_dot_product_attention asks the cuDNN and
+    memory-efficient kernels for no log-sum-exp; the recording must ask for it (the recompute's backward reads it)."""
+    cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention.default
+    efficient = torch.ops.aten._scaled_dot_product_efficient_attention.default
+    q = torch.zeros(1)
+    assert _with_log_sumexp(cudnn, (q, q, q, None, False, 0.0, True), {}) == ((q, q, q, None, True, 0.0, True), {})
+    assert _with_log_sumexp(efficient, (q, q, q, None), {"compute_log_sumexp": False}) == \
+        ((q, q, q, None), {"compute_log_sumexp": True})
+    cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default  # always returns it
+    assert _with_log_sumexp(cpu, (q, q, q, 0.0, True), {}) == ((q, q, q, 0.0, True), {})
 
 
 def test_sparse_checkpoints_replay_dropout():
