@@ -17,11 +17,11 @@ from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.planner import GIB, MODELS, TrainingSetup, longest_sequence, plan_memory, published_176b_comparison
 
 FEATURES = {"ac": "activation_checkpointing", "offload": "offload_activations", "mlp": "tiled_mlp",
-            "logits": "tiled_logits_loss"}
+            "logits": "tiled_logits_loss", "norms": "low_memory_norms"}
 
 
 def memory_options(features: str, mlp_tile_tokens: int = 8192, logits_tile_tokens: int = 4096) -> MemoryOptions:
-    """`"ac,offload,mlp,logits"` (or `+`-joined, or `none`) → `MemoryOptions`."""
+    """`"ac,offload,mlp,logits,norms"` (or `+`-joined, or `none`) → `MemoryOptions`."""
     names = [name for name in features.replace("+", ",").split(",") if name and name != "none"]
     unknown = [name for name in names if name not in FEATURES]
     if unknown:
@@ -40,7 +40,7 @@ def main(argv=None) -> None:
     parser.add_argument("--dp", type=int, default=1, help="data-parallel size")
     parser.add_argument("--zero", type=int, default=3, help="ZeRO stage")
     parser.add_argument("--offload-optimizer", type=float, default=0.0, help="fraction of optimizer states on the host")
-    parser.add_argument("--features", default="none", help="comma-separated: ac, offload, mlp, logits (or none)")
+    parser.add_argument("--features", default="none", help="comma-separated: ac, offload, mlp, logits, norms (or none)")
     parser.add_argument("--longest", action="store_true", help="find the longest sequence that fits")
     parser.add_argument("--gpu-gib", type=float, default=134.0, help="usable GPU memory per GPU (GiB)")
     parser.add_argument("--host-gib", type=float, default=float("inf"), help="usable host memory per GPU (GiB)")
