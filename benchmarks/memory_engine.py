@@ -29,23 +29,17 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from lightning_ulysses.memory import MemoryOptions, apply_memory_options  # noqa: E402
+from lightning_ulysses.memory import apply_memory_options  # noqa: E402
+from lightning_ulysses.plan import memory_options  # noqa: E402  features "ac+offload+mlp+logits+norms" or "none"
 from lightning_ulysses.planner import MODELS, TrainingSetup, plan_memory  # noqa: E402
 
 PEAK_FLOPS = 772e12  # measured bf16 matmul peak of the lent H200 (DESIGN-NOTES)
 GIB = 2**30
-FEATURES = {"ac": "activation_checkpointing", "offload": "offload_activations", "mlp": "tiled_mlp",
-            "logits": "tiled_logits_loss"}
 
 
 def model_flops(shape, seq_len: int) -> float:
     """The issue's MFU numerator: 6·params·tokens + 6·layers·seq²·hidden (causal attention), no recomputation."""
     return 6 * shape.num_parameters * seq_len + 6 * shape.num_layers * seq_len**2 * shape.hidden_size
-
-
-def memory_options(features: str, mlp_tile: int, logits_tile: int) -> MemoryOptions:
-    flags = {} if features == "none" else {FEATURES[f]: True for f in features.split("+")}
-    return MemoryOptions(mlp_tile_tokens=mlp_tile, logits_tile_tokens=logits_tile, **flags)
 
 
 def host_rss() -> int:
