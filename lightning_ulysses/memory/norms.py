@@ -114,7 +114,7 @@ def _probe(norm: nn.Module) -> Optional[str]:
 def _why_not_llama_style(norm: nn.Module) -> Optional[str]:
     if "forward" in norm.__dict__:
         return "its forward is already replaced on the instance (another patch or hook wrapper)"
-    weight = norm._parameters.get("weight")
+    weight = dict(norm.named_parameters(recurse=False)).get("weight")
     if not isinstance(weight, nn.Parameter) or len(getattr(weight, "ds_shape", weight.shape)) != 1:
         return "it has no 1-D `weight` parameter"
     extra = [name for name, _ in norm.named_parameters() if name != "weight"]
