@@ -17,11 +17,12 @@ from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.planner import GIB, MODELS, TrainingSetup, longest_sequence, plan_memory, published_176b_comparison
 
 FEATURES = {"ac": "activation_checkpointing", "offload": "offload_activations", "mlp": "tiled_mlp",
-            "logits": "tiled_logits_loss", "attn": "keep_attention_outputs"}
+            "logits": "tiled_logits_loss", "attn": "keep_attention_outputs", "norms": "low_memory_norms"}
 
 
 def memory_options(features: str, mlp_tile_tokens: int = 8192, logits_tile_tokens: int = 4096) -> MemoryOptions:
-    """`"ac,offload,mlp,logits"` (or `+`-joined, or `none`) → `MemoryOptions`; `everyK` sets checkpoint_interval=K."""
+    """`"ac,offload,mlp,logits,norms"` (or `+`-joined, or `none`) → `MemoryOptions`; `everyK` sets
+    checkpoint_interval=K."""
     names = [name for name in features.replace("+", ",").split(",") if name and name != "none"]
     interval = [int(name[5:]) for name in names if name.startswith("every") and name[5:].isdigit()]
     names = [name for name in names if not (name.startswith("every") and name[5:].isdigit())]
@@ -43,7 +44,8 @@ def main(argv=None) -> None:
     parser.add_argument("--dp", type=int, default=1, help="data-parallel size")
     parser.add_argument("--zero", type=int, default=3, help="ZeRO stage")
     parser.add_argument("--offload-optimizer", type=float, default=0.0, help="fraction of optimizer states on the host")
-    parser.add_argument("--features", default="none", help="comma-separated: ac, offload, mlp, logits, attn, everyK (or none)")
+    parser.add_argument("--features", default="none",
+                        help="comma-separated: ac, offload, mlp, logits, norms, attn, everyK (or none)")
     parser.add_argument("--longest", action="store_true", help="find the longest sequence that fits")
     parser.add_argument("--gpu-gib", type=float, default=134.0, help="usable GPU memory per GPU (GiB)")
     parser.add_argument("--host-gib", type=float, default=float("inf"), help="usable host memory per GPU (GiB)")

@@ -158,7 +158,7 @@ class MemoryPlan:
     def _features(self) -> str:
         m = self.setup.memory
         names = [n for n in ("tiled_mlp", "tiled_logits_loss", "activation_checkpointing", "offload_activations",
-                             "keep_attention_outputs") if getattr(m, n)]
+                             "keep_attention_outputs", "low_memory_norms") if getattr(m, n)]
         if m.checkpoint_interval > 1:
             names.append(f"checkpoint_interval={m.checkpoint_interval}")
         return "features: " + (", ".join(names) if names else "none")
@@ -168,17 +168,23 @@ class MemoryPlan:
                 "host_total": self.host_total}
 
 
-def _layer_saved_bytes_per_token(shape: ModelShape, e: int, tiled_mlp: bool) -> float:
+def _layer_saved_bytes_per_token(shape: ModelShape, e: int, tiled_mlp: bool, low_memory_norms: bool = False) -> float:
     """What autograd keeps of one decoder layer, per local token, without checkpointing.
 
-    Each norm: its input (LayerNorm: 16-bit; HF RMSNorm: an fp32 copy plus the 16-bit normalised values) and its
-    output (read by the next projections). Attention: q, k, v as the attention kernel saves them (h + 2·kv), the
-    attention output (kernel) and the o-projection's input (the all-to-all's copy of it): 2h; fp32 log-sum-exp per
-    head: 4·heads bytes. MLP: gated: gate, up, activation and product (4·I), GELU: up and activation (2·I); a tiled
-    MLP keeps none of these (only its input, the norm output, already counted).
+    Each norm: its input (LayerNorm: 16-bit; HF RMSNorm: an fp32 copy plus the 16-bit normalised values; with
+    `low_memory_norms` the 16-bit input and an fp32 rstd per token) and its output (read by the next projections).
+    Attention: q, k, v as the attention kernel saves them (h + 2·kv), the attention output (kernel) and the
+    o-projection's input (the all-to-all's copy of it): 2h; fp32 log-sum-exp per head: 4·heads bytes. MLP: gated:
+    gate, up, activation and product (4·I), GELU: up and activation (2·I); a tiled MLP keeps none of these (only its
+    input, the norm output, already counted). The final norm is not counted (one norm beside the layer stack).
     """
     h, kv, inter = shape.hidden_size, shape.num_key_value_heads * shape.head_dim, shape.intermediate_size
-    norm = (4 + e + e) * h if shape.fp32_norm_inputs else 2 * e * h
+    if not shape.fp32_norm_inputs:
+        norm = 2 * e * h
+    elif low_memory_norms:
+        norm = 2 * e * h + 4
+    else:
+        norm = (4 + e + e) * h
     attention = norm + e * (h + 2 * kv + 2 * h) + 4 * shape.num_heads
     mlp = norm + (0 if tiled_mlp else e * (4 if shape.gated_mlp else 2) * inter)
     return attention + mlp
@@ -225,7 +231,7 @@ def plan_memory(shape: ModelShape, setup: TrainingSetup) -> MemoryPlan:
     optimizer_transient = 2 * 4 * min(setup.sub_group_size, params / (n if stage >= 1 else 1))
 
     # -- activations -------------------------------------------------------------------------------------------
-    layer_full = _layer_saved_bytes_per_token(shape, e, m.tiled_mlp)
+    layer_full = _layer_saved_bytes_per_token(shape, e, m.tiled_mlp, m.low_memory_norms)
     embedding_output = e * shape.hidden_size * tokens
     if m.activation_checkpointing:
         # every `checkpoint_interval`-th layer keeps its input; with keep_attention_outputs every layer also keeps

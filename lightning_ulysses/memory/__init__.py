@@ -14,6 +14,9 @@ UlyssesDeepSpeedStrategy(memory={"tiled_mlp": True})          # a mapping works 
   layer's input (the others are recomputed from it: k − 1 extra layer forwards per k layers, 1/k of the kept bytes);
   `keep_attention_outputs` keeps the attention kernels' outputs (where the inputs are kept) so the recompute skips
   the attention forward, the dominant kernel at long sequences.
+- `low_memory_norms`: every Llama-style RMSNorm of a Hugging Face model keeps only its 16-bit input and an fp32
+  rstd per token for backward (not an fp32 copy of its input); other RMSNorms are refused; a no-op for the native
+  GPT, whose LayerNorms keep only their input already.
 - `expandable_segments`: the CUDA allocator grows segments in place instead of fragmenting
   (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` unless that variable is set already).
 
@@ -34,6 +37,7 @@ from torch import nn
 
 from lightning_ulysses.memory.checkpointing import HostActivationStore, checkpoint_layers
 from lightning_ulysses.memory.logits_loss import TiledLogitsLoss, fuse_head_with_loss, fuse_hugging_face_loss
+from lightning_ulysses.memory.norms import llama_style_norms, use_low_memory_norm
 from lightning_ulysses.memory.tiled_mlp import tile_mlp
 
 
@@ -47,6 +51,7 @@ class MemoryOptions:
     offload_activations: bool = False
     checkpoint_interval: int = 1
     keep_attention_outputs: bool = False
+    low_memory_norms: bool = False
     expandable_segments: bool = False
 
     def __post_init__(self) -> None:
@@ -76,7 +81,7 @@ class MemoryOptions:
 
     @property
     def changes_models(self) -> bool:
-        return self.tiled_mlp or self.tiled_logits_loss or self.activation_checkpointing
+        return self.tiled_mlp or self.tiled_logits_loss or self.activation_checkpointing or self.low_memory_norms
 
 
 def apply_allocator_settings(options: MemoryOptions) -> None:
@@ -122,6 +127,7 @@ def apply_memory_options(model: nn.Module, options: MemoryOptions,
         raise ValueError(f"{type(model).__name__} already has its own gradient checkpointing enabled; with the memory"
                          " option activation_checkpointing=True every layer would be recomputed twice. Disable one of"
                          " them (for the recipes: model.activation_checkpointing=false).")
+    low_memory_norms = llama_style_norms(model) if options.low_memory_norms else []  # refuses what it can't replace
     try:
         if options.tiled_logits_loss:  # first: it refuses models whose logits are transformed before the loss
             loss = TiledLogitsLoss(options.logits_tile_tokens)
@@ -129,6 +135,7 @@ def apply_memory_options(model: nn.Module, options: MemoryOptions,
                 restores += [fuse_head_with_loss(model.lm_head, loss), model.use_logits_loss(loss)]
             else:
                 restores.append(fuse_hugging_face_loss(model, loss))
+        restores += [use_low_memory_norm(norm) for norm in low_memory_norms]
         if options.tiled_mlp:
             restores += [tile_mlp(layer.mlp, options.mlp_tile_tokens) for layer in layers]
         if options.activation_checkpointing:

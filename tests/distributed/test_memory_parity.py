@@ -1,9 +1,10 @@
 """The memory features through the strategy: 3 SGD steps equal the single-process plain fp32 reference.
 
-Tiled MLP, tiled logits + loss and checkpointing with host offload together, on ZeRO 2 and 3, at SP 1 (DP 4) and
-SP 2 (DP 2), for a Hugging Face Llama and the native GPT. DP ranks get rows of different lengths (16 and 12 tokens:
-local 8 and 6 at SP 2), so they run different numbers of MLP tiles (3 and 2) in the same step; with ZeRO-3 a tile
-loop that gathered parameters per tile would deadlock here. One launch of 4 ranks runs every case.
+Tiled MLP, tiled logits + loss, checkpointing with host offload and low-memory norms together, on ZeRO 2 and 3,
+at SP 1 (DP 4) and SP 2 (DP 2), for a Hugging Face Llama and the native GPT (whose LayerNorms low_memory_norms
+leaves alone). DP ranks get rows of different lengths (16 and 12 tokens: local 8 and 6 at SP 2), so they run
+different numbers of MLP tiles (3 and 2) in the same step; with ZeRO-3 a tile loop that gathered parameters per
+tile would deadlock here. One launch of 4 ranks runs every case.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from tests.distributed.reference import assert_training_matches, reference_train
 WORKER = ROOT / "tests" / "distributed" / "workers" / "train_parity.py"
 STEPS, SEQ_LEN, WORLD = 3, 16, 4
 ALL_FEATURES = {"tiled_mlp": True, "mlp_tile_tokens": 3, "tiled_logits_loss": True, "logits_tile_tokens": 4,
-                "activation_checkpointing": True, "offload_activations": True}
+                "activation_checkpointing": True, "offload_activations": True, "low_memory_norms": True}
 
 
 def _case(name, sp, stage, model="llama", memory=ALL_FEATURES):
-    wrapped = {"llama": ["LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "Linear"],
+    wrapped = {"llama": ["LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "LlamaRMSNorm", "Linear"],
                "gpt": ["Block", "MLP", "_Linear"]}[model]
     if memory is not ALL_FEATURES:  # tiled logits + loss only: the model's forward and its output head
         wrapped = ["LlamaForCausalLM", "Linear"]

@@ -1,5 +1,6 @@
 """Memory features, one process: loss and every gradient equal the plain model's (fp32), each feature alone and
-all together, for the native GPT and a Hugging Face Llama; tiles that do not divide the sequence."""
+all together, for the native GPT and a Hugging Face Llama; tiles that do not divide the sequence. Low-memory norms:
+bit-identical to Hugging Face's in bf16, what they keep for backward, and the norms they refuse."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ FEATURES = {
     "tiled_logits_loss": dict(tiled_logits_loss=True, logits_tile_tokens=3),
     "checkpointing": dict(activation_checkpointing=True),
     "checkpointing_offload": dict(activation_checkpointing=True, offload_activations=True),
+    "low_memory_norms": dict(low_memory_norms=True),
     "all": dict(tiled_mlp=True, mlp_tile_tokens=5, tiled_logits_loss=True, logits_tile_tokens=3,
-                activation_checkpointing=True, offload_activations=True),
+                activation_checkpointing=True, offload_activations=True, low_memory_norms=True),
     "sparse_checkpoints_kept_attention": dict(activation_checkpointing=True, checkpoint_interval=2,
                                               keep_attention_outputs=True),
     "all_sparse": dict(tiled_mlp=True, mlp_tile_tokens=5, tiled_logits_loss=True, logits_tile_tokens=3,
@@ -65,7 +67,11 @@ def test_feature_equals_plain_path(kind, feature):
     model = copy.deepcopy(plain)
     store = HostActivationStore()
     restores = apply_memory_options(model, MemoryOptions(**FEATURES[feature]), store)
-    assert restores
+    # The native GPT's LayerNorms are left alone (low_memory_norms alone changes nothing there); a Llama's
+    # 2 × 2 layer norms and its final norm are replaced.
+    assert bool(restores) == (kind == "llama" or feature != "low_memory_norms")
+    replaced_norms = [m for m in model.modules() if "forward" in m.__dict__ and "Norm" in type(m).__name__]
+    assert len(replaced_norms) == (5 if kind == "llama" and FEATURES[feature].get("low_memory_norms") else 0)
     actual = _loss_and_grads(model, input_ids, labels)
     _assert_same(expected, actual)
     if FEATURES[feature].get("offload_activations") and "checkpoint_interval" not in FEATURES[feature]:
@@ -82,6 +88,7 @@ def test_feature_equals_plain_path(kind, feature):
         torch.testing.assert_close(model(input_ids=input_ids).logits, plain.eval()(input_ids=input_ids).logits)
     for restore in reversed(restores):
         restore()
+    assert not [m for m in model.modules() if "forward" in m.__dict__]
     model.train(), plain.train()
     _assert_same(expected, _loss_and_grads(model, input_ids, labels))
     assert model(input_ids=input_ids, labels=labels).logits is not None
@@ -209,3 +216,100 @@ def test_bad_options_name_the_fix():
     with pytest.raises(ValueError, match="recomputed twice"):
         apply_memory_options(model, MemoryOptions(tiled_mlp=True, activation_checkpointing=True))
     assert "forward" not in model.blocks[0].mlp.__dict__  # refused before anything changed
+
+
+def _saved_for_backward(run, *args):
+    """(shape, dtype) of every tensor autograd saves while `run(*args)` runs."""
+    saved = []
+
+    def pack(tensor):
+        saved.append((tuple(tensor.shape), tensor.dtype))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        run(*args)
+    return saved
+
+
+def _bytes_alive_after(run, *args):
+    """Bytes that `run(*args)` allocated and had not freed when it returned (its output included): what the
+    forward leaves for backward, however it is kept (saved tensors, attributes of the autograd context)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        output = run(*args)  # alive until the profiler has stopped
+    del output
+    return sum(event.self_cpu_memory_usage for event in profiler.events())
+
+
+def test_low_memory_norms_bit_identical_in_bf16_and_keep_only_the_input():
+    """A bf16 Llama: loss and every gradient bit-identical to Hugging Face's norms; one norm keeps its bf16 input,
+    an fp32 rstd per token and its weight, and no fp32 `[batch, seq, hidden]` copy (Hugging Face's does)."""
+    plain = tiny_llama(2).to(torch.bfloat16).train()
+    input_ids, labels = _batch()
+    expected_loss, expected_grads = _loss_and_grads(plain, input_ids, labels)
+    model = copy.deepcopy(plain)
+    apply_memory_options(model, MemoryOptions(low_memory_norms=True))
+    loss, grads = _loss_and_grads(model, input_ids, labels)
+    assert torch.equal(loss, expected_loss)
+    assert grads.keys() == expected_grads.keys()
+    assert all(torch.equal(grads[name], expected_grads[name]) for name in grads)
+
+    hidden = torch.randn(2, SEQ_LEN, 32, dtype=torch.bfloat16, requires_grad=True)
+    norm, replaced = plain.model.layers[0].input_layernorm, model.model.layers[0].input_layernorm
+    assert torch.equal(replaced(hidden), norm(hidden))
+    full_fp32 = ((2, SEQ_LEN, 32), torch.float32)
+    assert full_fp32 in _saved_for_backward(norm, hidden)  # the copy this option removes
+    assert _saved_for_backward(replaced, hidden) == [((2, SEQ_LEN, 32), torch.bfloat16), ((2, SEQ_LEN, 1), torch.float32),
+                                                     ((32,), torch.bfloat16)]
+    tokens, values = 2 * SEQ_LEN, 2 * SEQ_LEN * 32
+    assert _bytes_alive_after(replaced, hidden) == 2 * values + 4 * tokens  # bf16 output + fp32 rstd per token
+    # Hugging Face's: also the fp32 copy of its input and the bf16 normalised values.
+    assert _bytes_alive_after(norm, hidden) == (2 + 4 + 2) * values + 4 * tokens
+    # The native GPT's LayerNorm (left alone) keeps no fp32 copy of its input either.
+    layer_norm = tiny_gpt(2).to(torch.bfloat16).blocks[0].attention_norm
+    assert all(dtype == torch.bfloat16 for _, dtype in _saved_for_backward(layer_norm, hidden))
+
+
+def test_low_memory_norms_read_no_weight_values():
+    """Under ZeRO-3 a norm's weight is an empty partition when the options are applied: the check must not read it."""
+    from lightning_ulysses.memory.norms import llama_style_norms
+
+    model = tiny_llama(2)
+    for norm in [model.model.norm, *(m for layer in model.model.layers
+                                     for m in (layer.input_layernorm, layer.post_attention_layernorm))]:
+        norm.weight.ds_shape = norm.weight.shape  # what DeepSpeed leaves on a partitioned parameter
+        norm.weight.data = torch.empty(0)
+    assert len(llama_style_norms(model)) == 5
+
+
+class _GemmaStyleRMSNorm(torch.nn.Module):
+    """Llama's attributes and signature, Gemma's arithmetic: `x * (1 + weight)`, rounded after the multiply."""
+
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        upcast = hidden_states.float()
+        normalized = upcast * torch.rsqrt(upcast.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (normalized * (1.0 + self.weight.float())).type_as(hidden_states)
+
+
+def test_low_memory_norms_refuse_other_norms():
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    gemma = GemmaForCausalLM(GemmaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    with pytest.raises(ValueError, match=r"GemmaRMSNorm\) is not one: .*Switch low_memory_norms off"):
+        apply_memory_options(gemma, MemoryOptions(low_memory_norms=True, tiled_mlp=True))
+    assert not [m for m in gemma.modules() if "forward" in m.__dict__]  # refused before anything changed
+
+    # The same attributes as Llama's norm: the probe (random weights, fp32 and bf16) tells them apart.
+    model = tiny_llama(2)
+    model.model.layers[1].post_attention_layernorm = _GemmaStyleRMSNorm(32)
+    with pytest.raises(ValueError, match=r"layers\.1\.post_attention_layernorm \(_GemmaStyleRMSNorm\) is not one: its"
+                                         r" forward computes something else"):
+        apply_memory_options(model, MemoryOptions(low_memory_norms=True))
+    assert not [m for m in model.modules() if "forward" in m.__dict__]

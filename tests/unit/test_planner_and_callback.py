@@ -51,7 +51,23 @@ def test_hand_computed_plan():
     assert not plan.fits(plan.gpu_total - 1)
 
 
-@pytest.mark.parametrize("features", ["none", "ac", "ac+offload+mlp+logits"])
+def test_low_memory_norms_term():
+    """Per token and layer (no checkpointing, e = 2): Hugging Face's RMSNorm keeps an fp32 copy of its input, the
+    16-bit normalised values and its output: (4 + 2 + 2)·8 = 64 bytes; low-memory norms keep the 16-bit input, an
+    fp32 rstd and the output: 2·2·8 + 4 = 36. Attention 2·(8 + 2·4 + 2·8) + lse 4·2 = 72, MLP 2·4·16 = 128:
+    2·64 + 72 + 128 = 328 → 2·36 + 72 + 128 = 272 bytes. A LayerNorm model (16-bit input and output, 2·2·8 = 32
+    per norm: 264 bytes) is unchanged."""
+    hugging_face = dataclasses.replace(TINY, fp32_norm_inputs=True)
+    plain = TrainingSetup(seq_len=100, zero_stage=0)
+    norms = dataclasses.replace(plain, memory=MemoryOptions(low_memory_norms=True))
+    for shape, setup, per_token in ((hugging_face, plain, 328), (hugging_face, norms, 272), (TINY, plain, 264),
+                                    (TINY, norms, 264)):
+        embedding = 2 * 100 * 8
+        assert plan_memory(shape, setup).gpu["saved activations (all layers)"] == per_token * 100 * 2 + embedding
+    assert "features: low_memory_norms" in plan_memory(hugging_face, norms).table()
+
+
+@pytest.mark.parametrize("features", ["none", "ac", "ac+offload+mlp+logits", "ac+offload+mlp+logits+norms"])
 def test_monotonic_in_sequence_length(features):
     from lightning_ulysses.plan import memory_options
 
