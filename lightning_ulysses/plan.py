@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 
 from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.planner import GIB, MODELS, TrainingSetup, longest_sequence, plan_memory, published_176b_comparison
@@ -43,7 +44,12 @@ def main(argv=None) -> None:
     parser.add_argument("--sp", type=int, default=1, help="sequence-parallel size")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel size")
     parser.add_argument("--zero", type=int, default=3, help="ZeRO stage")
-    parser.add_argument("--offload-optimizer", type=float, default=0.0, help="fraction of optimizer states on the host")
+    parser.add_argument("--offload-optimizer", type=float, default=0.0,
+                        help="DeepSpeed's offload_optimizer.ratio: the share of optimizer sub-groups on the host")
+    parser.add_argument("--sub-group-size", type=int, default=TrainingSetup.sub_group_size,
+                        help="ZeRO-3 sub_group_size (DeepSpeed 1e9, Lightning's strategy 1e12): the offload unit")
+    parser.add_argument("--pin-memory", action=argparse.BooleanOptionalAction, default=True,
+                        help="offload_optimizer.pin_memory (pinned blocks are rounded up to powers of two)")
     parser.add_argument("--features", default="none",
                         help="comma-separated: ac, offload, mlp, logits, norms, attn, everyK (or none)")
     parser.add_argument("--longest", action="store_true", help="find the longest sequence that fits")
@@ -56,15 +62,15 @@ def main(argv=None) -> None:
         return
     setup = TrainingSetup(seq_len=args.seq, micro_batch=args.micro_batch, sequence_parallel_size=args.sp,
                           data_parallel_size=args.dp, zero_stage=args.zero, offload_optimizer=args.offload_optimizer,
+                          sub_group_size=args.sub_group_size, offload_pin_memory=args.pin_memory,
                           memory=memory_options(args.features))
     shape = MODELS[args.model]
     if args.longest:
         seq = longest_sequence(shape, setup, args.gpu_gib * GIB, args.host_gib * GIB)
         print(f"longest sequence that fits {args.sp * args.dp} GPU(s) of {args.gpu_gib} GiB"
               f" (+ {args.host_gib} GiB host each): {seq} tokens")
-        if not seq:
-            return
-        setup = dataclasses.replace(setup, seq_len=seq)
+        # none fits: show the shortest sequence's plan, whose totals say which memory is short
+        setup = dataclasses.replace(setup, seq_len=seq or math.lcm(1024, args.sp))
     print(plan_memory(shape, setup).table())
 
 

@@ -8,7 +8,19 @@ answers "what is the longest sequence that fits on N GPUs of M bytes (plus host 
 Accounting conventions (the ones a reader can check by hand):
 - mixed precision: 16-bit weights and gradients, fp32 master weights and Adam's two moments (12 bytes/parameter);
 - ZeRO shards over all `dp × sp` ranks: stage ≥1 the optimizer, ≥2 the gradients, 3 the weights;
-  `offload_optimizer` moves that fraction of the optimizer states (and their fp32 gradient buffers) to the host;
+- host memory (per GPU, i.e. per rank's process), as DeepSpeed 0.19.8 allocates it (`_optimizer_offload_terms` cites
+  the source lines); with `offload_optimizer` = r > 0 (DeepSpeed's `offload_optimizer: {device: cpu, ratio: r}`):
+  - *process baseline*: interpreter, torch, CUDA context and kernel libraries (`host_process_bytes`, 2.3 GiB measured);
+  - *optimizer: fp32 master + Adam m, v*: 12 bytes per element of the offloaded sub-groups — the last
+    `count − int((1 − r) · count)` of `optimizer_sub_groups` (by count, not by elements);
+  - *fp32 gradients of offloaded sub-groups*: 4 bytes per element, one pinned block per sub-group;
+  - *16-bit gradient partitions* (ZeRO-3): 2 bytes per element of *all* sub-groups, one pinned block — with any
+    offload these leave the GPU, which keeps instead *fp32 gradients of GPU-side sub-groups* (4 bytes per element);
+  - *pinned staging blocks left in the allocator's cache*: the GPU-side sub-groups' gradient buffers are staged in
+    pinned host blocks that stay cached unless a later pinned buffer of the same size reuses them;
+  - *largest host transient: engine start*: unpinned zeros next to their pinned copy while DeepSpeed starts, less
+    what exists only later (CPU Adam's m, v; offloaded activations).
+  Pinned blocks are rounded up to a power of two (PyTorch's caching host allocator; `offload_pin_memory=False`: none);
 - activations are what autograd keeps per token and layer with an exact (flash/SDPA memory-efficient) attention,
   i.e. no `seq²` score matrix: see `_layer_saved_bytes_per_token`. Ulysses leaves every rank `seq / sp` tokens of
   every saved tensor (attention's gathered q, k, v hold all tokens of `heads / sp` heads: the same bytes);
@@ -66,6 +78,22 @@ class ModelShape:
         final_norm = self.hidden_size * (2 if self.bias else 1)
         return self.num_layers * self.layer_parameters + embeddings + final_norm
 
+    def parameter_numels(self) -> list[int]:
+        """Every parameter tensor's size in Hugging Face Llama's registration order: embedding; per layer q, k, v, o
+        (each followed by its bias), the MLP matrices (gate, up, down; up and down followed by their biases), the two
+        norms (weight, then bias); final norm; untied head. DeepSpeed ZeRO-3 cuts optimizer sub-groups in this order
+        (`optimizer_sub_groups`); a model that registers its tensors in another order moves a cut by one tensor."""
+        h, kv, inter = self.hidden_size, self.num_key_value_heads * self.head_dim, self.intermediate_size
+
+        def linear(inputs: int, outputs: int) -> list[int]:
+            return [inputs * outputs] + ([outputs] if self.bias else [])
+
+        norm = [h, h] if self.bias else [h]  # LayerNorm has a bias, RMSNorm none
+        attention = linear(h, h) + linear(h, kv) + linear(h, kv) + linear(h, h)
+        mlp = ([h * inter] if self.gated_mlp else []) + linear(h, inter) + linear(inter, h)
+        head = [] if self.tie_word_embeddings else [self.vocab_size * h]
+        return [self.vocab_size * h] + (attention + mlp + norm + norm) * self.num_layers + norm + head
+
     @classmethod
     def from_gpt_config(cls, config, name: str = "gpt") -> "ModelShape":
         return cls(name, config.num_layers, config.hidden_size, config.intermediate_size, config.num_heads,
@@ -107,10 +135,20 @@ class TrainingSetup:
     prefetched_layers: int = 2
     sub_group_size: int = 10**9
     reduce_bucket_size: int = 5 * 10**8  # DeepSpeed's default; ZeRO-2/3 keep one 16-bit bucket of this many values
+    # `offload_optimizer.pin_memory` (DeepSpeed 0.19.8's default: true). Pinned blocks come from PyTorch's caching
+    # host allocator, which rounds each one up to a power of two (`ATen/core/CachingHostAllocator.h`, `PowerOf2Ceil`).
+    offload_pin_memory: bool = True
+    # Host memory of each rank's process before any model state: the Python interpreter, torch, the CUDA context and
+    # the kernel libraries loaded by the first step. Measured on the H200 (torch 2.11, cu130): 1.6 GiB RSS after
+    # `deepspeed.initialize` with every state on the GPU, 0.66 GiB more after the first step.
+    host_process_bytes: float = 2.3 * GIB
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.offload_optimizer <= 1.0:
             raise ValueError(f"offload_optimizer is a fraction in [0, 1], got {self.offload_optimizer}")
+        if 0.0 < self.offload_optimizer < 1.0 and self.zero_stage != 3:
+            raise ValueError(f"offload_optimizer={self.offload_optimizer}: DeepSpeed offloads part of the optimizer"
+                             " (offload_optimizer.ratio) only with ZeRO-3; use zero_stage=3, or offload 0 or 1")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0-3, got {self.zero_stage}")
 
@@ -168,6 +206,87 @@ class MemoryPlan:
                 "host_total": self.host_total}
 
 
+def optimizer_sub_groups(shape: ModelShape, setup: TrainingSetup) -> list[int]:
+    """Elements of each optimizer sub-group that one rank updates, in DeepSpeed's order.
+
+    ZeRO-3 partitions every parameter tensor over the `dp × sp` ranks (`ceil(numel / ranks)` elements each) and cuts
+    the local partitions, in parameter order, into sub-groups, each closed as soon as it holds `sub_group_size`
+    elements or more (`runtime/zero/stage3.py` `_create_fp16_sub_groups`, ~1210). One optimizer parameter group is
+    assumed (several are cut separately). ZeRO-0/1/2 update one flat partition.
+    """
+    ranks = setup.world_size if setup.zero_stage >= 1 else 1
+    if setup.zero_stage < 3:
+        return [math.ceil(shape.num_parameters / ranks)]
+    groups, current = [], 0
+    for numel in shape.parameter_numels():
+        current += math.ceil(numel / ranks)
+        if current >= setup.sub_group_size:
+            groups, current = groups + [current], 0
+    return groups + [current] if current else groups
+
+
+def _pinned_block_bytes(nbytes: int) -> int:
+    """Bytes a pinned host tensor of `nbytes` occupies: the caching host allocator's power-of-two block."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
+def _optimizer_offload_terms(shape: ModelShape, setup: TrainingSetup) -> tuple[dict, dict, float, float]:
+    """GPU and host bytes of DeepSpeed's optimizer offload (`offload_optimizer: {device: cpu, ratio}`), its largest
+    host transient at engine start, and the largest sub-group left on the GPU.
+
+    Evidence, DeepSpeed 0.19.8 `runtime/zero/stage3.py` (ZeRO-3; line numbers approximate):
+    - ~1100: sub-groups `i >= int((1 - ratio) · count)` go to the host (CPU Adam), the others stay on the GPU (torch
+      AdamW): the split is by sub-group *count*, so one sub-group (Lightning's `sub_group_size` 1e12) offloads all of
+      it at any ratio > 0, and the head, last, is always on the host;
+    - ~1157: fp32 master of each sub-group on its device (host: plain memory); CPU Adam adds fp32 m and v at its
+      first step (`ops/adam/cpu_adam.py` ~161, no other copies), torch AdamW on the GPU likewise;
+    - ~1338: an fp32 gradient buffer for *every* sub-group, made as host zeros, pinned, then moved to the sub-group's
+      device: the GPU-side sub-groups keep theirs on the GPU, and their pinned staging block returns to the caching
+      host allocator, where a later pinned buffer of the same power-of-two size reuses it (else it stays cached);
+      `gradient_buffer` (~1306): host fp32 zeros of the largest sub-group while this runs;
+    - ~791: with any optimizer offload `self.device` is the CPU (~333), so the 16-bit gradient partitions of *all*
+      parameters (`grad_partitions_flat_buffer`, grad-accumulation dtype = the model's by default) live in one pinned
+      host buffer, made as zeros then pinned (both alive at once), and leave the GPU.
+    ZeRO-1/2 (`stage_1_and_2.py`) offload whole: their single partition is treated as one sub-group.
+    """
+    e, pinned = setup.compute_bytes, setup.offload_pin_memory
+    block = _pinned_block_bytes if pinned else (lambda nbytes: nbytes)
+    groups = optimizer_sub_groups(shape, setup)
+    first_on_host = int((1 - setup.offload_optimizer) * len(groups)) if setup.offload_optimizer else len(groups)
+    on_gpu, on_host = groups[:first_on_host], groups[first_on_host:]
+    gpu = {"optimizer: fp32 master + Adam m, v": 12.0 * sum(on_gpu)}
+    host: dict[str, float] = {}
+    if not on_host:
+        return gpu, host, 0.0, max(on_gpu)
+    gpu["fp32 gradients of GPU-side sub-groups"] = 4.0 * sum(on_gpu)
+    host["optimizer: fp32 master + Adam m, v"] = 12.0 * sum(on_host)
+    # Replay the pinned allocations in DeepSpeed's order through the allocator's free list (block size → count).
+    cached: dict[int, int] = {}
+
+    def take_pinned(size: int) -> None:  # a cached block of this size if there is one, else a new block
+        if cached.get(size):
+            cached[size] -= 1
+
+    if pinned:
+        for elements in on_gpu:
+            take_pinned(block(4 * elements))
+            cached[block(4 * elements)] = cached.get(block(4 * elements), 0) + 1  # freed after its copy to the GPU
+        for elements in on_host:
+            take_pinned(block(4 * elements))
+        if setup.zero_stage == 3:
+            take_pinned(block(e * sum(groups)))
+    host_gradients = sum(block(4 * elements) for elements in on_host)
+    host["fp32 gradients of offloaded sub-groups"] = host_gradients
+    if setup.zero_stage == 3:
+        host["16-bit gradient partitions"] = block(e * sum(groups))
+    host["pinned staging blocks left in the allocator's cache"] = sum(size * count for size, count in cached.items())
+    # Engine start: host zeros of the largest sub-group (`gradient_buffer`) with the next buffer's zeros before it is
+    # pinned; then the 16-bit gradient buffer's zeros next to its pinned copy.
+    start_transient = max(4 * max(groups) * (2 if pinned else 1), e * sum(groups) if pinned and setup.zero_stage == 3
+                          else 0)
+    return gpu, host, float(start_transient), max(on_gpu, default=0)
+
+
 def _layer_saved_bytes_per_token(shape: ModelShape, e: int, tiled_mlp: bool, low_memory_norms: bool = False) -> float:
     """What autograd keeps of one decoder layer, per local token, without checkpointing.
 
@@ -209,14 +328,14 @@ def plan_memory(shape: ModelShape, setup: TrainingSetup) -> MemoryPlan:
     host: dict[str, float] = {}
 
     # -- model states ------------------------------------------------------------------------------------------
+    host["process baseline (torch, CUDA libraries)"] = setup.host_process_bytes
     gpu["weights (16-bit)"] = e * params / (n if stage == 3 else 1)
-    gpu["gradients (16-bit)"] = e * params / (n if stage >= 2 else 1)
-    optimizer = 12 * params / (n if stage >= 1 else 1)  # fp32 master + Adam m + v
-    offloaded = setup.offload_optimizer
-    gpu["optimizer: fp32 master + Adam m, v"] = (1 - offloaded) * optimizer
-    host["optimizer: fp32 master + Adam m, v"] = offloaded * optimizer
-    # DeepSpeed keeps an fp32 gradient buffer next to every host-side optimizer partition.
-    host["fp32 gradients of offloaded partitions"] = offloaded * 4 * params / (n if stage >= 1 else 1)
+    # ZeRO-3 with an offloaded optimizer keeps the 16-bit gradient partitions on the host (`_optimizer_offload_terms`)
+    gradients_on_host = stage == 3 and setup.offload_optimizer > 0
+    gpu["gradients (16-bit)"] = 0.0 if gradients_on_host else e * params / (n if stage >= 2 else 1)
+    offload_gpu, offload_host, host_start_transient, largest_gpu_sub_group = _optimizer_offload_terms(shape, setup)
+    gpu.update(offload_gpu)
+    host.update(offload_host)
 
     # -- buffers -----------------------------------------------------------------------------------------------
     if stage == 3:
@@ -228,7 +347,7 @@ def plan_memory(shape: ModelShape, setup: TrainingSetup) -> MemoryPlan:
         gpu["gradient reduce bucket"] = e * min(setup.reduce_bucket_size, params)
     # The optimizer step runs after backward has freed the activations: its transient competes with theirs.
     # DeepSpeed makes an fp32 copy of one sub-group's gradients, and Adam one fp32 temporary of that size.
-    optimizer_transient = 2 * 4 * min(setup.sub_group_size, params / (n if stage >= 1 else 1))
+    optimizer_transient = 2 * 4 * largest_gpu_sub_group
 
     # -- activations -------------------------------------------------------------------------------------------
     layer_full = _layer_saved_bytes_per_token(shape, e, m.tiled_mlp, m.low_memory_norms)
@@ -273,6 +392,10 @@ def plan_memory(shape: ModelShape, setup: TrainingSetup) -> MemoryPlan:
                   "optimizer step (activations freed)": optimizer_transient - activation_terms}
     largest = max(candidates, key=candidates.get)
     gpu[f"largest transient: {largest}"] = max(0.0, candidates[largest])
+    if offload_host:
+        # At engine start neither the offloaded activations nor CPU Adam's moments (made at its first step) exist.
+        later = 8 * host["optimizer: fp32 master + Adam m, v"] / 12 + host.get("checkpointed layer inputs (offloaded)", 0)
+        host["largest host transient: engine start"] = max(0.0, host_start_transient - later)
     return MemoryPlan(shape, setup, gpu, host)
 
 
