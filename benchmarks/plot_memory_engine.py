@@ -20,6 +20,8 @@ def main(out: str, *paths: str) -> None:
                 label = f"{record['model']} {record['features']}"
                 if record["offload_optimizer"]:
                     label += f" (optimizer {record['offload_optimizer']:.0%} on host)"
+                if record.get("sdpa_backend", "default") != "default":
+                    label += f" [{record['sdpa_backend']} attention]"
                 series[label].append(record)
     figure, (speed, memory) = plt.subplots(1, 2, figsize=(13, 5))
     for label, records in sorted(series.items()):
