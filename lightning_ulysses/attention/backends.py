@@ -139,3 +139,37 @@ def _flex(query, key, value, documents, is_causal, scale, dropout_p):
     output = flex_attention(query, key, value, block_mask=block_mask, scale=scale,
                             enable_gqa=key.size(1) != query.size(1))
     return output.transpose(1, 2)
+
+
+# SDPA's kernels by the names `sdpa_kernel_priority` takes.
+SDPA_KERNELS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                "math": "MATH"}
+
+
+def check_sdpa_kernel_priority(names) -> Optional[tuple[str, ...]]:
+    """Validate a preference order of SDPA kernels (`None`: torch's own order); return it as a tuple."""
+    if names is None:
+        return None
+    names = (names,) if isinstance(names, str) else tuple(names)
+    unknown = [name for name in names if name not in SDPA_KERNELS]
+    if not names or unknown or len(set(names)) != len(names):
+        raise ValueError(f"sdpa_kernel_priority must list distinct SDPA kernels from {list(SDPA_KERNELS)} in order of"
+                         f" preference (or be None for torch's order), got {list(names)}.")
+    return names
+
+
+def sdpa_priority(names: Optional[tuple[str, ...]]):
+    """F.scaled_dot_product_attention tries `names` first, in this order, then torch's other kernels.
+
+    torch 2.11 tries flash first; on an H200 cuDNN's causal GQA kernels run forward + backward at ~465 TFLOP/s against
+    flash's ~280 (benchmarks/attention_kernels.py), so `("cudnn",)` pays on Hopper. Forward and backward must run
+    under the same order when layers are recomputed with `keep_attention_outputs` (the strategy wraps both).
+    """
+    import contextlib
+
+    if names is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [*names, *(name for name in SDPA_KERNELS if name not in names)]
+    return sdpa_kernel([getattr(SDPBackend, SDPA_KERNELS[name]) for name in order], set_priority=True)

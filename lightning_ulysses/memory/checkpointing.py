@@ -145,6 +145,12 @@ class _Kept:
         self.value = None
 
 
+_MISMATCH = ("keep_attention_outputs: a checkpointed layer's forward ran the attention kernel {recorded} where its"
+             " recompute ran {now}. The recompute must pick the same SDPA kernels as the forward: run forward and"
+             " backward under one kernel priority (UlyssesDeepSpeedStrategy(sdpa_kernel_priority=...) wraps both), or"
+             " switch keep_attention_outputs off.")
+
+
 class _AttentionOutputs(TorchDispatchMode):
     """Records the outputs of the fused attention kernels a layer's forward runs; replays them in its recomputes.
 
@@ -165,13 +171,13 @@ class _AttentionOutputs(TorchDispatchMode):
             args, kwargs = _with_log_sumexp(func, tuple(args), kwargs or {})
             outputs = func(*args, **kwargs)
             # The large outputs go where the layer inputs go; the scalars (seeds, sizes) stay as they are.
-            self.recorded.append(tuple(_Kept(o, self.store) if torch.is_tensor(o) and o.dim() > 0 else o
-                                       for o in outputs))
+            self.recorded.append((func, tuple(_Kept(o, self.store) if torch.is_tensor(o) and o.dim() > 0 else o
+                                              for o in outputs)))
             return outputs
-        if self.next_replayed >= len(self.recorded):
-            raise RuntimeError("A checkpointed layer's recompute ran more attention kernels than its forward;"
-                               " keep_attention_outputs needs the same kernels in both (no data-dependent branches).")
-        outputs = self.recorded[self.next_replayed]
+        recorded = self.recorded[self.next_replayed][0] if self.next_replayed < len(self.recorded) else None
+        if recorded is not func:
+            raise RuntimeError(_MISMATCH.format(recorded=recorded, now=func))
+        outputs = self.recorded[self.next_replayed][1]
         self.next_replayed += 1
         return tuple(o.get() if isinstance(o, _Kept) else o for o in outputs)
 
@@ -181,11 +187,13 @@ class _AttentionOutputs(TorchDispatchMode):
         try:
             with self:
                 yield
+            if self.next_replayed != len(self.recorded):
+                raise RuntimeError(_MISMATCH.format(recorded=self.recorded[self.next_replayed][0], now=None))
         finally:
             self.next_replayed = None
 
     def drop(self) -> None:
-        for outputs in self.recorded:
+        for _, outputs in self.recorded:
             for output in outputs:
                 if isinstance(output, _Kept):
                     output.drop()

@@ -5,6 +5,7 @@ bit-identical to Hugging Face's in bf16, what they keep for backward, and the no
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -12,6 +13,9 @@ import torch
 from lightning_ulysses.loss import SequenceParallelCausalLMLoss
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from lightning_ulysses.attention.backends import check_sdpa_kernel_priority
 from lightning_ulysses.memory import HostActivationStore, MemoryOptions, apply_memory_options
 from lightning_ulysses.memory.checkpointing import _ATTENTION_KERNELS, _with_log_sumexp
 from tests.distributed.common import tiny_gpt, tiny_llama
@@ -179,6 +183,27 @@ def test_recorded_attention_kernels_compute_the_log_sum_exp():
         ((q, q, q, None), {"compute_log_sumexp": True})
     cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default  # always returns it
     assert _with_log_sumexp(cpu, (q, q, q, 0.0, True), {}) == ((q, q, q, 0.0, True), {})
+
+
+def test_kept_attention_needs_one_kernel_choice_in_forward_and_backward():
+    """A recompute that picks another SDPA kernel than its forward cannot replay it: a clear error either way round;
+    one choice over both (what the strategy's `sdpa_kernel_priority` ensures) is exact."""
+    plain = tiny_llama(2).train()
+    input_ids, labels = _batch()
+    model = copy.deepcopy(plain)
+    apply_memory_options(model, MemoryOptions(activation_checkpointing=True, keep_attention_outputs=True))
+    math_only = functools.partial(sdpa_kernel, [SDPBackend.MATH])  # on CPU torch ignores a priority order
+    with math_only():
+        loss = model(input_ids=input_ids, labels=labels).loss
+    with pytest.raises(RuntimeError, match="must pick the same SDPA kernels"):
+        loss.backward()
+    loss = model(input_ids=input_ids, labels=labels).loss
+    with math_only(), pytest.raises(RuntimeError, match="must pick the same SDPA kernels"):
+        loss.backward()
+    with math_only():
+        _assert_same(_loss_and_grads(plain, input_ids, labels), _loss_and_grads(model, input_ids, labels))
+    with pytest.raises(ValueError, match="distinct SDPA kernels from"):
+        check_sdpa_kernel_priority(["cudnn", "fast"])
 
 
 def test_sparse_checkpoints_replay_dropout():

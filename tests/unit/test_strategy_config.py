@@ -74,3 +74,21 @@ def test_single_rank_runs_in_a_notebook_and_several_ranks_point_to_ulysses_noteb
     assert trainer.strategy.launcher is None  # one rank: trains in the notebook's own process
     with pytest.raises(RuntimeError, match="strategy='ulysses_notebook'"):
         L.Trainer(strategy=UlyssesDeepSpeedStrategy(), accelerator="cpu", devices=2, logger=False)
+
+
+@pytest.mark.parametrize("hook", ["training_step", "backward", "validation_step", "test_step", "predict_step"])
+def test_sdpa_kernel_priority_holds_in_every_step_and_backward(hook, monkeypatch):
+    """Forward and backward (where checkpointed layers recompute) run under the same SDPA kernel order."""
+    import torch
+
+    seen = []
+    monkeypatch.setattr(DeepSpeedStrategy, hook, lambda self, *a, **k: seen.append(torch._C._get_sdp_priority_order()),
+                        raising=False)
+    default = torch._C._get_sdp_priority_order()
+    getattr(UlyssesDeepSpeedStrategy(sdpa_kernel_priority=["cudnn", "math"]), hook)()
+    getattr(UlyssesDeepSpeedStrategy(), hook)()
+    cudnn, math, flash, efficient = 3, 0, 1, 2  # torch's SDPBackend values
+    assert seen == [[cudnn, math, flash, efficient, 4], default]
+    assert torch._C._get_sdp_priority_order() == default  # restored after the step
+    with pytest.raises(ValueError, match="distinct SDPA kernels"):
+        UlyssesDeepSpeedStrategy(sdpa_kernel_priority=["cudnn", "cudnn"])
