@@ -12,8 +12,8 @@ mask after the all-to-all, identical on every rank of the SP group, so every ran
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -25,6 +25,15 @@ class DocumentMask:
 
     document_ids: Optional[torch.Tensor]
     real_tokens: Optional[torch.Tensor]
+    # What is derived from the mask with a host sync (flash's cu_seqlens, the ring's refusal), computed once: when the
+    # sharder describes a batch (attention/rows.py) one DocumentMask serves every attention layer of the batch.
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def derived(self, key: Any, compute: Callable[[], Any]) -> Any:
+        """`compute()`, the first time `key` is asked for; the same value afterwards."""
+        if key not in self._derived:
+            self._derived[key] = compute()
+        return self._derived[key]
 
     @classmethod
     def from_rows(
@@ -67,6 +76,9 @@ class DocumentMask:
 
         Padding is dropped rather than masked (the kernels have no key mask); its outputs are zero.
         """
+        return self.derived("varlen_layout", self._varlen_layout)
+
+    def _varlen_layout(self) -> tuple[Optional[torch.Tensor], torch.Tensor, int]:
         reference = self.document_ids if self.document_ids is not None else self.real_tokens
         batch, seq = reference.shape
         rows = torch.arange(batch, device=reference.device)[:, None].expand(batch, seq).reshape(-1)
