@@ -22,8 +22,6 @@ it (flash's `cu_seqlens`, the ring's refusal decision) is computed once.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from lightning_ulysses.attention.documents import DocumentMask
@@ -37,23 +35,23 @@ class BatchRows:
     `shard_position_ids`/`shard_padding_mask`: this rank's shards of them, as the model receives them.
     """
 
-    def __init__(self, batch_size: int, position_ids: Optional[torch.Tensor], padding_mask: Optional[torch.Tensor],
-                 shard_position_ids: torch.Tensor, shard_padding_mask: Optional[torch.Tensor]):
+    def __init__(self, batch_size: int, position_ids: torch.Tensor | None, padding_mask: torch.Tensor | None,
+                 shard_position_ids: torch.Tensor, shard_padding_mask: torch.Tensor | None):
         self.batch_size = batch_size
         self.position_ids = position_ids
         self.padding_mask = None if padding_mask is None else padding_mask.bool()
         self._shard_position_ids = shard_position_ids  # kept alive: its storage cannot be reused by another tensor
         self._shard_version = shard_position_ids._version
         self._shard_padding_mask_shape = None if shard_padding_mask is None else shard_padding_mask.shape
-        self._documents: dict[bool, Optional[DocumentMask]] = {}
+        self._documents: dict[bool, DocumentMask | None] = {}
 
-    def describes(self, position_ids: Optional[torch.Tensor], padding_mask: Optional[torch.Tensor]) -> bool:
+    def describes(self, position_ids: torch.Tensor | None, padding_mask: torch.Tensor | None) -> bool:
         """Whether an attention handed these shards runs on this batch (metadata only: no sync, no collective)."""
         if position_ids is None or not _same_view(position_ids, self._shard_position_ids, self._shard_version):
             return False
         return padding_mask is None or padding_mask.shape == self._shard_padding_mask_shape
 
-    def documents(self, with_padding: bool) -> Optional[DocumentMask]:
+    def documents(self, with_padding: bool) -> DocumentMask | None:
         """The `DocumentMask` of the whole rows (with or without their padding), built on first use, then shared."""
         if with_padding not in self._documents:
             self._documents[with_padding] = DocumentMask.from_rows(
@@ -81,13 +79,13 @@ class BatchRowsSlot:
     """
 
     def __init__(self) -> None:
-        self.rows: Optional[BatchRows] = None
+        self.rows: BatchRows | None = None
 
     def __deepcopy__(self, memo):
         return self
 
-    def documents_for(self, position_ids: Optional[torch.Tensor],
-                      padding_mask: Optional[torch.Tensor]) -> tuple[bool, Optional[DocumentMask]]:
+    def documents_for(self, position_ids: torch.Tensor | None,
+                      padding_mask: torch.Tensor | None) -> tuple[bool, DocumentMask | None]:
         """(whether the published rows describe these shards, their `DocumentMask` if so)."""
         rows = self.rows
         if rows is None or not rows.describes(position_ids, padding_mask):
