@@ -6,8 +6,9 @@ one (in practice: a restart at 0) starts a new document, the rule transformers a
 causal models) that are not padding (2-D `attention_mask`), Hugging Face's padding semantics: a left-padding
 query has no key at all and its output is zero, as in transformers' own sdpa and flash paths.
 
-The structure must be built from the *whole* row: under sequence parallelism that is the gathered positions and
-mask after the all-to-all, identical on every rank of the SP group, so every rank makes the same choices.
+The structure must be built from the *whole* row: under sequence parallelism that is the rows the sharder published
+for the batch (attention/rows.py) or else the positions and mask gathered after the all-to-all, identical on every
+rank of the SP group either way, so every rank makes the same choices.
 """
 
 from __future__ import annotations
