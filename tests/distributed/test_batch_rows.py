@@ -1,7 +1,8 @@
 """Packed documents and padding are decided once per batch, from the rows the sharder publishes, not in every layer.
 
 One 4-rank launch (see workers/batch_rows.py): the published rows give the same `DocumentMask` as the gather path
-(SP 2, SP 4, SP 4 = Ulysses 2 × ring 2; plain, packed, right-, left- and packed + padded rows); the ring's
+(SP 2, SP 4, SP 4 = Ulysses 2 × ring 2; plain, packed, right-, left- and packed + padded rows, also of a length the
+sharder pads); the ring's
 refusals are raised from them on every rank; a 4-layer model at SP 2 gathers nothing and builds one
 `DocumentMask` per forward (none in the recompute of activation checkpointing) where the gather path did it in
 every layer, with the same loss and gradients; the strategy's training steps take the published path.
@@ -26,7 +27,7 @@ def results(tmp_path_factory):
 def test_published_rows_equal_the_gathered_rows(results, layout, kind):
     for rank in results:
         found = rank[layout]
-        names = [kind] + ([f"{kind}_with_padding"] if kind.endswith("padded") else [])
+        names = [kind] + ([f"{kind}_with_padding"] if "padded" in kind else [])
         for name in names:
             assert found[f"described_{name}"], name
             assert found[f"same_documents_{name}"], name

@@ -43,7 +43,8 @@ NUM_LAYERS = 4
 
 def rows(kind: str) -> dict:
     """A batch of two rows of SEQ_LEN tokens: `plain` (no positions, no mask), `packed` (positions restarting inside
-    both rows, documents crossing shard boundaries), `right_padded`, `left_padded`, `packed_padded` (both)."""
+    both rows, documents crossing shard boundaries), `right_padded`, `left_padded`, `packed_padded` (both), and
+    `packed_padded_uneven`: one token shorter, so that the sharder pads the rows to a multiple of the SP size."""
     generator = torch.Generator().manual_seed(3)
     input_ids = torch.randint(0, VOCAB, (2, SEQ_LEN), generator=generator)
     batch = {"input_ids": input_ids, "labels": input_ids.clone()}
@@ -51,18 +52,20 @@ def rows(kind: str) -> dict:
         batch["position_ids"] = torch.stack([torch.cat([torch.arange(n) for n in lengths])
                                              for lengths in ([5, 7, 4], [3, 9, 1, 3])])
     mask = torch.ones(2, SEQ_LEN, dtype=torch.long)
-    if kind in ("right_padded", "packed_padded"):
+    if kind in ("right_padded", "packed_padded", "packed_padded_uneven"):
         mask[0, -3:] = 0
         mask[1, -6:] = 0
-    if kind in ("left_padded", "packed_padded"):
+    if kind in ("left_padded", "packed_padded", "packed_padded_uneven"):
         mask[1, :2] = 0
-    if kind != "plain" and kind != "packed":
+    if "padded" in kind:
         batch["attention_mask"] = mask
         batch["labels"] = input_ids.masked_fill(mask == 0, -100)
+    if kind.endswith("uneven"):
+        batch = {key: value[:, :-1] for key, value in batch.items()}
     return batch
 
 
-ROW_KINDS = ("plain", "packed", "right_padded", "left_padded", "packed_padded")
+ROW_KINDS = ("plain", "packed", "right_padded", "left_padded", "packed_padded", "packed_padded_uneven")
 
 
 def same_documents(a, b) -> bool:
