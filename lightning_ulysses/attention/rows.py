@@ -41,7 +41,7 @@ class BatchRows:
         self.position_ids = position_ids
         self.padding_mask = None if padding_mask is None else padding_mask.bool()
         self._shard_position_ids = shard_position_ids  # kept alive: its storage cannot be reused by another tensor
-        self._shard_version = shard_position_ids._version
+        self._shard_version = _version(shard_position_ids)
         self._shard_padding_mask_shape = None if shard_padding_mask is None else shard_padding_mask.shape
         self._documents: dict[bool, DocumentMask | None] = {}
 
@@ -68,8 +68,14 @@ def _same_view(tensor: torch.Tensor, recorded: torch.Tensor, recorded_version: i
         and tensor.stride() == recorded.stride()
         and tensor.dtype == recorded.dtype
         and tensor.device == recorded.device
-        and tensor._version == recorded_version
+        and _version(tensor) == recorded_version
     )
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The in-place version counter; None for inference tensors, which have none (Lightning evaluates under
+    `torch.inference_mode`, so evaluation batches are such tensors: an in-place change to them goes unnoticed)."""
+    return None if tensor.is_inference() else tensor._version
 
 
 class BatchRowsSlot:

@@ -38,6 +38,16 @@ def test_sp_1_packed_rows_build_their_document_mask_once_for_every_layer():
         assert torch.equal(output, expected)
 
 
+def test_batches_made_in_inference_mode_are_described():
+    # Lightning runs validate/test/predict, data loading included, under torch.inference_mode.
+    slot = BatchRowsSlot()
+    with torch.inference_mode():
+        shard = SequenceSharder(2, 0, batch_rows=slot)(tokens(position_ids=PACKED))
+        described, documents = slot.documents_for(shard["position_ids"], None)
+    assert described and torch.equal(documents.document_ids[0], torch.tensor([0, 0, 0, 1, 1, 2, 2, 2]))
+    assert not slot.documents_for(shard["position_ids"].clone(), None)[0]
+
+
 def test_positions_the_sharder_filled_in_are_one_document_per_row():
     slot = BatchRowsSlot()
     shard = SequenceSharder(2, 1, batch_rows=slot)(tokens())
