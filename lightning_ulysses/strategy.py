@@ -38,6 +38,7 @@ from lightning_ulysses import preflight
 from lightning_ulysses.attention.backends import check_sdpa_kernel_priority, sdpa_priority
 from lightning_ulysses.attention.core import UlyssesAttention, resolve_ring_size
 from lightning_ulysses.attention.hf import find_hf_models, hf_head_counts, prepare_hf_model, validate_hf_model
+from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.faults import RankWatchdog, is_peer_failure
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, check_ring_size, check_sequence_parallel_size
 from lightning_ulysses.memory import MemoryOptions, apply_allocator_settings, apply_memory_options
@@ -193,6 +194,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self.sequence_padding = sequence_padding
         self._groups: Optional[SequenceParallelGroups] = None
         self._sharder: Optional[SequenceSharder] = None
+        # The sharder publishes each batch's whole rows here; the attention layers read them instead of gathering.
+        self._batch_rows = BatchRowsSlot()
         self._restore_callbacks: list[Callable[[], None]] = []
         self.sequence_parallel_in_evaluation = sequence_parallel_in_evaluation
         self.memory = memory
@@ -330,7 +333,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             rank_zero_info(f"lightning_ulysses: {self._groups.layout.with_ring_size(ring_size)}")
         self._groups = self._groups.with_ring_size(ring_size)
         self._sharder = SequenceSharder(self._groups.sequence_parallel_world_size, self._groups.sequence_parallel_rank,
-                                        self.sequence_padding, ring_size=ring_size)
+                                        self.sequence_padding, ring_size=ring_size, batch_rows=self._batch_rows)
 
     def _warn_if_groups_span_nodes(self, sequence_parallel_size: int) -> None:
         # Ranks are numbered node by node and SP groups are blocks of consecutive ranks, so a group stays inside a
@@ -427,8 +430,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             validate_hf_model(model, groups.ulysses_size)
         loss = self.loss_function
         names = {id(child): name for name, child in module.named_modules()}
-        prepared = [prepare_hf_model(model, groups.ulysses_group, loss, ring_group=groups.ring_group)
-                    for model in hf_models]
+        prepared = [prepare_hf_model(model, groups.ulysses_group, loss, ring_group=groups.ring_group,
+                                     batch_rows=self._batch_rows) for model in hf_models]
         # The configs as the user built them (preparation swaps in a private copy with Ulysses attention).
         self._hf_model_configs = {
             names[id(p.model)]: p.original_configs.get(id(p.model), p.model.config) for p in prepared
@@ -438,6 +441,9 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             if callable(getattr(bindable, "bind_parallel_groups", None)):
                 bindable.bind_parallel_groups(groups)
                 self._restore_callbacks.append(functools.partial(bindable.bind_parallel_groups, None))
+        for attention in native:
+            attention.bind_batch_rows(self._batch_rows)
+            self._restore_callbacks.append(functools.partial(attention.bind_batch_rows, None))
         self._restore_callbacks += [
             swap_loss_function(host, loss) for host in module.modules() if isinstance(host, LossFunctionHost)
         ]
@@ -457,6 +463,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     def teardown(self) -> None:
         # The user's models leave the Trainer with their own attention and loss again.
         self._restore_modules()
+        self._batch_rows.rows = None  # the last batch's rows are not kept alive after the Trainer is done
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None

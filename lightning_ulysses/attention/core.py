@@ -7,7 +7,8 @@ the one KV head its query heads use; replication is a `repeat_interleave`, so it
 
 `ulysses_attention` is the one core both model families run: `UlyssesAttention` (native models) and the
 Hugging Face attention function (attention/hf.py) call it with a backend name (attention/backends.py). Packed
-documents and padding are read from the *gathered* whole-row positions and mask (attention/documents.py).
+documents and padding are read from the whole-row positions and mask (attention/documents.py): those the sharder
+published for the batch (attention/rows.py), or else gathered from the SP group in every call.
 
 When the SP group is split into `ulysses_size × ring_size` (hybrid Ulysses × ring), the all-to-alls run inside
 the Ulysses sub-group only and ring attention (attention/ring.py) takes the place of the local attention,
@@ -28,6 +29,7 @@ from lightning_ulysses.attention.all_to_all import all_gather_sequence, heads_to
 from lightning_ulysses.attention.backends import BACKENDS, check_backend, local_attention
 from lightning_ulysses.attention.documents import DocumentMask
 from lightning_ulysses.attention.ring import ring_attention
+from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.layout import ShardOrder
 
 
@@ -148,6 +150,7 @@ def ulysses_attention(
     scale: Optional[float] = None,
     dropout_p: float = 0.0,
     ring_group=None,
+    batch_rows: Optional[BatchRowsSlot] = None,
 ) -> torch.Tensor:
     """Attention of this rank's shard: `[batch, heads, seq/P, dim]` q/k/v → `[batch, seq/P, heads, dim]`.
 
@@ -158,6 +161,9 @@ def ulysses_attention(
     `ring_group` (hybrid Ulysses × ring; shards in the zig-zag layout of `layout.ShardOrder`): heads are scattered
     over `group` (the Ulysses sub-group) only, and ring attention across `ring_group` replaces the local attention
     (`backend` is not called; it may then be None).
+
+    `batch_rows`: where the sharder published the whole rows of its last batch (attention/rows.py); when they are
+    the rows of these shards, nothing is gathered and the batch's one `DocumentMask` is reused.
     """
     ring = ProcessGroupHandle(ring_group).world_size > 1
     if ring and dropout_p:
@@ -168,11 +174,13 @@ def ulysses_attention(
     sharded = ProcessGroupHandle(group).world_size > 1
     if sharded:
         query, key, value = scatter_heads_gather_sequence(query, key, value, group, head_dim=1, seq_dim=2)
-    if position_ids is not None:
-        position_ids = _whole_rows(position_ids, group, ring_group)
-    if padding_mask is not None:
-        padding_mask = _whole_rows(padding_mask.bool(), group, ring_group)
-    documents = DocumentMask.from_rows(query.size(0), position_ids, padding_mask)
+    described, documents = (False, None) if batch_rows is None else batch_rows.documents_for(position_ids, padding_mask)
+    if not described:
+        if position_ids is not None:
+            position_ids = _whole_rows(position_ids, group, ring_group)
+        if padding_mask is not None:
+            padding_mask = _whole_rows(padding_mask.bool(), group, ring_group)
+        documents = DocumentMask.from_rows(query.size(0), position_ids, padding_mask)
     if ring:
         _check_ring_can_mask(documents, is_causal)
         output = ring_attention(query, key, value, ring_group, is_causal, scale).transpose(1, 2)
@@ -198,9 +206,16 @@ def _check_ring_can_mask(documents: Optional[DocumentMask], is_causal: bool) -> 
     labels. Anything else is refused; `documents` describes the whole rows, so every rank raises alike."""
     if documents is None:
         return
+    refusal = documents.derived(("ring_refusal", is_causal), lambda: _ring_refusal(documents, is_causal))
+    if refusal is not None:
+        raise NotImplementedError(refusal)
+
+
+def _ring_refusal(documents: DocumentMask, is_causal: bool) -> Optional[str]:
+    """Why ring attention cannot mask these rows (see `_check_ring_can_mask`), or None."""
     real = documents.real_tokens
     if real is not None and not (is_causal and bool((real[:, :-1] >= real[:, 1:]).all())):
-        raise NotImplementedError(
+        return (
             "Ring attention (ring_size > 1) supports padding only at the end of rows of causal models; this batch"
             " has left or inner padding. Pad on the right (tokenizer.padding_side='right'), or use ring_size=1."
         )
@@ -209,11 +224,12 @@ def _check_ring_can_mask(documents: Optional[DocumentMask], is_causal: bool) -> 
         if real is not None:
             starts = starts & real[:, 1:]  # positions restarting inside the right padding separate no real tokens
         if bool(starts.any()):
-            raise NotImplementedError(
+            return (
                 "Ring attention (ring_size > 1) masks by position only, so it cannot keep packed documents apart:"
                 " position_ids restart inside a row. Use ring_size=1 (pure Ulysses attention handles packed rows),"
                 " or unpacked rows (one document per row, e.g. pack_documents=False)."
             )
+    return None
 
 
 class UlyssesAttention(nn.Module):
@@ -253,6 +269,7 @@ class UlyssesAttention(nn.Module):
         self.num_heads, self.num_key_value_heads = num_heads, num_key_value_heads
         self._group = ProcessGroupHandle(None)
         self._ring = ProcessGroupHandle(None)
+        self._batch_rows: Optional[BatchRowsSlot] = None
 
     def bind(self, sequence_parallel_group, ring_group=None) -> None:
         """Heads are scattered over `sequence_parallel_group` (the Ulysses group); K/V blocks pass around `ring_group`."""
@@ -271,6 +288,11 @@ class UlyssesAttention(nn.Module):
             check_backend(self.backend)  # an unavailable backend fails at setup, before any collective
         sharded = groups is not None and groups.sequence_parallel_world_size > 1
         self.bind(groups.ulysses_group if sharded else None, groups.ring_group if sharded else None)
+
+    def bind_batch_rows(self, batch_rows: Optional[BatchRowsSlot]) -> None:
+        """Read the whole rows of each batch from `batch_rows`, where a `SequenceSharder` publishes them (the
+        strategy binds its own at setup); None: gather positions and padding mask in every call."""
+        self._batch_rows = batch_rows
 
     @property
     def sequence_parallel_group(self):
@@ -296,7 +318,7 @@ class UlyssesAttention(nn.Module):
             backend = None
         options.update(kwargs)
         output = ulysses_attention(query, key, value, group, backend, position_ids, attention_mask,
-                                   ring_group=ring_group, **options)
+                                   ring_group=ring_group, batch_rows=self._batch_rows, **options)
         return output.transpose(1, 2)
 
     def _custom_attention(self, query, key, value, group, **kwargs):

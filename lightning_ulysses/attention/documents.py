@@ -6,14 +6,15 @@ one (in practice: a restart at 0) starts a new document, the rule transformers a
 causal models) that are not padding (2-D `attention_mask`), Hugging Face's padding semantics: a left-padding
 query has no key at all and its output is zero, as in transformers' own sdpa and flash paths.
 
-The structure must be built from the *whole* row: under sequence parallelism that is the gathered positions and
-mask after the all-to-all, identical on every rank of the SP group, so every rank makes the same choices.
+The structure must be built from the *whole* row: under sequence parallelism that is the rows the sharder published
+for the batch (attention/rows.py) or else the positions and mask gathered after the all-to-all, identical on every
+rank of the SP group either way, so every rank makes the same choices.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -25,6 +26,15 @@ class DocumentMask:
 
     document_ids: Optional[torch.Tensor]
     real_tokens: Optional[torch.Tensor]
+    # What is derived from the mask with a host sync (flash's cu_seqlens, the ring's refusal), computed once: when the
+    # sharder describes a batch (attention/rows.py) one DocumentMask serves every attention layer of the batch.
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def derived(self, key: Any, compute: Callable[[], Any]) -> Any:
+        """`compute()`, the first time `key` is asked for; the same value afterwards."""
+        if key not in self._derived:
+            self._derived[key] = compute()
+        return self._derived[key]
 
     @classmethod
     def from_rows(
@@ -67,6 +77,9 @@ class DocumentMask:
 
         Padding is dropped rather than masked (the kernels have no key mask); its outputs are zero.
         """
+        return self.derived("varlen_layout", self._varlen_layout)
+
+    def _varlen_layout(self) -> tuple[Optional[torch.Tensor], torch.Tensor, int]:
         reference = self.document_ids if self.document_ids is not None else self.real_tokens
         batch, seq = reference.shape
         rows = torch.arange(batch, device=reference.device)[:, None].expand(batch, seq).reshape(-1)

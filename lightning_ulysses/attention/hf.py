@@ -33,6 +33,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from lightning_ulysses.attention.backends import BACKENDS, check_backend
 from lightning_ulysses.attention.core import ProcessGroupHandle, ulysses_attention, validate_head_counts
+from lightning_ulysses.attention.rows import BatchRowsSlot
 
 ULYSSES_ATTENTION = "ulysses"
 _BINDING_ATTRIBUTE = "_lightning_ulysses"
@@ -60,6 +61,8 @@ class _Binding:
     decode: Optional[DecodeState] = None
     # K/V blocks pass around this group (hybrid Ulysses × ring); of one rank (no group) for pure Ulysses.
     ring: ProcessGroupHandle = field(default_factory=lambda: ProcessGroupHandle(None))
+    # Where the sharder publishes each batch's whole rows (attention/rows.py); None: gathered in every layer.
+    batch_rows: Optional[BatchRowsSlot] = None
 
     def __deepcopy__(self, memo):
         return self
@@ -110,6 +113,7 @@ def _ulysses_attention_forward(module, query, key, value, attention_mask, **kwar
         scale=kwargs.get("scaling"),
         dropout_p=kwargs.get("dropout", 0.0),
         ring_group=binding.ring.group,  # with a ring, ring attention replaces the backend
+        batch_rows=binding.batch_rows,
     )
     return output, None  # [batch, seq/P, heads, dim], the layout the model expects back
 
@@ -232,13 +236,17 @@ def hf_head_counts(model: PreTrainedModel) -> tuple[int, int]:
 
 
 def prepare_hf_model(
-    model: PreTrainedModel, sequence_parallel_group, loss_function: Callable | None = None, *, ring_group=None
+    model: PreTrainedModel, sequence_parallel_group, loss_function: Callable | None = None, *, ring_group=None,
+    batch_rows: BatchRowsSlot | None = None,
 ) -> PreparedHFModel:
     """Switch one model to Ulysses attention over `sequence_parallel_group` (and optionally swap its loss).
 
     With `ring_group` (hybrid Ulysses × ring, `SequenceParallelGroups.ulysses_group`/`.ring_group`), heads are
     scattered over `sequence_parallel_group` only and ring attention spans `ring_group`; batches must then be
     sharded in the zig-zag layout (`SequenceSharder(..., ring_size=...)`).
+
+    `batch_rows`: the slot a `SequenceSharder(..., batch_rows=...)` publishes each batch's whole rows into; the
+    attention then reads packed documents and padding from it instead of gathering them in every layer.
     """
     group = ProcessGroupHandle(sequence_parallel_group)
     ring = ProcessGroupHandle(ring_group)
@@ -269,7 +277,7 @@ def prepare_hf_model(
             f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface, so"
             " lightning_ulysses cannot swap it. Wrap its attention in lightning_ulysses.UlyssesAttention."
         ) from error
-    binding = _Binding(group=group, backend=backend, ring=ring)
+    binding = _Binding(group=group, backend=backend, ring=ring, batch_rows=batch_rows)
     for module in model.modules():
         module.__dict__[_BINDING_ATTRIBUTE] = binding
     return prepared
