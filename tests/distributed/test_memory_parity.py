@@ -20,10 +20,13 @@ ALL_FEATURES = {"tiled_mlp": True, "mlp_tile_tokens": 3, "tiled_logits_loss": Tr
                 "activation_checkpointing": True, "offload_activations": True, "low_memory_norms": True}
 
 
+SPARSE_FEATURES = {**ALL_FEATURES, "checkpoint_interval": 2, "keep_attention_outputs": True}
+
+
 def _case(name, sp, stage, model="llama", memory=ALL_FEATURES):
     wrapped = {"llama": ["LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "LlamaRMSNorm", "Linear"],
                "gpt": ["Block", "MLP", "_Linear"]}[model]
-    if memory is not ALL_FEATURES:  # tiled logits + loss only: the model's forward and its output head
+    if memory not in (ALL_FEATURES, SPARSE_FEATURES):  # tiled logits + loss only: the model's forward and its head
         wrapped = ["LlamaForCausalLM", "Linear"]
     return {"name": name, "wrapped": wrapped, "world_size": WORLD, "sp": sp, "stage": stage, "kv_heads": 2, "model": model,
             "steps": STEPS, "batch_size": 1, "seq_len": SEQ_LEN, "dataset_kwargs": {"odd_rows_shorter_by": 4},
@@ -36,7 +39,12 @@ CASES = [
     _case("zero2-sp2-llama-all", 2, 2),
     _case("zero3-sp1-llama-all", 1, 3),
     _case("zero3-sp2-llama-logits-only", 2, 3, memory={"tiled_logits_loss": True, "logits_tile_tokens": 3}),
+    # sparser checkpoints (both layers of the tiny models in one stretch: the second layer's input is recomputed
+    # in backward, with ZeRO-3 gathering the first layer's parameters again) and replayed attention outputs
+    _case("zero3-sp2-llama-stretch-kept-attention", 2, 3, memory=SPARSE_FEATURES),
+    _case("zero3-sp2-gpt-stretch-kept-attention", 2, 3, model="gpt", memory=SPARSE_FEATURES),
 ]
+CASES[-1]["strategy_kwargs"]["sdpa_kernel_priority"] = ["math", "flash"]  # accepted on CPU (where torch ignores it)
 _results: list = []
 
 
