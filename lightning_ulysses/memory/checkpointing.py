@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections import defaultdict
 from typing import Any, Callable, Optional
 
@@ -140,9 +141,14 @@ class _Kept:
         return self.store.peek(self.value) if self.store is not None else self.value
 
     def drop(self) -> None:
-        if self.store is not None and self.value is not None:
+        if self.store is not None and getattr(self, "value", None) is not None:
             self.store.give_back(self.value)
         self.value = None
+
+    def __del__(self) -> None:
+        # A forward whose graph is dropped without backward (a skipped step, an exception, a second forward that is
+        # never backpropagated) frees its calls here: their host buffers go back to the store, not pinned forever.
+        self.drop()
 
 
 _MISMATCH = ("keep_attention_outputs: a checkpointed layer's forward ran the attention kernel {recorded} where its"
@@ -203,11 +209,12 @@ class _AttentionOutputs(TorchDispatchMode):
 class _LayerCall:
     """One checkpointed call of one layer: what its backward, and later layers' backward, need to recompute it."""
 
-    def __init__(self, run: Callable, stretch: list["_LayerCall"], store: Optional[HostActivationStore],
+    def __init__(self, run: Callable, stretch: list[weakref.ref], store: Optional[HostActivationStore],
                  keep_attention_outputs: bool) -> None:
         self.run, self.stretch, self.store = run, stretch, store
         self.position = len(stretch)  # 0: this call keeps its input; k > 0: recomputed from the stretch's first
-        stretch.append(self)
+        # Weak: each call lives exactly as long as its autograd node, so a dropped graph frees what it kept at once.
+        stretch.append(weakref.ref(self))
         self.attention = _AttentionOutputs(store) if keep_attention_outputs else None
         self.kept_input: Optional[_Kept] = None
         self.recomputed_input: Optional[torch.Tensor] = None
@@ -242,12 +249,14 @@ class _LayerCall:
             self.kept_input.drop()
             return hidden
         if self.recomputed_input is None:
-            # The stretch's last layer to run backward first: recompute the inputs of every layer before it.
-            hidden = self.stretch[0].kept_input.get()
-            for call in self.stretch[:self.position]:
+            # The stretch's last layer to run backward first: recompute the inputs of every layer before it (all
+            # alive: their backward is still to come).
+            calls = [reference() for reference in self.stretch[:self.position + 1]]
+            hidden = calls[0].kept_input.get()
+            for call, following in zip(calls, calls[1:]):
                 outputs, _ = call.recompute(hidden, with_grad=False)
                 hidden = outputs[0] if isinstance(outputs, tuple) else outputs
-                self.stretch[call.position + 1].recomputed_input = hidden
+                following.recomputed_input = hidden
         hidden, self.recomputed_input = self.recomputed_input, None
         return hidden
 
@@ -261,13 +270,19 @@ class _CheckpointedLayer(torch.autograd.Function):
     """Runs a layer without keeping activations; recomputes it in backward (see `_LayerCall`)."""
 
     @staticmethod
-    def forward(ctx, call: _LayerCall, *args: Any):
+    def forward(ctx, call: _LayerCall, gradient_anchor: Optional[torch.Tensor], *args: Any):
         ctx.call = call
         return call.forward(args)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
         call, ctx.call = ctx.call, None
+        if call is None:
+            raise RuntimeError(
+                "A checkpointed layer ran backward twice (backward(retain_graph=True) followed by another backward, or"
+                " a double backward): activation checkpointing frees what it kept after the first. Run one backward"
+                " per forward, or switch the memory option activation_checkpointing off."
+            )
         outputs, args = call.recompute(call.input_for_backward(), with_grad=True)
         call.release()
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
@@ -275,8 +290,8 @@ class _CheckpointedLayer(torch.autograd.Function):
                  if torch.is_tensor(o) and o.requires_grad and g is not None]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, *(a.grad if torch.is_tensor(a) and needs else None
-                        for a, needs in zip(args, call.requires_grad)))
+        return (None, None, *(a.grad if torch.is_tensor(a) and needs else None
+                              for a, needs in zip(args, call.requires_grad)))
 
 
 # Keyword arguments of Hugging Face decoder layers that carry a KV cache: a recompute must not update it twice.
@@ -284,24 +299,37 @@ _CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "cache", "layer_past")
 
 
 class _Stretches:
-    """Groups the checkpointed calls of one forward pass into stretches of `interval` consecutive layers."""
+    """Groups the checkpointed calls of the forward passes into stretches of at most `interval` consecutive layers.
+
+    A stretch continues only while a layer is handed, unchanged, the hidden states the previous checkpointed layer
+    returned: that is what its recompute will feed it. Anything else (a new forward pass, a layer stack of another
+    model part, hidden states transformed between layers) starts a new stretch, whose first layer keeps its input.
+    """
 
     def __init__(self, interval: int, store: Optional[HostActivationStore], keep_attention_outputs: bool) -> None:
         self.interval, self.store, self.keep_attention_outputs = interval, store, keep_attention_outputs
-        self.current: list[_LayerCall] = []
+        self.current: list[weakref.ref] = []
+        # (weak reference to the last call's hidden-state output, its in-place version): no device memory held.
+        self.last_output: Optional[tuple[weakref.ref, int]] = None
 
-    def call(self, index: int, run: Callable) -> _LayerCall:
-        position = index % self.interval
-        if position == 0:
+    def call(self, hidden: torch.Tensor, run: Callable) -> _LayerCall:
+        continues = (self.last_output is not None and self.last_output[0]() is hidden
+                     and self.last_output[1] == _version(hidden) and len(self.current) < self.interval)
+        if not continues:
             self.current = []  # the previous stretch lives on in its calls, until their backward
-        elif len(self.current) != position:
-            raise RuntimeError(f"Decoder layer {index} ran out of order; checkpoint_interval > 1 needs the layers called"
-                               " in order, once per forward. Set checkpoint_interval=1 for this model.")
         return _LayerCall(run, self.current, self.store, self.keep_attention_outputs)
 
+    def returned(self, outputs: Any) -> Any:
+        hidden = outputs[0] if isinstance(outputs, tuple) else outputs
+        self.last_output = (weakref.ref(hidden), _version(hidden)) if torch.is_tensor(hidden) else None
+        return outputs
 
-def _checkpointed_forward(layer: nn.Module, original: Callable, stretches: _Stretches, index: int,
-                          *args: Any, **kwargs: Any):
+
+def _version(tensor: torch.Tensor) -> Optional[int]:
+    return None if tensor.is_inference() else tensor._version  # inference tensors have no version counter
+
+
+def _checkpointed_forward(layer: nn.Module, original: Callable, stretches: _Stretches, *args: Any, **kwargs: Any):
     if not (layer.training and torch.is_grad_enabled()):
         return original(*args, **kwargs)
     if kwargs.get("use_cache"):
@@ -312,7 +340,13 @@ def _checkpointed_forward(layer: nn.Module, original: Callable, stretches: _Stre
     if not args:  # hidden states passed by keyword: move them first, the position that is kept
         raise ValueError(f"activation_checkpointing needs {type(layer).__name__}'s hidden states as the first"
                          " positional argument.")
-    return _CheckpointedLayer.apply(stretches.call(index, functools.partial(original, **kwargs)), *args)
+    call = stretches.call(args[0], functools.partial(original, **kwargs))
+    # A layer whose inputs need no gradient (frozen embeddings, adapters on a frozen base) may still have trainable
+    # parameters: an input that requires grad makes autograd run its backward, which accumulates theirs.
+    needs_anchor = (not any(torch.is_tensor(a) and a.requires_grad for a in args)
+                    and any(p.requires_grad for p in layer.parameters()))
+    anchor = torch.empty(0, device=args[0].device, requires_grad=True) if needs_anchor else None
+    return stretches.returned(_CheckpointedLayer.apply(call, anchor, *args))
 
 
 def checkpoint_layers(layers: list[nn.Module], store: Optional[HostActivationStore], interval: int = 1,
@@ -327,7 +361,7 @@ def checkpoint_layers(layers: list[nn.Module], store: Optional[HostActivationSto
             )
     stretches = _Stretches(interval, store, keep_attention_outputs)
     restores = []
-    for index, layer in enumerate(layers):
-        layer.forward = functools.partial(_checkpointed_forward, layer, layer.forward, stretches, index)
+    for layer in layers:
+        layer.forward = functools.partial(_checkpointed_forward, layer, layer.forward, stretches)
         restores.append(functools.partial(layer.__dict__.pop, "forward", None))
     return restores

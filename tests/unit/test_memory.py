@@ -223,6 +223,72 @@ def test_sparse_checkpoints_replay_dropout():
     assert not torch.equal(_loss_and_grads(model, input_ids, labels)[0], expected[0])  # dropout is really on
 
 
+SPARSE_KEPT_OFFLOADED = MemoryOptions(activation_checkpointing=True, offload_activations=True, checkpoint_interval=2,
+                                      keep_attention_outputs=True)
+
+
+def test_checkpointed_layers_with_frozen_inputs_still_get_gradients():
+    """Frozen embeddings (fine-tuning, adapters): no layer input requires grad, yet the layers' parameters do."""
+    plain = tiny_llama(2, num_layers=4).train()
+    plain.model.embed_tokens.weight.requires_grad_(False)
+    input_ids, labels = _batch()
+    expected = _loss_and_grads(plain, input_ids, labels)
+    model = copy.deepcopy(plain)
+    apply_memory_options(model, SPARSE_KEPT_OFFLOADED)
+    _assert_same(expected, _loss_and_grads(model, input_ids, labels))
+
+
+def test_sparse_checkpoints_follow_the_hidden_states_not_the_layer_order():
+    """A stretch is only recomputed through layers that really fed each other: hidden states changed between two
+    layers (here scaled out of place, then in place) start a new stretch, so gradients stay exact."""
+    from lightning_ulysses.memory.checkpointing import checkpoint_layers
+
+    torch.manual_seed(3)
+    layers = [torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(8, 8)) for _ in range(5)]
+    inputs = torch.randn(3, 8, requires_grad=True)
+
+    def gradients(stack):
+        hidden = inputs
+        for index, layer in enumerate(stack):
+            hidden = layer(hidden)
+            if index == 0:
+                hidden = hidden * 3
+            if index == 2:
+                hidden.mul_(2)
+        inputs.grad = None
+        for parameter in (p for layer in stack for p in layer.parameters()):
+            parameter.grad = None
+        hidden.square().sum().backward()
+        return [inputs.grad, *(p.grad for layer in stack for p in layer.parameters())]
+
+    expected = gradients(layers)
+    checkpointed = copy.deepcopy(layers)
+    checkpoint_layers(checkpointed, None, interval=3)
+    for actual, wanted in zip(gradients(checkpointed), expected, strict=True):
+        torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=1e-6)
+
+
+def test_dropped_forward_gives_its_host_buffers_back_and_second_backward_is_refused():
+    """A forward whose graph is dropped without backward (a skipped step) returns its host buffers to the store
+    at once (on a GPU they are pinned: kept, they would be lost for good); a second backward through the same
+    checkpointed layers is refused with a clear error rather than an AttributeError."""
+    model = tiny_llama(2, num_layers=4).train()
+    input_ids, labels = _batch()
+    store = HostActivationStore()
+    apply_memory_options(model, SPARSE_KEPT_OFFLOADED, store)
+    _loss_and_grads(model, input_ids, labels)
+    step_bytes = store.host_bytes
+    dropped = model(input_ids=input_ids, labels=labels).loss
+    del dropped  # its graph goes without backward
+    assert store.host_bytes == step_bytes
+    _loss_and_grads(model, input_ids, labels)
+    assert store.host_bytes == step_bytes  # the next step reused the buffers, none were added
+    loss = model(input_ids=input_ids, labels=labels).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="ran backward twice"):
+        loss.backward()
+
+
 def test_bad_options_name_the_fix():
     with pytest.raises(ValueError, match="needs activation_checkpointing=True"):
         MemoryOptions(offload_activations=True)
