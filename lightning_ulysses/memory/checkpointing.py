@@ -41,6 +41,11 @@ _ATTENTION_KERNELS = frozenset(
 )
 
 
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` covers its memory without gaps or overlaps (then `empty_like` copies its strides)."""
+    return torch.empty_like(tensor, device="meta").stride() == tensor.stride()
+
+
 def _with_log_sumexp(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The kernel call with `compute_log_sumexp=True` where the kernel has that flag (cuDNN, memory-efficient).
 
@@ -62,11 +67,15 @@ class HostActivationStore:
     Buffers are pinned with `cudaHostRegister` on plain host tensors: the caching host allocator behind
     `pin_memory=True` rounds every block up to a power of two (a 2.9 GB hidden state would take 4 GB).
     Without CUDA the buffers are plain host tensors (the copies are then what the tests check).
+
+    Buffers are reused by layout (shape, strides, dtype). A tensor of a layout with no idle buffer first frees the
+    idle buffers of every other layout: batches whose length varies would otherwise keep (and pin) a full set of
+    buffers for every length seen, until the host runs out of memory.
     """
 
     def __init__(self) -> None:
         self._free: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-        self._pinned: list[torch.Tensor] = []
+        self._pinned: dict[int, torch.Tensor] = {}  # by data pointer
 
     @staticmethod
     def _key(tensor: torch.Tensor) -> tuple:
@@ -79,11 +88,28 @@ class HostActivationStore:
             from torch.cuda._pin_memory_utils import pin_memory
 
             pin_memory(buffer.data_ptr(), buffer.untyped_storage().nbytes())
-            self._pinned.append(buffer)
+            self._pinned[buffer.data_ptr()] = buffer
         return buffer
 
+    def _drop_idle(self, keep: Optional[tuple] = None) -> None:
+        """Unpin and drop the idle buffers of every layout but `keep`."""
+        idle = [buffer for key, buffers in self._free.items() if key != keep for buffer in buffers]
+        pinned = [self._pinned.pop(buffer.data_ptr()) for buffer in idle if buffer.data_ptr() in self._pinned]
+        if pinned:
+            torch.cuda.synchronize()  # no copy may still be reading or writing a buffer
+            from torch.cuda._pin_memory_utils import unpin_memory
+
+            for buffer in pinned:
+                unpin_memory(buffer.data_ptr())
+        self._free = defaultdict(list, {keep: self._free[keep]} if keep is not None else {})
+
     def stash(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.device, bool]:
-        free = self._free[self._key(tensor)]
+        if not _dense(tensor):  # a copy of its own layout, so that its buffer is found again under that layout
+            tensor = tensor.contiguous()
+        key = self._key(tensor)
+        if not self._free[key]:
+            self._drop_idle(keep=key)
+        free = self._free[key]
         buffer = free.pop() if free else self._allocate(tensor)
         # Ordered on the current stream: the device memory is only reused by work queued after this copy.
         buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
@@ -112,13 +138,14 @@ class HostActivationStore:
     def release(self) -> None:
         """Unpin and drop every buffer. Call it between steps (no stashed activation in flight); memory freed while
         still registered would make a later registration of the same addresses fail."""
-        if self._pinned:
-            torch.cuda.synchronize()  # no copy may still be reading or writing a buffer
+        self._drop_idle()
+        if self._pinned:  # buffers still stashed (a forward without backward not yet freed): no longer reused
+            torch.cuda.synchronize()
             from torch.cuda._pin_memory_utils import unpin_memory
 
-            for buffer in self._pinned:
+            for buffer in self._pinned.values():
                 unpin_memory(buffer.data_ptr())
-        self._pinned, self._free = [], defaultdict(list)
+        self._pinned = {}
 
     def __del__(self) -> None:
         try:

@@ -289,6 +289,27 @@ def test_dropped_forward_gives_its_host_buffers_back_and_second_backward_is_refu
         loss.backward()
 
 
+def test_host_store_keeps_the_buffers_of_the_lengths_in_use_only():
+    """Batches of varying length: each length's buffers replace the idle ones of the others (a store keeping every
+    length's buffers grows, pinned, until the host runs out); non-dense tensors are found again under their layout."""
+    model = tiny_llama(2, num_layers=4).train()
+    store = HostActivationStore()
+    apply_memory_options(model, SPARSE_KEPT_OFFLOADED, store)
+    input_ids, labels = _batch()
+    _loss_and_grads(model, input_ids, labels)
+    full_length_bytes = store.host_bytes
+    _loss_and_grads(model, input_ids[:, :7], labels[:, :7])
+    assert 0 < store.host_bytes < full_length_bytes  # only the 7-token buffers
+    _loss_and_grads(model, input_ids, labels)
+    assert store.host_bytes == full_length_bytes
+    strided = torch.randn(4, 6)[:, ::2]
+    for _ in range(2):
+        stashed = store.stash(strided)
+        torch.testing.assert_close(store.peek(stashed), strided, rtol=0, atol=0)
+        store.give_back(stashed)
+    assert store.host_bytes == strided.numel() * 4
+
+
 def test_bad_options_name_the_fix():
     with pytest.raises(ValueError, match="needs activation_checkpointing=True"):
         MemoryOptions(offload_activations=True)
