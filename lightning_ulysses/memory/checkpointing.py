@@ -329,31 +329,44 @@ class _Stretches:
     """Groups the checkpointed calls of the forward passes into stretches of at most `interval` consecutive layers.
 
     A stretch continues only while a layer is handed, unchanged, the hidden states the previous checkpointed layer
-    returned: that is what its recompute will feed it. Anything else (a new forward pass, a layer stack of another
-    model part, hidden states transformed between layers) starts a new stretch, whose first layer keeps its input.
+    returned (or an alias of them): that is what its recompute will feed it. Anything else (a new forward pass, a
+    layer stack of another model part, hidden states transformed between layers) starts a new stretch, whose first
+    layer keeps its input.
     """
 
     def __init__(self, interval: int, store: Optional[HostActivationStore], keep_attention_outputs: bool) -> None:
         self.interval, self.store, self.keep_attention_outputs = interval, store, keep_attention_outputs
         self.current: list[weakref.ref] = []
-        # (weak reference to the last call's hidden-state output, its in-place version): no device memory held.
-        self.last_output: Optional[tuple[weakref.ref, int]] = None
+        self.last_output: Optional[tuple] = None  # `_view` of the last call's hidden-state output
 
     def call(self, hidden: torch.Tensor, run: Callable) -> _LayerCall:
-        continues = (self.last_output is not None and self.last_output[0]() is hidden
-                     and self.last_output[1] == _version(hidden) and len(self.current) < self.interval)
+        continues = self.last_output is not None and self.last_output == _view(hidden) and len(self.current) < self.interval
         if not continues:
             self.current = []  # the previous stretch lives on in its calls, until their backward
         return _LayerCall(run, self.current, self.store, self.keep_attention_outputs)
 
     def returned(self, outputs: Any) -> Any:
         hidden = outputs[0] if isinstance(outputs, tuple) else outputs
-        self.last_output = (weakref.ref(hidden), _version(hidden)) if torch.is_tensor(hidden) else None
+        self.last_output = _view(hidden) if torch.is_tensor(hidden) else None
         return outputs
 
 
-def _version(tensor: torch.Tensor) -> Optional[int]:
-    return None if tensor.is_inference() else tensor._version  # inference tensors have no version counter
+class _StorageOf:
+    """Compares equal to the same live storage only; holds it weakly (no device memory kept alive)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        # Storages keep their Python object while they live: the same object for every alias of a tensor.
+        self.storage = weakref.ref(tensor.untyped_storage())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _StorageOf) and self.storage() is not None and self.storage() is other.storage()
+
+
+def _view(tensor: torch.Tensor) -> tuple:
+    """What identifies the values of `tensor`: its storage, place in it, layout and in-place version. The same for an
+    alias (`detach()`, or the one DeepSpeed ZeRO-3's module hooks return in place of every module output)."""
+    version = None if tensor.is_inference() else tensor._version  # inference tensors have no version counter
+    return _StorageOf(tensor), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype, version
 
 
 def _checkpointed_forward(layer: nn.Module, original: Callable, stretches: _Stretches, *args: Any, **kwargs: Any):
