@@ -236,12 +236,12 @@ class _AttentionOutputs(TorchDispatchMode):
 class _LayerCall:
     """One checkpointed call of one layer: what its backward, and later layers' backward, need to recompute it."""
 
-    def __init__(self, run: Callable, stretch: list[weakref.ref], store: Optional[HostActivationStore],
+    def __init__(self, run: Callable, earlier: list["_LayerCall"], store: Optional[HostActivationStore],
                  keep_attention_outputs: bool) -> None:
-        self.run, self.stretch, self.store = run, stretch, store
-        self.position = len(stretch)  # 0: this call keeps its input; k > 0: recomputed from the stretch's first
-        # Weak: each call lives exactly as long as its autograd node, so a dropped graph frees what it kept at once.
-        stretch.append(weakref.ref(self))
+        # The calls before this one in its stretch. Only later calls refer to earlier ones (no cycle): each call lives
+        # exactly as long as its autograd node needs it, so a graph dropped without backward frees what it kept.
+        self.run, self.earlier, self.store = run, earlier, store
+        self.position = len(earlier)  # 0: this call keeps its input; k > 0: recomputed from the stretch's first
         self.attention = _AttentionOutputs(store) if keep_attention_outputs else None
         self.kept_input: Optional[_Kept] = None
         self.recomputed_input: Optional[torch.Tensor] = None
@@ -276,9 +276,8 @@ class _LayerCall:
             self.kept_input.drop()
             return hidden
         if self.recomputed_input is None:
-            # The stretch's last layer to run backward first: recompute the inputs of every layer before it (all
-            # alive: their backward is still to come).
-            calls = [reference() for reference in self.stretch[:self.position + 1]]
+            # The stretch's last layer to run backward first: recompute the inputs of every layer before it.
+            calls = [*self.earlier, self]
             hidden = calls[0].kept_input.get()
             for call, following in zip(calls, calls[1:]):
                 outputs, _ = call.recompute(hidden, with_grad=False)
@@ -290,7 +289,7 @@ class _LayerCall:
     def release(self) -> None:
         if self.attention is not None:
             self.attention.drop()
-        self.other_arguments = None
+        self.other_arguments, self.earlier = None, []
 
 
 class _CheckpointedLayer(torch.autograd.Function):
@@ -340,10 +339,14 @@ class _Stretches:
         self.last_output: Optional[tuple] = None  # `_view` of the last call's hidden-state output
 
     def call(self, hidden: torch.Tensor, run: Callable) -> _LayerCall:
-        continues = self.last_output is not None and self.last_output == _view(hidden) and len(self.current) < self.interval
-        if not continues:
-            self.current = []  # the previous stretch lives on in its calls, until their backward
-        return _LayerCall(run, self.current, self.store, self.keep_attention_outputs)
+        earlier = [reference() for reference in self.current]
+        # A call whose graph is already gone (its output was detached, say) cannot recompute the next one's input.
+        continues = (self.last_output is not None and self.last_output == _view(hidden)
+                     and len(earlier) < self.interval and None not in earlier)
+        call = _LayerCall(run, earlier if continues else [], self.store, self.keep_attention_outputs)
+        # Weak: the calls live in their autograd nodes, and a dropped graph must free them at once.
+        self.current = [*self.current, weakref.ref(call)] if continues else [weakref.ref(call)]
+        return call
 
     def returned(self, outputs: Any) -> Any:
         hidden = outputs[0] if isinstance(outputs, tuple) else outputs

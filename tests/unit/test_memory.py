@@ -240,41 +240,44 @@ def test_checkpointed_layers_with_frozen_inputs_still_get_gradients():
 
 def test_sparse_checkpoints_follow_the_hidden_states_not_the_layer_order():
     """A stretch is only recomputed through layers that really fed each other: hidden states changed between two
-    layers (here scaled out of place, then in place) start a new stretch, so gradients stay exact. An alias of a
-    layer's output (what DeepSpeed ZeRO-3's module hooks hand on) continues the stretch."""
+    layers (here scaled out of place, then in place) start a new stretch, so gradients stay exact, and so does a
+    detached output (nothing before it runs backward). An alias of a layer's output (what DeepSpeed ZeRO-3's module
+    hooks hand on) continues the stretch."""
     from lightning_ulysses.memory.checkpointing import checkpoint_layers
 
     torch.manual_seed(3)
     layers = [torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(8, 8)) for _ in range(5)]
     inputs = torch.randn(3, 8, requires_grad=True)
 
-    def gradients(stack, transform):
+    def gradients(stack, change):
         hidden = inputs
         for index, layer in enumerate(stack):
             hidden = layer(hidden)
-            if transform and index == 0:
+            if change == "transform" and index == 0:
                 hidden = hidden * 3
-            if transform and index == 2:
+            if change == "transform" and index == 2:
                 hidden.mul_(2)
+            if change == "detach" and index == 1:
+                hidden = hidden.detach()
         inputs.grad = None
         for parameter in (p for layer in stack for p in layer.parameters()):
             parameter.grad = None
         hidden.square().sum().backward()
         return [inputs.grad, *(p.grad for layer in stack for p in layer.parameters())]
 
-    for transform in (True, False):
-        expected = gradients(layers, transform)
+    # stretches [0] [1, 2] [3, 4] with the transforms, [0, 1, 2] [3, 4] else, [0, 1] [2, 3, 4] after a detach: a
+    # layer whose successor in its stretch kept no input runs once more; none before the detach runs backward
+    for change, expected_calls in (("transform", [2, 3, 2, 3, 2]), (None, [3, 3, 2, 3, 2]), ("detach", [1, 1, 3, 3, 2])):
+        expected = gradients(layers, change)
         checkpointed = copy.deepcopy(layers)
         checkpoint_layers(checkpointed, None, interval=3)
         calls = [0] * len(layers)
         for index, layer in enumerate(checkpointed):
             layer[1].register_forward_hook(lambda *_, index=index: calls.__setitem__(index, calls[index] + 1))
             layer.register_forward_hook(lambda module, args, output: output.view_as(output))
-        for actual, wanted in zip(gradients(checkpointed, transform), expected, strict=True):
+        for actual, wanted in zip(gradients(checkpointed, change), expected, strict=True):
             torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=1e-6)
-        # stretches [0] [1, 2] [3, 4] with the transforms, else [0, 1, 2] [3, 4]: a layer whose successor in its
-        # stretch kept no input runs once more
-        assert calls == ([2, 3, 2, 3, 2] if transform else [3, 3, 2, 3, 2])
+        assert calls == expected_calls, change
 
 
 def test_dropped_forward_gives_its_host_buffers_back_and_second_backward_is_refused():
