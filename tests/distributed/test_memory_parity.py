@@ -60,6 +60,12 @@ def test_memory_features_match_plain_reference(case, tmp_path_factory):
     ranks = _ranks(case, tmp_path_factory)
     sp = case["sp"]
     assert all(rank["wrapped_modules"] == sorted(case["wrapped"]) for rank in ranks), ranks[0]["wrapped_modules"]
+    # Each layer runs in forward and again in its backward; in a stretch of both layers (with ZeRO-3's hooks handing
+    # each layer an alias of the previous layer's output) the first runs once more, to recompute the second's input.
+    memory = case["strategy_kwargs"]["memory"]
+    runs = [1 + memory.get("activation_checkpointing", False)] * 2
+    runs[0] += memory.get("checkpoint_interval", 1) == 2
+    assert all(rank["attention_runs"] == [STEPS * count for count in runs] for rank in ranks), ranks[0]["attention_runs"]
     steps, lengths = [], set()
     for step in range(STEPS):
         by_dp = {}

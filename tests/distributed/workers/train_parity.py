@@ -30,6 +30,25 @@ class CaptureWeights(L.Callback):
         pl_module.wrapped_modules = sorted({type(m).__name__ for m in pl_module.model.modules() if "forward" in m.__dict__})
 
 
+class CountAttentionRuns(L.Callback):
+    """How often each decoder layer's attention module ran in training: forward, plus each recompute of the layer
+    under activation checkpointing (the layer's own module hooks fire only in forward)."""
+
+    def on_train_start(self, trainer, pl_module):
+        pl_module.attention_runs, self.handles = [], []
+        for name, module in pl_module.model.named_modules():
+            # Llama's `self_attn`, the GPT's `attention` (not the Ulysses core inside it, `attention.attention`)
+            if name.endswith((".self_attn", ".attention")) and not name.endswith(".attention.attention"):
+                index = len(pl_module.attention_runs)
+                pl_module.attention_runs.append(0)
+                self.handles.append(module.register_forward_hook(
+                    lambda *_, index=index: pl_module.attention_runs.__setitem__(index, pl_module.attention_runs[index] + 1)))
+
+    def on_train_end(self, trainer, pl_module):
+        for handle in self.handles:
+            handle.remove()
+
+
 def run_case(case: dict, world_size: int) -> dict:
     module = CausalLM(num_key_value_heads=case["kv_heads"], lr=case.get("lr", 0.5), kind=case.get("model", "llama"),
                       in_configure_model=case.get("in_configure_model", False))
@@ -39,7 +58,7 @@ def run_case(case: dict, world_size: int) -> dict:
     trainer = L.Trainer(
         accelerator="cpu", devices=case.get("devices", world_size), num_nodes=case.get("num_nodes", 1), strategy=strategy, max_steps=case["steps"], precision="32-true",
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[CaptureWeights()], **case.get("trainer_kwargs", {}),
+        callbacks=[CaptureWeights(), CountAttentionRuns()], **case.get("trainer_kwargs", {}),
     )
     batch_size = case["batch_size"]
     dataset_type = DATASETS[case.get("data", "uneven")]
@@ -77,6 +96,7 @@ def run_case(case: dict, world_size: int) -> dict:
         "weights": weights if dist.get_rank() == 0 else None,
         "weights_checksum": sum(w.double().abs().sum().item() for w in weights.values()),
         "wrapped_modules": module.wrapped_modules,
+        "attention_runs": module.attention_runs,
     }
 
 
