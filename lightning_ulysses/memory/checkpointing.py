@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import weakref
 from collections import defaultdict
 from typing import Any, Callable, Optional
@@ -279,7 +280,7 @@ class _LayerCall:
             # The stretch's last layer to run backward first: recompute the inputs of every layer before it.
             calls = [*self.earlier, self]
             hidden = calls[0].kept_input.get()
-            for call, following in zip(calls, calls[1:]):
+            for call, following in itertools.pairwise(calls):
                 outputs, _ = call.recompute(hidden, with_grad=False)
                 hidden = outputs[0] if isinstance(outputs, tuple) else outputs
                 following.recomputed_input = hidden

@@ -273,7 +273,7 @@ def test_sparse_checkpoints_follow_the_hidden_states_not_the_layer_order():
         checkpoint_layers(checkpointed, None, interval=3)
         calls = [0] * len(layers)
         for index, layer in enumerate(checkpointed):
-            layer[1].register_forward_hook(lambda *_, index=index: calls.__setitem__(index, calls[index] + 1))
+            layer[1].register_forward_hook(lambda *_, index=index, calls=calls: calls.__setitem__(index, calls[index] + 1))
             layer.register_forward_hook(lambda module, args, output: output.view_as(output))
         for actual, wanted in zip(gradients(checkpointed, change), expected, strict=True):
             torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=1e-6)
