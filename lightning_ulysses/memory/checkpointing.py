@@ -252,9 +252,11 @@ class _LayerCall:
         return hidden
 
     def release(self) -> None:
+        """After this call's backward: drop what it kept. Calls and their stretch reference one another, so without
+        this the rotary tables and masks in `run`'s arguments would wait for Python's cycle collector."""
         if self.attention is not None:
             self.attention.drop()
-        self.other_arguments = None
+        self.other_arguments = self.run = self.stretch = None
 
 
 class _CheckpointedLayer(torch.autograd.Function):
