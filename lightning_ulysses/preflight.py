@@ -12,6 +12,7 @@ prints it for a planned run on this machine (`python -m lightning_ulysses prefli
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import shutil
@@ -52,6 +53,8 @@ class PlannedRun:
     precision: str = "32-true"
     grad_accum_dtype: Optional[str] = None
     num_nodes: int = 1
+    offload_ratio: Optional[float] = None  # zero_optimization.offload_optimizer.ratio (partial offload)
+    sub_group_size: Optional[int] = None  # zero_optimization.sub_group_size (ZeRO-3)
 
 
 def check(run: PlannedRun, environ: Mapping[str, str] = os.environ) -> list[Finding]:
@@ -61,6 +64,7 @@ def check(run: PlannedRun, environ: Mapping[str, str] = os.environ) -> list[Find
         *_nccl(run, environ),
         _allocator(environ),
         *_host_resources(run),
+        *_partial_offload(run),
         _accumulation_precision(run),
     ]
 
@@ -246,6 +250,27 @@ def _host_resources(run: PlannedRun) -> list[Finding]:
             " part of the optimizer (offload_optimizer.ratio), or keep parameters on the GPU.",
         ))
     return findings
+
+
+def _partial_offload(run: PlannedRun) -> list[Finding]:
+    """DeepSpeed (ZeRO-3) splits the optimizer by *count* of sub-groups: sub-groups `i >= int((1 - ratio) · n)` go to
+    the host (`runtime/zero/stage3.py`). With one sub-group (Lightning's `sub_group_size` is 1e12) any ratio > 0
+    offloads all of it, so a partial offload silently becomes a full one (the planner counts the same way)."""
+    if not (run.offload_optimizer and run.offload_ratio is not None and run.offload_ratio < 1
+            and run.num_parameters and run.sub_group_size):
+        return []
+    local = math.ceil(run.num_parameters / run.world_size)
+    groups = math.ceil(local / run.sub_group_size)
+    on_host = groups - int((1 - run.offload_ratio) * groups)
+    # about: DeepSpeed closes a sub-group at the first parameter tensor that fills it (the planner counts exactly)
+    summary = (f"offload_optimizer.ratio={run.offload_ratio:g}: {on_host} of {groups} optimizer sub-group(s) on the"
+               f" host (sub_group_size={run.sub_group_size:.3g}, {local / 1e9:.2f}B parameters per rank)")
+    if on_host < groups:
+        return [Finding("offload", "ok", summary)]
+    return [Finding("offload", "warning", summary,
+                    f"the whole optimizer goes to the host. Set zero_optimization.sub_group_size to about"
+                    f" {max(1, local // 32):.3g} (some 32 sub-groups) so the ratio can split it (e.g."
+                    " UlyssesDeepSpeedStrategy(sub_group_size=...) or config_overrides).")]
 
 
 def _memory_available() -> Optional[int]:

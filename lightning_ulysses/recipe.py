@@ -82,12 +82,18 @@ def plan(cfg: DictConfig) -> str:
     global_batch = micro * accumulate * layout.data_parallel_size
     stage = int(cfg.strategy.get("stage", 3))
     offload = bool(cfg.strategy.get("offload_optimizer", False))
+    # DeepSpeed's partial offload (`offload_optimizer.ratio`, set through config_overrides) splits by sub-group count;
+    # Lightning's sub_group_size default (1e12) makes one sub-group.
+    overrides = OmegaConf.to_container(cfg.strategy.get("config_overrides") or {})
+    ratio = ((overrides.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("ratio")
+    offload_fraction = (1.0 if ratio is None else float(ratio)) if offload else 0.0
     memory = MemoryOptions.coerce(OmegaConf.to_container(cfg.strategy.memory) if cfg.strategy.get("memory") else None)
     if cfg.model.get("activation_checkpointing") and not memory.activation_checkpointing:
         memory = dataclasses.replace(memory, activation_checkpointing=True)  # the model's own: same bytes
     setup = TrainingSetup(seq_len=seq_len, micro_batch=micro, sequence_parallel_size=layout.sequence_parallel_size,
                           data_parallel_size=layout.data_parallel_size, zero_stage=stage,
-                          offload_optimizer=1.0 if offload else 0.0, memory=memory)
+                          offload_optimizer=offload_fraction, memory=memory,
+                          sub_group_size=int(float(cfg.strategy.get("sub_group_size", 10**12))))
     memory_plan = plan_memory(_shape(spec), setup)
     gib = 2**30
     lines = [
@@ -98,9 +104,11 @@ def plan(cfg: DictConfig) -> str:
         f"batch:        micro {micro} × accumulation {accumulate} × DP {layout.data_parallel_size}"
         f" = {global_batch} sequences = {global_batch * seq_len / 1e6:.1f}M tokens per optimizer step",
         f"memory/GPU:   {memory_plan.gpu_total / gib:.1f} GiB, optimizer states"
-        f" {'(offloaded to CPU)' if offload else '(on GPU)'}; terms (lightning_ulysses.planner):",
+        f" {f'({offload_fraction:.0%} offloaded to CPU)' if offload else '(on GPU)'}; terms (lightning_ulysses.planner):",
         memory_plan.table(),
     ]
     if offload:
         lines.append(f"CPU/node:     {memory_plan.host_total * devices / gib:.0f} GiB host memory")
+    if memory.activation_checkpointing and memory.offload_activations and not offload:
+        lines.append(f"CPU/node:     {memory_plan.host_total * devices / gib:.0f} GiB host memory (offloaded activations)")
     return "\n".join(lines)

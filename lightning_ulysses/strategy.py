@@ -376,6 +376,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             offload_optimizer=offloaded("offload_optimizer"), offload_parameters=offloaded("offload_param"),
             precision=str(self.precision_plugin.precision),
             grad_accum_dtype=self.config.get("data_types", {}).get("grad_accum_dtype"),
+            offload_ratio=(zero.get("offload_optimizer") or {}).get("ratio"),
+            sub_group_size=zero.get("sub_group_size") if zero.get("stage") == 3 else None,
         )
 
     @override

@@ -288,9 +288,12 @@ class _LayerCall:
         return hidden
 
     def release(self) -> None:
+        """After this call's backward: drop what it kept (the rotary tables and masks in `run`'s arguments, its
+        earlier calls) now rather than when its autograd node goes."""
         if self.attention is not None:
             self.attention.drop()
-        self.other_arguments, self.earlier = None, []
+        self.other_arguments = self.run = None
+        self.earlier = []
 
 
 class _CheckpointedLayer(torch.autograd.Function):

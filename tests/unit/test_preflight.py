@@ -78,3 +78,17 @@ def test_report_and_command(capsys):
     assert preflight.main(["--devices", "2", "--parameters", "1e9", "--offload-optimizer"]) == 0
     report = capsys.readouterr().out
     assert report.startswith("lightning_ulysses preflight:") and "[advice ] precision" in report
+
+
+def test_partial_offload_with_one_sub_group_is_a_full_offload():
+    """DeepSpeed splits the optimizer by sub-group count: Lightning's sub_group_size (1e12) leaves one sub-group, so
+    ratio 0.3 offloads everything — warned with the fix; enough sub-groups split as asked."""
+    run = dict(sequence_parallel_size=1, local_world_size=1, world_size=1, num_parameters=8_030_000_000,
+               offload_optimizer=True, offload_ratio=0.3)
+    [one_group] = preflight._partial_offload(PlannedRun(**run, sub_group_size=10**12))
+    assert one_group.level == "warning" and "1 of 1 optimizer sub-group(s) on the host" in one_group.detail
+    assert "whole optimizer goes to the host" in one_group.advice and "sub_group_size to about 2.51e+08" in one_group.advice
+    [split] = preflight._partial_offload(PlannedRun(**run, sub_group_size=2**28))
+    assert split.level == "ok" and "9 of 30 optimizer sub-group(s)" in split.detail  # about: DeepSpeed closes a
+    # sub-group at the first parameter that fills it (the planner follows that exactly: 8 of 26 for Llama 3 8B)
+    assert preflight._partial_offload(PlannedRun(**{**run, "offload_ratio": None}, sub_group_size=10**12)) == []
