@@ -94,15 +94,18 @@ class HostActivationStore:
 
     def _drop_idle(self, keep: Optional[tuple] = None) -> None:
         """Unpin and drop the idle buffers of every layout but `keep`."""
-        idle = [buffer for key, buffers in self._free.items() if key != keep for buffer in buffers]
-        pinned = [self._pinned.pop(buffer.data_ptr()) for buffer in idle if buffer.data_ptr() in self._pinned]
+        # Swapped out first: a buffer given back meanwhile (a dropped graph freed by the garbage collector) is kept.
+        free, self._free = self._free, defaultdict(list)
+        if keep is not None:
+            self._free[keep] += free.pop(keep, [])
+        pinned = [self._pinned.pop(buffer.data_ptr()) for buffers in free.values() for buffer in buffers
+                  if buffer.data_ptr() in self._pinned]
         if pinned:
             torch.cuda.synchronize()  # no copy may still be reading or writing a buffer
             from torch.cuda._pin_memory_utils import unpin_memory
 
             for buffer in pinned:
                 unpin_memory(buffer.data_ptr())
-        self._free = defaultdict(list, {keep: self._free[keep]} if keep is not None else {})
 
     def stash(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.device, bool]:
         if not _dense(tensor):  # a copy of its own layout, so that its buffer is found again under that layout

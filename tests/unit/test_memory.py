@@ -322,6 +322,28 @@ def test_host_store_keeps_the_buffers_of_the_lengths_in_use_only():
     assert store.host_bytes == strided.numel() * 4
 
 
+def test_host_store_unpins_every_buffer_it_drops(monkeypatch):
+    """The GPU path's bookkeeping, with `cudaHostRegister` recorded instead of called: buffers of a length no longer
+    in use are unpinned when dropped, and `release` unpins the rest (also those still stashed)."""
+    import torch.cuda._pin_memory_utils as pinning
+
+    registered = set()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    monkeypatch.setattr(pinning, "pin_memory", lambda pointer, size: registered.add(pointer))
+    monkeypatch.setattr(pinning, "unpin_memory", registered.remove)  # KeyError if unpinned twice or never pinned
+    store = HostActivationStore()
+    long_rows = [store.stash(torch.randn(2, 16, 8)) for _ in range(3)]
+    for stashed in long_rows:
+        store.give_back(stashed)
+    short_rows = [store.stash(torch.randn(2, 12, 8)) for _ in range(2)]
+    assert registered == {stashed[0].data_ptr() for stashed in short_rows}  # the idle long-row buffers are gone
+    store.give_back(short_rows[0])
+    store.release()
+    assert registered == set() and store.host_bytes == 0
+
+
 def test_bad_options_name_the_fix():
     with pytest.raises(ValueError, match="needs activation_checkpointing=True"):
         MemoryOptions(offload_activations=True)
