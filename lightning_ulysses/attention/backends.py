@@ -171,5 +171,9 @@ def sdpa_priority(names: Optional[tuple[str, ...]]):
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    order = [*names, *(name for name in SDPA_KERNELS if name not in names)]
+    # The kernels not named follow, as far as they are enabled: a kernel switched off process-wide (e.g.
+    # torch.backends.cuda.enable_flash_sdp(False)) stays off.
+    enabled = {"cudnn": torch.backends.cuda.cudnn_sdp_enabled, "flash": torch.backends.cuda.flash_sdp_enabled,
+               "efficient": torch.backends.cuda.mem_efficient_sdp_enabled, "math": torch.backends.cuda.math_sdp_enabled}
+    order = [*names, *(name for name in SDPA_KERNELS if name not in names and enabled[name]())]
     return sdpa_kernel([getattr(SDPBackend, SDPA_KERNELS[name]) for name in order], set_priority=True)

@@ -206,6 +206,21 @@ def test_kept_attention_needs_one_kernel_choice_in_forward_and_backward():
         check_sdpa_kernel_priority(["cudnn", "fast"])
 
 
+def test_sdpa_kernel_priority_keeps_kernels_switched_off_process_wide_off():
+    from lightning_ulysses.attention.backends import sdpa_priority
+
+    torch.backends.cuda.enable_flash_sdp(False)
+    try:
+        with sdpa_priority(("math",)):
+            assert not torch.backends.cuda.flash_sdp_enabled()
+            assert torch.backends.cuda.math_sdp_enabled() and torch.backends.cuda.cudnn_sdp_enabled()
+        with sdpa_priority(("flash", "math")):  # named: the user asked for it
+            assert torch.backends.cuda.flash_sdp_enabled()
+        assert not torch.backends.cuda.flash_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_flash_sdp(True)
+
+
 def test_sparse_checkpoints_replay_dropout():
     """Recomputing a layer's input from an earlier one draws the same dropout masks as the forward did."""
     plain = tiny_llama(2, num_layers=3)
