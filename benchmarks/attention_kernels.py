@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION}
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from lightning_ulysses.attention.backends import SDPA_KERNELS  # noqa: E402
+
+# each kernel alone (an exclusive choice, not a priority), by the names sdpa_kernel_priority takes
+BACKENDS = {name: getattr(SDPBackend, SDPA_KERNELS[name]) for name in ("flash", "cudnn", "efficient")}
 
 
 def timed(fn, warmup: int, iters: int) -> float:

@@ -16,7 +16,6 @@ MLP), logits (tiled logits + loss), attn (keep attention outputs), everyK (check
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -31,17 +30,15 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from lightning_ulysses.attention.backends import sdpa_priority  # noqa: E402
 from lightning_ulysses.memory import apply_memory_options  # noqa: E402
 from lightning_ulysses.plan import memory_options  # noqa: E402
 from lightning_ulysses.planner import MODELS, TrainingSetup, plan_memory  # noqa: E402
 
 PEAK_FLOPS = 772e12  # measured bf16 matmul peak of the lent H200 (DESIGN-NOTES)
 GIB = 2**30
-SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 
 
 def model_flops(shape, seq_len: int) -> float:
@@ -49,13 +46,16 @@ def model_flops(shape, seq_len: int) -> float:
     return 6 * shape.num_parameters * seq_len + 6 * shape.num_layers * seq_len**2 * shape.hidden_size
 
 
+def _status_bytes(field: str) -> int:
+    """A memory field of /proc/self/status (VmRSS: now, VmHWM: the process's peak) in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def host_rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    return _status_bytes("VmRSS")
 
 
 def build_engine(name: str, offload_ratio: float, sub_group_size: int):
@@ -89,15 +89,6 @@ def build_engine(name: str, offload_ratio: float, sub_group_size: int):
     return shape, model, engine
 
 
-def sdpa_priority(name: str):
-    """SDPA kernels tried first to last (torch's default order tries flash first; cuDNN's kernels are faster on
-    Hopper: benchmarks/attention_kernels.py)."""
-    if name == "default":
-        return contextlib.nullcontext()
-    first = SDPA_BACKENDS[name]
-    return sdpa_kernel([first] + [b for b in SDPA_BACKENDS.values() if b != first], set_priority=True)
-
-
 class _KernelNames(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -118,10 +109,7 @@ def attention_kernel(shape) -> str:
 
 
 def host_peak_rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    return _status_bytes("VmHWM")
 
 
 def run_steps(engine, input_ids, args, times: list, rss: list) -> None:
@@ -154,7 +142,8 @@ def run_point(shape, model, engine, seq: int, features: str, args, offload_ratio
     torch.cuda.reset_peak_memory_stats()
     rss_before = host_rss()
     try:
-        with sdpa_priority(args.sdpa_backend):
+        # the point's SDPA kernel first (torch's own order for "default"), as the strategy's sdpa_kernel_priority does
+        with sdpa_priority(None if args.sdpa_backend == "default" else (args.sdpa_backend,)):
             record["attention_kernel"] = attention_kernel(shape)
             run_steps(engine, input_ids, args, times, rss)
         step_time = statistics.median(times)

@@ -107,8 +107,6 @@ def plan(cfg: DictConfig) -> str:
         f" {f'({offload_fraction:.0%} offloaded to CPU)' if offload else '(on GPU)'}; terms (lightning_ulysses.planner):",
         memory_plan.table(),
     ]
-    if offload:
+    if offload or memory.offload_activations:
         lines.append(f"CPU/node:     {memory_plan.host_total * devices / gib:.0f} GiB host memory")
-    if memory.activation_checkpointing and memory.offload_activations and not offload:
-        lines.append(f"CPU/node:     {memory_plan.host_total * devices / gib:.0f} GiB host memory (offloaded activations)")
     return "\n".join(lines)

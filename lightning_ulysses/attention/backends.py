@@ -17,6 +17,7 @@ All take `[batch, heads, seq, dim]` query/key/value (fewer KV heads than query h
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -165,8 +166,6 @@ def sdpa_priority(names: Optional[tuple[str, ...]]):
     flash's ~280 (benchmarks/attention_kernels.py), so `("cudnn",)` pays on Hopper. Forward and backward must run
     under the same order when layers are recomputed with `keep_attention_outputs` (the strategy wraps both).
     """
-    import contextlib
-
     if names is None:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
