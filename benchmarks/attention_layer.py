@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lightning_ulysses.attention.backends import SDPA_KERNELS, sdpa_priority
 from lightning_ulysses.attention.core import UlyssesAttention
 from lightning_ulysses.attention.ring import ring_attention
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, ShardOrder
@@ -58,6 +59,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--check", choices=("auto", "yes", "no"), default="auto",
                         help="compare with full SDPA (auto: lengths <= 32K)")
+    parser.add_argument("--head-groups", type=int, nargs="+", default=[1],
+                        help="ulysses mode: one variant per count of pipelined head groups (overlap_head_groups)")
+    parser.add_argument("--high-priority-streams", action="store_true",
+                        help="ulysses mode: also run each variant over an SP group whose NCCL stream has high priority")
+    parser.add_argument("--sdpa-kernel", choices=("default",) + tuple(SDPA_KERNELS), default="default",
+                        help="SDPA kernel tried first for every mode (default: torch's own order)")
     parser.add_argument("--output", default=None, help="append the JSON lines to this file too")
     args = parser.parse_args()
     if args.tiny:
@@ -108,7 +115,16 @@ class Timer:
         return [(end - start) * 1e3 for start, end in self.pairs]
 
 
-def build_attention(mode: str, base_groups: SequenceParallelGroups, args):
+def high_priority_group(device: torch.device):
+    """The whole world again as a group whose NCCL stream has high priority (its kernels get SMs first)."""
+    if device.type != "cuda":
+        return dist.new_group(list(range(dist.get_world_size())))
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = True
+    return dist.new_group(list(range(dist.get_world_size())), pg_options=options)
+
+
+def build_attention(mode: str, base_groups: SequenceParallelGroups, args, head_groups: int = 1, group=None):
     """(attention callable on local shards, shard order, (ulysses_size, ring_size)) or None when not applicable."""
     world = base_groups.sequence_parallel_world_size
 
@@ -118,8 +134,10 @@ def build_attention(mode: str, base_groups: SequenceParallelGroups, args):
     if mode == "sdpa":
         return causal_sdpa, None, (1, 1)
     if mode == "ulysses":
-        attention = UlyssesAttention(causal_sdpa)
+        attention = UlyssesAttention(causal_sdpa, overlap_head_groups=head_groups)
         attention.bind_parallel_groups(base_groups)
+        if group is not None and world > 1:
+            attention.bind(group)
         return attention, ShardOrder(world), (world, 1)
     ring = {"ring": world, "hybrid": 2}[mode]
     if mode == "hybrid" and (world < 4 or world % 2):
@@ -186,44 +204,61 @@ def measure(mode, attention, order, seq_len, groups, device, args):
     }
 
 
+def run_variant(mode, head_groups, stream, group, seq_len, sdpa_ms, base_groups, device, args):
+    """Measure one variant at one length, print its JSON line; returns the sdpa baseline time (set by mode sdpa)."""
+    world = dist.get_world_size()
+    built = build_attention(mode, base_groups, args, head_groups, group)
+    point = {"mode": mode, "world_size": world, "seq_len": seq_len, "batch": args.batch, "heads": args.heads,
+             "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": args.dtype, "device": device.type,
+             "sdpa_kernel": args.sdpa_kernel}
+    if mode == "ulysses":
+        point.update(head_groups=head_groups, nccl_stream=stream)
+    if built is None:
+        point["skipped"] = "needs an even number of ranks, at least 4"
+    else:
+        attention, order, (ulysses_size, ring_size) = built
+        needed = (order or ShardOrder(1)).length_multiple
+        if seq_len % needed:
+            point["skipped"] = f"seq_len must be a multiple of {needed}"
+        else:
+            point.update(ulysses_size=ulysses_size, ring_size=ring_size, warmup=args.warmup, iters=args.iters)
+            point.update(measure(mode, attention, order, seq_len, base_groups, device, args))
+            # causal forward 2·B·H·N²·D flops (two matmuls, half the scores), backward 2.5× that
+            flops = 3.5 * 2 * args.batch * args.heads * seq_len**2 * args.head_dim
+            gpus = 1 if mode == "sdpa" else world
+            point["tflops_per_device"] = flops / gpus / (point["slowest_rank_median_ms"] * 1e-3) / 1e12
+            if mode == "sdpa":
+                sdpa_ms = point["slowest_rank_median_ms"]
+            elif sdpa_ms is not None:
+                point["speedup_vs_sdpa"] = sdpa_ms / point["slowest_rank_median_ms"]
+    if dist.get_rank() == 0:
+        line = json.dumps(point)
+        print(line, flush=True)
+        if args.output:
+            with open(args.output, "a") as file:
+                file.write(line + "\n")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return sdpa_ms
+
+
 def main() -> None:
     args = parse_args()
     device = init_distributed(args.device)
-    world = dist.get_world_size()
-    base_groups = SequenceParallelGroups.build(ParallelLayout(world, world))
+    base_groups = SequenceParallelGroups.build(ParallelLayout(dist.get_world_size(), dist.get_world_size()))
     modes = [m for m in MODES if m in args.modes]  # sdpa first: the others are compared with it
-    for seq_len in args.seq:
-        sdpa_ms = None
-        for mode in modes:
-            built = build_attention(mode, base_groups, args)
-            point = {"mode": mode, "world_size": world, "seq_len": seq_len, "batch": args.batch, "heads": args.heads,
-                     "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": args.dtype, "device": device.type}
-            if built is None:
-                point["skipped"] = "needs an even number of ranks, at least 4"
-            else:
-                attention, order, (ulysses_size, ring_size) = built
-                needed = (order or ShardOrder(1)).length_multiple
-                if seq_len % needed:
-                    point["skipped"] = f"seq_len must be a multiple of {needed}"
-                else:
-                    point.update(ulysses_size=ulysses_size, ring_size=ring_size, warmup=args.warmup, iters=args.iters)
-                    point.update(measure(mode, attention, order, seq_len, base_groups, device, args))
-                    # causal forward 2·B·H·N²·D flops (two matmuls, half the scores), backward 2.5× that
-                    flops = 3.5 * 2 * args.batch * args.heads * seq_len**2 * args.head_dim
-                    gpus = 1 if mode == "sdpa" else world
-                    point["tflops_per_device"] = flops / gpus / (point["slowest_rank_median_ms"] * 1e-3) / 1e12
-                    if mode == "sdpa":
-                        sdpa_ms = point["slowest_rank_median_ms"]
-                    elif sdpa_ms is not None:
-                        point["speedup_vs_sdpa"] = sdpa_ms / point["slowest_rank_median_ms"]
-            if dist.get_rank() == 0:
-                line = json.dumps(point)
-                print(line, flush=True)
-                if args.output:
-                    with open(args.output, "a") as file:
-                        file.write(line + "\n")
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+    streams = {"normal": None}
+    if args.high_priority_streams:
+        streams["high"] = high_priority_group(device)
+    ulysses_variants = [(g, stream) for stream in streams for g in args.head_groups]
+    variants = [(mode, g, stream) for mode in modes
+                for g, stream in (ulysses_variants if mode == "ulysses" else [(1, "normal")])]
+    with sdpa_priority(None if args.sdpa_kernel == "default" else (args.sdpa_kernel,)):
+        for seq_len in args.seq:
+            sdpa_ms = None
+            for mode, head_groups, stream in variants:
+                sdpa_ms = run_variant(mode, head_groups, stream, streams[stream], seq_len, sdpa_ms, base_groups,
+                                      device, args)
     dist.destroy_process_group()
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ulysses.attention.all_to_all import all_gather_sequence, heads_to_sequence, sequence_to_heads
+from lightning_ulysses.attention.all_to_all import all_gather_sequence, start_exchange
 from lightning_ulysses.attention.backends import BACKENDS, check_backend, local_attention
 from lightning_ulysses.attention.documents import DocumentMask
 from lightning_ulysses.attention.ring import ring_attention
@@ -109,15 +109,42 @@ def kv_replication_factor(num_key_value_heads: int, sequence_parallel_size: int)
     return max(1, sequence_parallel_size // num_key_value_heads)
 
 
-def scatter_heads_gather_sequence(query, key, value, group, head_dim: int, seq_dim: int):
-    """Validate, replicate KV heads where needed, and run the first all-to-all on q, k and v."""
+def usable_head_groups(num_heads: int, num_key_value_heads: int, sequence_parallel_size: int, requested: int) -> int:
+    """The most head groups, at most `requested`, that split evenly: every group must give each SP rank whole
+    query heads and whole KV heads (after KV replication), so that each group is a Ulysses exchange of its own."""
+    if requested < 1:
+        raise ValueError(f"overlap_head_groups must be at least 1 (1: no overlap), got {requested}")
+    kv_heads = num_key_value_heads * kv_replication_factor(num_key_value_heads, sequence_parallel_size)
+    return max(g for g in range(1, requested + 1)
+               if num_heads % (g * sequence_parallel_size) == 0 and kv_heads % (g * sequence_parallel_size) == 0)
+
+
+def exchange_and_attend(query, key, value, group, attend: Callable, head_groups: int = 1) -> torch.Tensor:
+    """Ulysses around `attend`: `[batch, heads, seq/P, dim]` q/k/v → all-to-all → `attend(q, k, v)` on all tokens of
+    heads/P heads (returns `[batch, seq, heads/P, dim]`) → all-to-all back → `[batch, seq/P, heads, dim]`.
+
+    `head_groups` > 1 cuts the heads into groups (`usable_head_groups`: fewer when the heads do not split that
+    many ways) and pipelines them: every group's q/k/v exchange is launched at once, and each group's attention
+    runs while the next group's inputs and the previous group's output are in flight. Backward, run by autograd in
+    reverse creation order, does the same with the gradients. Only the first exchange and the last stay exposed.
+    Attention heads are independent, so the result is that of one group, whatever the grouping.
+    """
     sp = dist.get_world_size(group)
-    validate_head_counts(query.size(head_dim), key.size(head_dim), sp)
-    factor = kv_replication_factor(key.size(head_dim), sp)
+    validate_head_counts(query.size(1), key.size(1), sp)
+    factor = kv_replication_factor(key.size(1), sp)
     if factor > 1:
-        key = key.repeat_interleave(factor, dim=head_dim)
-        value = value.repeat_interleave(factor, dim=head_dim)
-    return tuple(sequence_to_heads(t, group, head_dim=head_dim, seq_dim=seq_dim) for t in (query, key, value))
+        key = key.repeat_interleave(factor, dim=1)
+        value = value.repeat_interleave(factor, dim=1)
+    groups = usable_head_groups(query.size(1), key.size(1), sp, head_groups)
+    pieces = [tensor.chunk(groups, dim=1) for tensor in (query, key, value)]
+    # q/k/v of each group: heads scattered, tokens gathered (one collective for the three)
+    incoming = [start_exchange([q, k, v], group, split_dim=1, join_dim=2) for q, k, v in zip(*pieces)]
+    outgoing = []
+    for exchange in incoming:
+        output = attend(*exchange.finish())
+        outgoing.append(start_exchange([output], group, split_dim=1, join_dim=2))  # tokens scattered, heads gathered
+    outputs = [exchange.finish()[0] for exchange in outgoing]
+    return outputs[0] if groups == 1 else torch.cat(outputs, dim=2)
 
 
 class ProcessGroupHandle:
@@ -151,6 +178,7 @@ def ulysses_attention(
     dropout_p: float = 0.0,
     ring_group=None,
     batch_rows: Optional[BatchRowsSlot] = None,
+    head_groups: int = 1,
 ) -> torch.Tensor:
     """Attention of this rank's shard: `[batch, heads, seq/P, dim]` q/k/v → `[batch, seq/P, heads, dim]`.
 
@@ -164,6 +192,8 @@ def ulysses_attention(
 
     `batch_rows`: where the sharder published the whole rows of its last batch (attention/rows.py); when they are
     the rows of these shards, nothing is gathered and the batch's one `DocumentMask` is reused.
+
+    `head_groups`: pipeline the all-to-alls with the attention of head groups (`exchange_and_attend`).
     """
     ring = ProcessGroupHandle(ring_group).world_size > 1
     if ring and dropout_p:
@@ -171,9 +201,6 @@ def ulysses_attention(
             "ring attention (ring_size > 1) has no attention dropout: set the model's attention dropout to 0, or use"
             " ring_size=1 (pure Ulysses)."
         )
-    sharded = ProcessGroupHandle(group).world_size > 1
-    if sharded:
-        query, key, value = scatter_heads_gather_sequence(query, key, value, group, head_dim=1, seq_dim=2)
     described, documents = (False, None) if batch_rows is None else batch_rows.documents_for(position_ids, padding_mask)
     if not described:
         if position_ids is not None:
@@ -183,11 +210,18 @@ def ulysses_attention(
         documents = DocumentMask.from_rows(query.size(0), position_ids, padding_mask)
     if ring:
         _check_ring_can_mask(documents, is_causal)
-        output = ring_attention(query, key, value, ring_group, is_causal, scale).transpose(1, 2)
+
+        def attend(q, k, v):
+            return ring_attention(q, k, v, ring_group, is_causal, scale).transpose(1, 2)
     else:
-        output = local_attention(query, key, value, backend, documents, is_causal, scale, dropout_p)
-    # output: [batch, seq, heads/P, dim] -> [batch, seq/P, heads, dim]
-    return heads_to_sequence(output, group, head_dim=2, seq_dim=1) if sharded else output
+
+        def attend(q, k, v):
+            return local_attention(q, k, v, backend, documents, is_causal, scale, dropout_p)
+
+    if ProcessGroupHandle(group).world_size == 1:
+        return attend(query, key, value)
+    # the ring exchanges K/V blocks itself, between its own blocks' compute: its heads go in one group
+    return exchange_and_attend(query, key, value, group, attend, 1 if ring else head_groups)
 
 
 def _whole_rows(shard: torch.Tensor, ulysses_group, ring_group) -> torch.Tensor:
@@ -260,6 +294,7 @@ class UlyssesAttention(nn.Module):
         scale: Optional[float] = None,
         num_heads: Optional[int] = None,
         num_key_value_heads: Optional[int] = None,
+        overlap_head_groups: Optional[int] = None,
     ):
         super().__init__()
         if not callable(backend) and backend not in BACKENDS:
@@ -267,6 +302,9 @@ class UlyssesAttention(nn.Module):
         self.backend = backend
         self.causal, self.scale = causal, scale
         self.num_heads, self.num_key_value_heads = num_heads, num_key_value_heads
+        if overlap_head_groups is not None:
+            usable_head_groups(1, 1, 1, overlap_head_groups)  # raises for values below 1
+        self.overlap_head_groups = overlap_head_groups
         self._group = ProcessGroupHandle(None)
         self._ring = ProcessGroupHandle(None)
         self._batch_rows: Optional[BatchRowsSlot] = None
@@ -298,6 +336,11 @@ class UlyssesAttention(nn.Module):
     def sequence_parallel_group(self):
         return self._group.group
 
+    @property
+    def head_groups(self) -> int:
+        """Head groups pipelined with the all-to-alls (`exchange_and_attend`); 1 (no overlap) unless set."""
+        return self.overlap_head_groups or 1
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 position_ids: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
                 **kwargs) -> torch.Tensor:
@@ -318,12 +361,15 @@ class UlyssesAttention(nn.Module):
             backend = None
         options.update(kwargs)
         output = ulysses_attention(query, key, value, group, backend, position_ids, attention_mask,
-                                   ring_group=ring_group, batch_rows=self._batch_rows, **options)
+                                   ring_group=ring_group, batch_rows=self._batch_rows, head_groups=self.head_groups,
+                                   **options)
         return output.transpose(1, 2)
 
     def _custom_attention(self, query, key, value, group, **kwargs):
         if group is None:
             return self.backend(query, key, value, **kwargs)
-        query, key, value = scatter_heads_gather_sequence(query, key, value, group, head_dim=1, seq_dim=2)
-        output = self.backend(query, key, value, **kwargs)
-        return heads_to_sequence(output, group, head_dim=1, seq_dim=2)
+
+        def attend(q, k, v):
+            return self.backend(q, k, v, **kwargs).transpose(1, 2)
+
+        return exchange_and_attend(query, key, value, group, attend, self.head_groups).transpose(1, 2)

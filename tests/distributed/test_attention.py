@@ -32,6 +32,29 @@ def test_ulysses_attention_equals_full_attention(results, sp, kv_heads):
             assert rank[sp][f"ulysses_grad_{name}_kv{kv_heads}"] < 1e-5
 
 
+@pytest.mark.parametrize("sp", [2, 4])
+def test_pipelined_head_groups_are_exact(results, sp):
+    # 8 heads: at SP 2 up to 4 groups (8 % (4·2) == 0), at SP 4 up to 2; KV heads cap it (replicated ones at 1)
+    expected_groups = {2: {8: (2, 4), 4: (2, 2), 2: (1, 1), 1: (1, 1)}, 4: {8: (2, 2), 4: (1, 1), 2: (1, 1), 1: (1, 1)}}
+    for rank in results:
+        for kv_heads, usable in expected_groups[sp].items():
+            for requested, groups in zip((2, 4), usable):
+                key = f"kv{kv_heads}_groups{requested}"
+                assert rank[sp][f"head_groups_used_{key}"] == groups
+                assert rank[sp][f"head_groups_error_{key}"] < 1e-5, key
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_head_group_exchanges_overlap_the_attention(results, sp):
+    # forward: both groups' q/k/v exchanges launched before the first attention, group 0's output exchange before
+    # group 1's attention; backward (reverse creation order): both output-gradient exchanges first, group 1's q/k/v
+    # gradients launched before group 0's attention backward runs.
+    expected = ["exchange", "exchange", "attend0", "exchange", "attend1", "exchange", "backward",
+                "exchange", "exchange", "attend1 backward", "exchange", "attend0 backward", "exchange"]
+    for rank in results:
+        assert rank[sp]["head_groups_schedule"] == expected
+
+
 @pytest.mark.parametrize("kv_heads", [4, 1])
 @pytest.mark.parametrize("sp", [2, 4])
 def test_hf_model_with_padding_equals_full_model(results, sp, kv_heads):

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 from lightning_ulysses import SequenceSharder, UlyssesAttention, prepare_hf_model
 from lightning_ulysses.attention import heads_to_sequence, sequence_to_heads
+from lightning_ulysses.attention.core import usable_head_groups
+from lightning_ulysses.attention.documents import DocumentMask
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
 from lightning_ulysses.loss import SequenceParallelCausalLMLoss
 from tests.distributed.common import summed_gradient_error, tiny_llama
@@ -52,6 +54,76 @@ def check_ulysses_attention(groups, results):
         results[f"ulysses_out_kv{kv_heads}"] = max_error(out, reference.chunk(sp, dim=2)[rank])
         for name, mine, full in zip("qkv", local, (q, k, v)):
             results[f"ulysses_grad_{name}_kv{kv_heads}"] = max_error(mine.grad, full.grad.chunk(sp, dim=2)[rank])
+
+
+def check_head_groups(groups, results):
+    """Pipelined head groups: exact for every grouping (incl. KV replication) and packed rows; and the schedule
+    the pipelining exists for (exchanges launched ahead of the attention that overlaps them)."""
+    sp, rank, group = groups.sequence_parallel_world_size, groups.sequence_parallel_rank, groups.sequence_parallel_group
+    position_ids = torch.cat([torch.arange(11), torch.arange(13)]).unsqueeze(0)  # two documents, crossing shards
+    for kv_heads in (8, 4, 2, 1):
+        generator = torch.Generator().manual_seed(10 + kv_heads)
+        q = torch.randn(2, 8, 24, 8, generator=generator, requires_grad=True)
+        k = torch.randn(2, kv_heads, 24, 8, generator=generator, requires_grad=True)
+        v = torch.randn(2, kv_heads, 24, 8, generator=generator, requires_grad=True)
+        grad_out = torch.randn(2, 8, 24, 8, generator=generator)
+        mask = DocumentMask.from_rows(2, position_ids, None).dense_mask(True)
+        reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        reference.backward(grad_out)
+        for requested in (2, 4):
+            attention = UlyssesAttention("sdpa", overlap_head_groups=requested)
+            attention.bind(group)
+            local = [t.detach().chunk(sp, dim=2)[rank].requires_grad_() for t in (q, k, v)]
+            out = attention(*local, position_ids=position_ids.chunk(sp, dim=1)[rank])
+            out.backward(grad_out.chunk(sp, dim=2)[rank])
+            key = f"kv{kv_heads}_groups{requested}"
+            results[f"head_groups_used_{key}"] = usable_head_groups(8, kv_heads, sp, requested)
+            error = max_error(out, reference.chunk(sp, dim=2)[rank])
+            for mine, full in zip(local, (q, k, v)):
+                error = max(error, max_error(mine.grad, full.grad.chunk(sp, dim=2)[rank]))
+            results[f"head_groups_error_{key}"] = error
+    results["head_groups_schedule"] = head_group_schedule(group, sp, rank)
+
+
+class _Recorded(torch.autograd.Function):
+    """Identity that logs when its backward runs (i.e. when a head group's attention backward starts)."""
+
+    @staticmethod
+    def forward(ctx, tensor, log, name):
+        ctx.log, ctx.name = log, name
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.log.append(f"{ctx.name} backward")
+        return grad, None, None
+
+
+def head_group_schedule(group, sp, rank):
+    """The order of all-to-all launches and attention calls with 2 head groups, forward then backward."""
+    log = []
+    launch = dist.all_to_all_single
+
+    def recording_launch(output, tensor, *args, **kwargs):
+        log.append("exchange")
+        return launch(output, tensor, *args, **kwargs)
+
+    def attend(q, k, v):
+        name = f"attend{len([e for e in log if e.startswith('attend') and 'backward' not in e])}"
+        log.append(name)
+        return _Recorded.apply(F.scaled_dot_product_attention(q, k, v, is_causal=True), log, name)
+
+    attention = UlyssesAttention(attend, overlap_head_groups=2)
+    attention.bind(group)
+    q, k, v = (torch.randn(1, 4 * sp, 4, 8, requires_grad=True) for _ in range(3))
+    dist.all_to_all_single = recording_launch
+    try:
+        out = attention(q, k, v)
+        log.append("backward")
+        out.sum().backward()
+    finally:
+        dist.all_to_all_single = launch
+    return log
 
 
 def padded_batch(seq_len=16):
@@ -99,6 +171,7 @@ def main():
         results = {}
         check_all_to_all(groups, results)
         check_ulysses_attention(groups, results)
+        check_head_groups(groups, results)
         check_hf_model(groups, results)
         output[sp] = results
     torch.save(output, Path(sys.argv[2]) / f"result_{dist.get_rank()}.pt")
