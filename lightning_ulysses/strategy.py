@@ -132,6 +132,11 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             backward, e.g. `("cudnn",)` on Hopper GPUs (names: cudnn, flash, efficient, math; the others follow in
             torch's order). `None` (default): torch's own order, which tries flash first; on an H200 cuDNN's causal
             kernels are ~1.65× faster (`benchmarks/results/2026-11-29-h200-long-sequence/`).
+        overlap_head_groups: cut the attention heads into this many groups and pipeline them, so that one group's
+            all-to-alls run while another group's attention computes (forward and backward); exact for any value.
+            1 (default): no overlap. A count the heads do not allow (each group must give every SP rank whole
+            query and KV heads) runs with the largest smaller one. Measured on 2 × H200:
+            `benchmarks/results/2026-11-29-h200x2-overlap/`.
         heartbeat_timeout: seconds after which a rank that stopped sending heartbeats (killed, crashed, frozen)
             makes every other rank exit with status 75 and a message naming it, instead of hanging until the
             collective timeout (`lightning_ulysses.faults`). `None` turns the watchdog off.
@@ -160,10 +165,16 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         start_method: Optional[Literal["fork"]] = None,
         heartbeat_timeout: Optional[float] = 120.0,
         sdpa_kernel_priority: Optional[Sequence[str]] = None,
+        overlap_head_groups: int = 1,
         **kwargs: Any,
     ) -> None:
         memory = MemoryOptions.coerce(memory)  # bad options fail here, in the launching process
         sdpa_kernel_priority = check_sdpa_kernel_priority(sdpa_kernel_priority)
+        if isinstance(overlap_head_groups, bool) or not isinstance(overlap_head_groups, int) or overlap_head_groups < 1:
+            raise ValueError(
+                f"overlap_head_groups must be a whole number >= 1 (1: no overlap, 2: two head groups whose"
+                f" all-to-alls overlap each other's attention), got {overlap_head_groups!r}"
+            )
         config = self._load_config(config)
         if config is not None:
             config, configured_size = _split_ulysses_block(config)
@@ -205,6 +216,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._start_method = start_method or "popen"
         self.heartbeat_timeout = heartbeat_timeout
         self.sdpa_kernel_priority = sdpa_kernel_priority
+        self.overlap_head_groups = overlap_head_groups
         self._watchdog: Optional[RankWatchdog] = None
         self._hf_model_configs: dict[str, Any] = {}  # module path → the config save_pretrained will need
         self._resume: Optional[_PendingResume] = None
@@ -433,7 +445,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         loss = self.loss_function
         names = {id(child): name for name, child in module.named_modules()}
         prepared = [prepare_hf_model(model, groups.ulysses_group, loss, ring_group=groups.ring_group,
-                                     batch_rows=self._batch_rows) for model in hf_models]
+                                     batch_rows=self._batch_rows, head_groups=self.overlap_head_groups)
+                    for model in hf_models]
         # The configs as the user built them (preparation swaps in a private copy with Ulysses attention).
         self._hf_model_configs = {
             names[id(p.model)]: p.original_configs.get(id(p.model), p.model.config) for p in prepared
@@ -445,7 +458,9 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
                 self._restore_callbacks.append(functools.partial(bindable.bind_parallel_groups, None))
         for attention in native:
             attention.bind_batch_rows(self._batch_rows)
-            self._restore_callbacks.append(functools.partial(attention.bind_batch_rows, None))
+            attention.bind_head_groups(self.overlap_head_groups)
+            self._restore_callbacks += [functools.partial(attention.bind_batch_rows, None),
+                                        functools.partial(attention.bind_head_groups, None)]
         self._restore_callbacks += [
             swap_loss_function(host, loss) for host in module.modules() if isinstance(host, LossFunctionHost)
         ]

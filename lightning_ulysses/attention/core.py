@@ -305,6 +305,7 @@ class UlyssesAttention(nn.Module):
         if overlap_head_groups is not None:
             usable_head_groups(1, 1, 1, overlap_head_groups)  # raises for values below 1
         self.overlap_head_groups = overlap_head_groups
+        self._bound_head_groups: Optional[int] = None
         self._group = ProcessGroupHandle(None)
         self._ring = ProcessGroupHandle(None)
         self._batch_rows: Optional[BatchRowsSlot] = None
@@ -336,10 +337,15 @@ class UlyssesAttention(nn.Module):
     def sequence_parallel_group(self):
         return self._group.group
 
+    def bind_head_groups(self, head_groups: Optional[int]) -> None:
+        """The strategy's `overlap_head_groups`, used unless this module was given its own; None unbinds."""
+        self._bound_head_groups = head_groups
+
     @property
     def head_groups(self) -> int:
-        """Head groups pipelined with the all-to-alls (`exchange_and_attend`); 1 (no overlap) unless set."""
-        return self.overlap_head_groups or 1
+        """Head groups pipelined with the all-to-alls (`exchange_and_attend`): this module's own
+        `overlap_head_groups`, else the strategy's, else 1 (no overlap)."""
+        return self.overlap_head_groups or self._bound_head_groups or 1
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 position_ids: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,

@@ -63,6 +63,8 @@ class _Binding:
     ring: ProcessGroupHandle = field(default_factory=lambda: ProcessGroupHandle(None))
     # Where the sharder publishes each batch's whole rows (attention/rows.py); None: gathered in every layer.
     batch_rows: Optional[BatchRowsSlot] = None
+    # Head groups whose all-to-alls are pipelined with their attention (core.exchange_and_attend).
+    head_groups: int = 1
 
     def __deepcopy__(self, memo):
         return self
@@ -114,6 +116,7 @@ def _ulysses_attention_forward(module, query, key, value, attention_mask, **kwar
         dropout_p=kwargs.get("dropout", 0.0),
         ring_group=binding.ring.group,  # with a ring, ring attention replaces the backend
         batch_rows=binding.batch_rows,
+        head_groups=binding.head_groups,
     )
     return output, None  # [batch, seq/P, heads, dim], the layout the model expects back
 
@@ -237,7 +240,7 @@ def hf_head_counts(model: PreTrainedModel) -> tuple[int, int]:
 
 def prepare_hf_model(
     model: PreTrainedModel, sequence_parallel_group, loss_function: Callable | None = None, *, ring_group=None,
-    batch_rows: BatchRowsSlot | None = None,
+    batch_rows: BatchRowsSlot | None = None, head_groups: int = 1,
 ) -> PreparedHFModel:
     """Switch one model to Ulysses attention over `sequence_parallel_group` (and optionally swap its loss).
 
@@ -247,6 +250,8 @@ def prepare_hf_model(
 
     `batch_rows`: the slot a `SequenceSharder(..., batch_rows=...)` publishes each batch's whole rows into; the
     attention then reads packed documents and padding from it instead of gathering them in every layer.
+
+    `head_groups`: pipeline the all-to-alls with the attention of this many head groups (`overlap_head_groups`).
     """
     group = ProcessGroupHandle(sequence_parallel_group)
     ring = ProcessGroupHandle(ring_group)
@@ -277,7 +282,7 @@ def prepare_hf_model(
             f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface, so"
             " lightning_ulysses cannot swap it. Wrap its attention in lightning_ulysses.UlyssesAttention."
         ) from error
-    binding = _Binding(group=group, backend=backend, ring=ring, batch_rows=batch_rows)
+    binding = _Binding(group=group, backend=backend, ring=ring, batch_rows=batch_rows, head_groups=head_groups)
     for module in model.modules():
         module.__dict__[_BINDING_ATTRIBUTE] = binding
     return prepared

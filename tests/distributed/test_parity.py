@@ -61,6 +61,9 @@ def _matrix():
         _case(4, 4, 3, "gqa", suffix="-ring2", strategy_kwargs={"ring_size": 2}),
         _case(4, 4, 2, "gqa", suffix="-gpt-ring2", model="gpt", validate=True, strategy_kwargs={"ring_size": 2}),
         _case(4, 2, 1, "mqa", suffix="-ring2", seq_len=15, strategy_kwargs={"ring_size": 2}),
+        # Pipelined head groups (NUM_HEADS 4 at SP 2: two groups of 2 heads, one per rank each).
+        _case(2, 2, 3, "mha", suffix="-overlap2", strategy_kwargs={"overlap_head_groups": 2}),
+        _case(4, 2, 2, "mha", suffix="-gpt-overlap2", model="gpt", strategy_kwargs={"overlap_head_groups": 2}),
     ]
     return cases
 

@@ -92,3 +92,22 @@ def test_sdpa_kernel_priority_holds_in_every_step_and_backward(hook, monkeypatch
     assert torch._C._get_sdp_priority_order() == default  # restored after the step
     with pytest.raises(ValueError, match="distinct SDPA kernels"):
         UlyssesDeepSpeedStrategy(sdpa_kernel_priority=["cudnn", "cudnn"])
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
+def test_bad_overlap_head_groups_name_the_fix(value):
+    with pytest.raises(ValueError, match="overlap_head_groups must be a whole number >= 1"):
+        UlyssesDeepSpeedStrategy(overlap_head_groups=value)
+
+
+def test_overlap_head_groups_of_a_module_win_over_the_strategy():
+    from lightning_ulysses import UlyssesAttention
+
+    own, inherits = UlyssesAttention("sdpa", overlap_head_groups=4), UlyssesAttention("sdpa")
+    for attention in (own, inherits):
+        attention.bind_head_groups(2)
+    assert (own.head_groups, inherits.head_groups) == (4, 2)
+    inherits.bind_head_groups(None)
+    assert inherits.head_groups == 1
+    with pytest.raises(ValueError, match="at least 1"):
+        UlyssesAttention("sdpa", overlap_head_groups=0)
