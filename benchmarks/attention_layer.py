@@ -11,6 +11,10 @@ Modes (each on this rank's shard `[batch, heads, seq/P, head_dim]`, except sdpa)
   "one GPU runs the full sequence" baseline, measured concurrently on every GPU).
 - `ulysses`: `UlyssesAttention` over all ranks (all-to-alls + SDPA). At 1 process: the module unbound, i.e. the
   overhead of our path over plain SDPA.
+- `local`: what each Ulysses rank computes, without any exchange: SDPA over heads/P heads on the whole
+  sequence (the compute floor of `ulysses`).
+- `exchange`: the Ulysses all-to-alls alone (forward and backward), around an elementwise q + k + v in place of
+  the attention (MHA only): `ulysses` ≈ `local` + `exchange` − what overlaps.
 - `ring`: ring attention over all ranks (zig-zag shards, K/V blocks passed around). At 1 process: our fused
   kernel + custom backward on one block.
 - `hybrid`: `ulysses_size = P / 2` × `ring_size = 2` (Ulysses over neighbouring ranks, a ring across the two
@@ -40,7 +44,7 @@ from lightning_ulysses.attention.core import UlyssesAttention
 from lightning_ulysses.attention.ring import ring_attention
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, ShardOrder
 
-MODES = ("sdpa", "ulysses", "ring", "hybrid")
+MODES = ("sdpa", "local", "exchange", "ulysses", "ring", "hybrid")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -65,6 +69,7 @@ def parse_args() -> argparse.Namespace:
                         help="ulysses mode: also run each variant over an SP group whose NCCL stream has high priority")
     parser.add_argument("--sdpa-kernel", choices=("default",) + tuple(SDPA_KERNELS), default="default",
                         help="SDPA kernel tried first for every mode (default: torch's own order)")
+    parser.add_argument("--label", default="", help="recorded in every JSON line (e.g. the environment settings)")
     parser.add_argument("--output", default=None, help="append the JSON lines to this file too")
     args = parser.parse_args()
     if args.tiny:
@@ -133,6 +138,14 @@ def build_attention(mode: str, base_groups: SequenceParallelGroups, args, head_g
 
     if mode == "sdpa":
         return causal_sdpa, None, (1, 1)
+    if mode == "local":  # measure() hands it one rank's share of the heads, all tokens
+        return causal_sdpa, None, (1, 1)
+    if mode == "exchange":
+        if args.kv_heads != args.heads:
+            return None
+        attention = UlyssesAttention(lambda q, k, v: q + k + v, overlap_head_groups=head_groups)
+        attention.bind_parallel_groups(base_groups)
+        return attention, ShardOrder(world), (world, 1)
     if mode == "ulysses":
         attention = UlyssesAttention(causal_sdpa, overlap_head_groups=head_groups)
         attention.bind_parallel_groups(base_groups)
@@ -158,7 +171,11 @@ def measure(mode, attention, order, seq_len, groups, device, args):
         return torch.randn(args.batch, heads, seq_len, args.head_dim, device=device, dtype=dtype, generator=generator)
 
     q_full, k_full, v_full, grad_full = full(args.heads), full(args.kv_heads), full(args.kv_heads), full(args.heads)
-    if order is None:
+    if mode == "local":  # what one Ulysses rank attends over: heads/P heads, every token
+        world = groups.sequence_parallel_world_size
+        local = [t[:, : t.size(1) // world].contiguous() for t in (q_full, k_full, v_full)]
+        grad_out = grad_full[:, : args.heads // world].contiguous()
+    elif order is None:
         local = [q_full, k_full, v_full]
         grad_out = grad_full
     else:
@@ -172,7 +189,7 @@ def measure(mode, attention, order, seq_len, groups, device, args):
         attention(*local).backward(grad_out)
 
     error = None
-    if args.check == "yes" or (args.check == "auto" and seq_len <= 32768):
+    if mode not in ("local", "exchange") and (args.check == "yes" or (args.check == "auto" and seq_len <= 32768)):
         with torch.no_grad():
             reference = F.scaled_dot_product_attention(q_full, k_full, v_full, is_causal=True,
                                                        enable_gqa=args.heads != args.kv_heads)
@@ -210,11 +227,11 @@ def run_variant(mode, head_groups, stream, group, seq_len, sdpa_ms, base_groups,
     built = build_attention(mode, base_groups, args, head_groups, group)
     point = {"mode": mode, "world_size": world, "seq_len": seq_len, "batch": args.batch, "heads": args.heads,
              "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": args.dtype, "device": device.type,
-             "sdpa_kernel": args.sdpa_kernel}
-    if mode == "ulysses":
+             "sdpa_kernel": args.sdpa_kernel, "label": args.label}
+    if mode in ("ulysses", "exchange"):
         point.update(head_groups=head_groups, nccl_stream=stream)
     if built is None:
-        point["skipped"] = "needs an even number of ranks, at least 4"
+        point["skipped"] = "exchange: MHA only" if mode == "exchange" else "needs an even number of ranks, at least 4"
     else:
         attention, order, (ulysses_size, ring_size) = built
         needed = (order or ShardOrder(1)).length_multiple
@@ -225,7 +242,8 @@ def run_variant(mode, head_groups, stream, group, seq_len, sdpa_ms, base_groups,
             point.update(measure(mode, attention, order, seq_len, base_groups, device, args))
             # causal forward 2·B·H·N²·D flops (two matmuls, half the scores), backward 2.5× that
             flops = 3.5 * 2 * args.batch * args.heads * seq_len**2 * args.head_dim
-            gpus = 1 if mode == "sdpa" else world
+            gpus = {"sdpa": 1, "local": 1}.get(mode, world)  # local: the flops of its heads only
+            flops = flops / world if mode == "local" else flops
             point["tflops_per_device"] = flops / gpus / (point["slowest_rank_median_ms"] * 1e-3) / 1e12
             if mode == "sdpa":
                 sdpa_ms = point["slowest_rank_median_ms"]
@@ -252,7 +270,7 @@ def main() -> None:
         streams["high"] = high_priority_group(device)
     ulysses_variants = [(g, stream) for stream in streams for g in args.head_groups]
     variants = [(mode, g, stream) for mode in modes
-                for g, stream in (ulysses_variants if mode == "ulysses" else [(1, "normal")])]
+                for g, stream in (ulysses_variants if mode in ("ulysses", "exchange") else [(1, "normal")])]
     with sdpa_priority(None if args.sdpa_kernel == "default" else (args.sdpa_kernel,)):
         for seq_len in args.seq:
             sdpa_ms = None
