@@ -15,6 +15,9 @@ Modes (each on this rank's shard `[batch, heads, seq/P, head_dim]`, except sdpa)
   sequence (the compute floor of `ulysses`).
 - `exchange`: the Ulysses all-to-alls alone (forward and backward), around an elementwise q + k + v in place of
   the attention (MHA only): `ulysses` ≈ `local` + `exchange` − what overlaps.
+- `ulysses_separate`: `ulysses` with q, k and v in three exchanges instead of one; `ulysses_stack_cat`: with the
+  exchange this project used before (per tensor, `torch.stack` of the chunks, blocking wait, `torch.cat`): A/B
+  baselines for the fused exchange.
 - `ring`: ring attention over all ranks (zig-zag shards, K/V blocks passed around). At 1 process: our fused
   kernel + custom backward on one block.
 - `hybrid`: `ulysses_size = P / 2` × `ring_size = 2` (Ulysses over neighbouring ranks, a ring across the two
@@ -40,11 +43,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_ulysses.attention.backends import SDPA_KERNELS, sdpa_priority
+from lightning_ulysses.attention.all_to_all import start_exchange
 from lightning_ulysses.attention.core import UlyssesAttention
 from lightning_ulysses.attention.ring import ring_attention
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, ShardOrder
 
-MODES = ("sdpa", "local", "exchange", "ulysses", "ring", "hybrid")
+MODES = ("sdpa", "local", "exchange", "ulysses", "ulysses_separate", "ulysses_stack_cat", "ring", "hybrid")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -69,6 +73,9 @@ def parse_args() -> argparse.Namespace:
                         help="ulysses mode: also run each variant over an SP group whose NCCL stream has high priority")
     parser.add_argument("--sdpa-kernel", choices=("default",) + tuple(SDPA_KERNELS), default="default",
                         help="SDPA kernel tried first for every mode (default: torch's own order)")
+    parser.add_argument("--profile", default=None,
+                        help="folder: also trace 2 iterations of each variant (CUDA kernels) and report how long NCCL"
+                             " kernels ran beside compute kernels; the traces are written there")
     parser.add_argument("--label", default="", help="recorded in every JSON line (e.g. the environment settings)")
     parser.add_argument("--output", default=None, help="append the JSON lines to this file too")
     args = parser.parse_args()
@@ -120,6 +127,41 @@ class Timer:
         return [(end - start) * 1e3 for start, end in self.pairs]
 
 
+class _StackCatAllToAll(torch.autograd.Function):
+    """The per-tensor all-to-all this project used before the fused exchange (kept here as an A/B baseline)."""
+
+    @staticmethod
+    def exchange(tensor, group, scatter_dim, gather_dim):
+        send = torch.stack(tensor.chunk(dist.get_world_size(group), dim=scatter_dim))
+        receive = torch.empty_like(send)
+        dist.all_to_all_single(receive, send, group=group, async_op=True).wait()
+        return torch.cat(receive.unbind(0), dim=gather_dim)
+
+    @staticmethod
+    def forward(ctx, tensor, group, scatter_dim: int, gather_dim: int):
+        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
+        return _StackCatAllToAll.exchange(tensor, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _StackCatAllToAll.exchange(grad_output, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
+
+
+def per_tensor_ulysses(attend, group, fused_machinery: bool):
+    """Ulysses with one all-to-all per tensor: through `start_exchange` (fused_machinery) or the old stack/cat."""
+
+    def exchange(tensor, scatter_dim, gather_dim):
+        if fused_machinery:
+            return start_exchange(tensor, group, scatter_dim, gather_dim).finish()
+        return _StackCatAllToAll.apply(tensor, group, scatter_dim, gather_dim)
+
+    def attention(q, k, v):
+        q, k, v = (exchange(t, 1, 2) for t in (q, k, v))
+        return exchange(attend(q, k, v).transpose(1, 2), 1, 2).transpose(1, 2)
+
+    return attention
+
+
 def high_priority_group(device: torch.device):
     """The whole world again as a group whose NCCL stream has high priority (its kernels get SMs first)."""
     if device.type != "cuda":
@@ -140,6 +182,9 @@ def build_attention(mode: str, base_groups: SequenceParallelGroups, args, head_g
         return causal_sdpa, None, (1, 1)
     if mode == "local":  # measure() hands it one rank's share of the heads, all tokens
         return causal_sdpa, None, (1, 1)
+    if mode in ("ulysses_separate", "ulysses_stack_cat"):
+        attention = per_tensor_ulysses(causal_sdpa, base_groups.sequence_parallel_group, mode == "ulysses_separate")
+        return attention, ShardOrder(world), (world, 1)
     if mode == "exchange":
         if args.kv_heads != args.heads:
             return None
@@ -161,6 +206,49 @@ def build_attention(mode: str, base_groups: SequenceParallelGroups, args, head_g
     attention = UlyssesAttention(causal=True)
     attention.bind_parallel_groups(groups)
     return attention, groups.shard_order, (groups.ulysses_size, groups.ring_size)
+
+
+def _union(intervals):
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def _intersection(a, b) -> float:
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def kernel_overlap(step, mode, seq_len, rank, args) -> dict:
+    """Trace two iterations; per iteration: time NCCL kernels ran, time compute kernels ran, and how much of the
+    NCCL time had a compute kernel running beside it (the overlap the pipelining is for)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    path = os.path.join(args.profile, f"{mode}-{seq_len}-{args.label or 'run'}-rank{rank}-{time.time_ns()}.json")
+    os.makedirs(args.profile, exist_ok=True)
+    trace.export_chrome_trace(path)
+    with open(path) as file:
+        events = [e for e in json.load(file)["traceEvents"] if e.get("cat") == "kernel"]
+    nccl = _union([(e["ts"], e["ts"] + e["dur"]) for e in events if "nccl" in e["name"].lower()])
+    compute = _union([(e["ts"], e["ts"] + e["dur"]) for e in events if "nccl" not in e["name"].lower()])
+    length = sum(end - start for start, end in nccl)
+    return {"trace": os.path.basename(path), "nccl_kernel_ms": length / 2e3,
+            "compute_kernel_ms": sum(end - start for start, end in compute) / 2e3,
+            "nccl_beside_compute_ms": _intersection(nccl, compute) / 2e3}
 
 
 def measure(mode, attention, order, seq_len, groups, device, args):
@@ -214,7 +302,8 @@ def measure(mode, attention, order, seq_len, groups, device, args):
     slowest = median.clone()
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the step is as slow as the slowest rank
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    return {
+    overlap = kernel_overlap(step, mode, seq_len, rank, args) if args.profile and device.type == "cuda" else {}
+    return {**overlap,
         "median_ms": median.item(), "slowest_rank_median_ms": slowest.item(),
         "p10_ms": times[len(times) // 10], "p90_ms": times[(9 * len(times)) // 10],
         "peak_memory_gib": peak, "max_error_vs_sdpa": error,

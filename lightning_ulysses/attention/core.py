@@ -136,14 +136,14 @@ def exchange_and_attend(query, key, value, group, attend: Callable, head_groups:
         key = key.repeat_interleave(factor, dim=1)
         value = value.repeat_interleave(factor, dim=1)
     groups = usable_head_groups(query.size(1), key.size(1), sp, head_groups)
-    pieces = [tensor.chunk(groups, dim=1) for tensor in (query, key, value)]
-    # q/k/v of each group: heads scattered, tokens gathered (one collective for the three)
-    incoming = [start_exchange([q, k, v], group, split_dim=1, join_dim=2) for q, k, v in zip(*pieces)]
+    pieces = zip(*(tensor.chunk(groups, dim=1) for tensor in (query, key, value)))
+    # q/k/v of every group: heads scattered, tokens gathered; all launched before the first is waited for
+    incoming = [[start_exchange(t, group, split_dim=1, join_dim=2) for t in qkv] for qkv in pieces]
     outgoing = []
-    for exchange in incoming:
-        output = attend(*exchange.finish())
-        outgoing.append(start_exchange([output], group, split_dim=1, join_dim=2))  # tokens scattered, heads gathered
-    outputs = [exchange.finish()[0] for exchange in outgoing]
+    for exchanges in incoming:
+        output = attend(*(exchange.finish() for exchange in exchanges))
+        outgoing.append(start_exchange(output, group, split_dim=1, join_dim=2))  # tokens scattered, heads gathered
+    outputs = [exchange.finish() for exchange in outgoing]
     return outputs[0] if groups == 1 else torch.cat(outputs, dim=2)
 
 

@@ -46,11 +46,12 @@ def test_pipelined_head_groups_are_exact(results, sp):
 
 @pytest.mark.parametrize("sp", [2, 4])
 def test_head_group_exchanges_overlap_the_attention(results, sp):
-    # forward: both groups' q/k/v exchanges launched before the first attention, group 0's output exchange before
-    # group 1's attention; backward (reverse creation order): both output-gradient exchanges first, group 1's q/k/v
-    # gradients launched before group 0's attention backward runs.
-    expected = ["exchange", "exchange", "attend0", "exchange", "attend1", "exchange", "backward",
-                "exchange", "exchange", "attend1 backward", "exchange", "attend0 backward", "exchange"]
+    # forward: both groups' q, k and v exchanges (3 + 3) launched before the first attention, group 0's output
+    # exchange before group 1's attention; backward (reverse creation order): both output-gradient exchanges first,
+    # group 1's q/k/v gradients launched before group 0's attention backward runs.
+    expected = ["exchange"] * 6 + ["attend0", "exchange", "attend1", "exchange", "backward",
+                                   "exchange", "exchange", "attend1 backward"] + ["exchange"] * 3 + [
+                                   "attend0 backward"] + ["exchange"] * 3
     for rank in results:
         assert rank[sp]["head_groups_schedule"] == expected
 
