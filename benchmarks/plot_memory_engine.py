@@ -1,4 +1,10 @@
-"""Plot tokens/s and peak GPU memory against sequence length from memory_engine.py JSON lines."""
+"""Plot tokens/s and peak GPU memory against sequence length from memory_engine.py JSON lines.
+
+    python benchmarks/plot_memory_engine.py OUT.png FILE.jsonl...
+
+Points shorter than 4,096 tokens are left out: they are the short steps run first so that the long step finds
+DeepSpeed's optimizer state already allocated, not measurements.
+"""
 
 import json
 import sys
@@ -10,13 +16,17 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+SHORTEST_MEASURED = 4096
+
 
 def main(out: str, *paths: str) -> None:
     series = defaultdict(list)
     for path in paths:
         for line in Path(path).read_text().splitlines():
+            if not line.startswith("{"):  # DeepSpeed prints its warnings to stdout, between our JSON lines
+                continue
             record = json.loads(line)
-            if record.get("status") == "ok":
+            if record.get("status") == "ok" and record["seq"] >= SHORTEST_MEASURED:
                 label = f"{record['model']} {record['features']}"
                 if record["offload_optimizer"]:
                     label += f" (optimizer {record['offload_optimizer']:.0%} on host)"
