@@ -15,9 +15,10 @@ Modes (each on this rank's shard `[batch, heads, seq/P, head_dim]`, except sdpa)
   sequence (the compute floor of `ulysses`).
 - `exchange`: the Ulysses all-to-alls alone (forward and backward), around an elementwise q + k + v in place of
   the attention (MHA only): `ulysses` ≈ `local` + `exchange` − what overlaps.
-- `ulysses_separate`: `ulysses` with q, k and v in three exchanges instead of one; `ulysses_stack_cat`: with the
-  exchange this project used before (per tensor, `torch.stack` of the chunks, blocking wait, `torch.cat`): A/B
-  baselines for the fused exchange.
+- `ulysses_separate`: `ulysses` with each exchange finished before the next is launched (no q/k/v in flight
+  together); `ulysses_stack_cat`: with the exchange this project used before session 4 (per tensor,
+  `torch.stack` of the chunks, blocking wait, `torch.cat`). A/B baselines for the exchange; MHA/GQA with KV heads
+  divisible by the number of processes only (no KV replication).
 - `ring`: ring attention over all ranks (zig-zag shards, K/V blocks passed around). At 1 process: our fused
   kernel + custom backward on one block.
 - `hybrid`: `ulysses_size = P / 2` × `ring_size = 2` (Ulysses over neighbouring ranks, a ring across the two
@@ -128,7 +129,7 @@ class Timer:
 
 
 class _StackCatAllToAll(torch.autograd.Function):
-    """The per-tensor all-to-all this project used before the fused exchange (kept here as an A/B baseline)."""
+    """The per-tensor all-to-all this project used before session 4 (kept here as an A/B baseline)."""
 
     @staticmethod
     def exchange(tensor, group, scatter_dim, gather_dim):
@@ -178,21 +179,19 @@ def build_attention(mode: str, base_groups: SequenceParallelGroups, args, head_g
     def causal_sdpa(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.size(1) != k.size(1))
 
-    if mode == "sdpa":
-        return causal_sdpa, None, (1, 1)
-    if mode == "local":  # measure() hands it one rank's share of the heads, all tokens
+    if mode in ("local", "ulysses_separate", "ulysses_stack_cat") and args.kv_heads % world:
+        return None  # these cut the KV heads like the query heads: no KV replication
+    if mode in ("sdpa", "local"):  # local: measure() hands it one rank's share of the heads, all tokens
         return causal_sdpa, None, (1, 1)
     if mode in ("ulysses_separate", "ulysses_stack_cat"):
         attention = per_tensor_ulysses(causal_sdpa, base_groups.sequence_parallel_group, mode == "ulysses_separate")
         return attention, ShardOrder(world), (world, 1)
-    if mode == "exchange":
-        if args.kv_heads != args.heads:
+    if mode in ("ulysses", "exchange"):
+        if mode == "exchange" and args.kv_heads != args.heads:
             return None
-        attention = UlyssesAttention(lambda q, k, v: q + k + v, overlap_head_groups=head_groups)
-        attention.bind_parallel_groups(base_groups)
-        return attention, ShardOrder(world), (world, 1)
-    if mode == "ulysses":
-        attention = UlyssesAttention(causal_sdpa, overlap_head_groups=head_groups)
+        # exchange: an elementwise stand-in for the attention, so that only the all-to-alls cost time
+        attention = UlyssesAttention(causal_sdpa if mode == "ulysses" else (lambda q, k, v: q + k + v),
+                                     overlap_head_groups=head_groups)
         attention.bind_parallel_groups(base_groups)
         if group is not None and world > 1:
             attention.bind(group)
@@ -320,7 +319,8 @@ def run_variant(mode, head_groups, stream, group, seq_len, sdpa_ms, base_groups,
     if mode in ("ulysses", "exchange"):
         point.update(head_groups=head_groups, nccl_stream=stream)
     if built is None:
-        point["skipped"] = "exchange: MHA only" if mode == "exchange" else "needs an even number of ranks, at least 4"
+        point["skipped"] = {"exchange": "MHA only", "hybrid": "needs an even number of ranks, at least 4"}.get(
+            mode, "KV heads must be divisible by the number of processes (no KV replication in this mode)")
     else:
         attention, order, (ulysses_size, ring_size) = built
         needed = (order or ShardOrder(1)).length_multiple

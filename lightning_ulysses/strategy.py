@@ -36,7 +36,7 @@ from typing_extensions import override
 from lightning_ulysses import checkpoint as checkpoints
 from lightning_ulysses import preflight
 from lightning_ulysses.attention.backends import check_sdpa_kernel_priority, sdpa_priority
-from lightning_ulysses.attention.core import UlyssesAttention, resolve_ring_size
+from lightning_ulysses.attention.core import UlyssesAttention, check_overlap_head_groups, resolve_ring_size
 from lightning_ulysses.attention.hf import find_hf_models, hf_head_counts, prepare_hf_model, validate_hf_model
 from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.faults import RankWatchdog, is_peer_failure
@@ -135,7 +135,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         overlap_head_groups: cut the attention heads into this many groups and pipeline them, so that one group's
             all-to-alls run while another group's attention computes (forward and backward); exact for any value.
             1 (default): no overlap. A count the heads do not allow (each group must give every SP rank whole
-            query and KV heads) runs with the largest smaller one. Measured on 2 × H200:
+            query and KV heads) runs with the largest smaller one; with a ring (`ring_size > 1`) it is not used (the
+            ring overlaps its own K/V exchanges). Measured on 2 × H200:
             `benchmarks/results/2026-11-29-h200x2-overlap/`.
         heartbeat_timeout: seconds after which a rank that stopped sending heartbeats (killed, crashed, frozen)
             makes every other rank exit with status 75 and a message naming it, instead of hanging until the
@@ -170,11 +171,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     ) -> None:
         memory = MemoryOptions.coerce(memory)  # bad options fail here, in the launching process
         sdpa_kernel_priority = check_sdpa_kernel_priority(sdpa_kernel_priority)
-        if isinstance(overlap_head_groups, bool) or not isinstance(overlap_head_groups, int) or overlap_head_groups < 1:
-            raise ValueError(
-                f"overlap_head_groups must be a whole number >= 1 (1: no overlap, 2: two head groups whose"
-                f" all-to-alls overlap each other's attention), got {overlap_head_groups!r}"
-            )
+        check_overlap_head_groups(overlap_head_groups)
         config = self._load_config(config)
         if config is not None:
             config, configured_size = _split_ulysses_block(config)

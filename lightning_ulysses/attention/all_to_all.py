@@ -9,10 +9,11 @@ An exchange is two autograd nodes: `start_exchange` launches the all-to-all with
 `InFlightExchange.finish` waits for it, so that work issued in between runs while the bytes travel (on GPU,
 NCCL's own stream beside the compute stream): q, k and v are all launched before the first is finished, so the
 copy that lays one out overlaps the transfer of another. Backward mirrors it: the finish node launches the
-reverse all-to-all of the gradient, the start node waits for it. One copy per exchange and direction: the
-pieces to send are views whenever the layout allows it (batch 1: a head split of `[1, heads, seq, dim]` or a
-sequence split of `[1, seq, heads, dim]`), and what arrives is laid out once (measured on 2 × H200: a single
-fused q/k/v exchange was 0.9% slower at 128K tokens, `benchmarks/results/2026-11-29-h200x2-overlap/`).
+reverse all-to-all of the gradient, the start node waits for it. The pieces to send are views whenever the
+layout allows it (batch 1: a head split of a contiguous `[1, heads, seq, dim]` or a sequence split of a
+contiguous `[1, seq, heads, dim]`), else one copy lays them out; what arrives is laid out with one copy (none when
+it already is). Measured on 2 × H200, a single fused q/k/v exchange was 0.9% slower at 128K tokens than separate
+ones (`benchmarks/results/2026-11-29-h200x2-overlap/`).
 """
 
 from __future__ import annotations
@@ -27,12 +28,10 @@ class _Exchange:
     """What the start and finish nodes of one all-to-all share: the group, the dimensions, the shape of the pieces
     and the collective in flight (forward, then backward)."""
 
-    def __init__(self, group, split_dim: int, join_dim: int, shape: torch.Size):
+    def __init__(self, group, split_dim: int, join_dim: int):
         self.group, self.split_dim, self.join_dim = group, split_dim, join_dim
         self.size = dist.get_world_size(group)
-        self.piece = list(shape)  # of what each rank sends to each other rank (the same on every rank)
-        self.piece[split_dim] //= self.size
-        self.work = self.send = None
+        self.work = self.send = self.receive = None
 
     def launch(self, tensor: torch.Tensor, split_dim: int) -> torch.Tensor:
         # Row p: the p-th piece along `split_dim`, for rank p (a view when it is already contiguous).
@@ -46,24 +45,31 @@ class _Exchange:
         self.work.wait()
         self.work = self.send = None
 
+    def take_receive(self) -> torch.Tensor:
+        """The backward exchange's receive buffer, once it has arrived (the exchange lets go of it)."""
+        self.wait()
+        receive, self.receive = self.receive, None
+        return receive
+
     def join(self, receive: torch.Tensor, join_dim: int) -> torch.Tensor:
         """Row p came from rank p: it is the p-th piece along `join_dim`."""
         return receive.movedim(0, join_dim).flatten(join_dim, join_dim + 1)
 
 
 class _Start(torch.autograd.Function):
-    # Output: the receive buffer, still being written. Its "gradient", handed over by `_Finish.backward`, is the
-    # receive buffer of the backward exchange (the gradient of what this rank sent): only `_Start.backward` reads it.
+    # Output: the receive buffer, still being written; `_Finish` is its only reader.
     @staticmethod
     def forward(ctx, tensor, exchange: _Exchange):
         ctx.exchange = exchange
         return exchange.launch(tensor, exchange.split_dim)
 
     @staticmethod
-    def backward(ctx, grad_receive):
+    def backward(ctx, _placeholder):
+        # The gradient of what this rank sent is the backward exchange's receive buffer, which `_Finish.backward`
+        # left on the exchange (the engine only ever saw a placeholder: it may read what it is handed, e.g. the
+        # anomaly mode's NaN check, while the transfer is still landing).
         exchange = ctx.exchange
-        exchange.wait()
-        return exchange.join(grad_receive, exchange.split_dim).contiguous(), None
+        return exchange.join(exchange.take_receive(), exchange.split_dim).contiguous(), None
 
 
 class _Finish(torch.autograd.Function):
@@ -71,13 +77,18 @@ class _Finish(torch.autograd.Function):
     def forward(ctx, receive, exchange: _Exchange):
         ctx.exchange = exchange
         exchange.wait()
-        return exchange.join(receive, exchange.join_dim).contiguous()
+        output = exchange.join(receive, exchange.join_dim).contiguous()
+        # A fresh tensor even when the layout needs no copy: an output aliasing an input of a custom Function
+        # could not be modified in place, and then only for some shapes.
+        return output.clone() if output.data_ptr() == receive.data_ptr() else output
 
     @staticmethod
     def backward(ctx, grad):
         # The adjoint of an all-to-all is the all-to-all with the roles of the two dimensions swapped; it is
         # launched here and waited for by `_Start.backward`, so the gradient's exchange overlaps what runs between.
-        return ctx.exchange.launch(grad, ctx.exchange.join_dim), None
+        exchange = ctx.exchange
+        exchange.receive = exchange.launch(grad, exchange.join_dim)
+        return grad.new_zeros(()).expand(exchange.receive.shape), None
 
 
 class InFlightExchange:
@@ -87,9 +98,11 @@ class InFlightExchange:
         self._exchange, self._payload = exchange, payload
 
     def finish(self) -> torch.Tensor:
+        # Let go of the receive buffer: once laid out it is garbage (callers keep the in-flight handles in lists).
+        payload, self._payload = self._payload, None
         if self._exchange is None:  # a group of one rank: nothing moved
-            return self._payload
-        return _Finish.apply(self._payload, self._exchange)
+            return payload
+        return _Finish.apply(payload, self._exchange)
 
 
 def start_exchange(tensor: torch.Tensor, group, split_dim: int, join_dim: int) -> InFlightExchange:
@@ -104,7 +117,7 @@ def start_exchange(tensor: torch.Tensor, group, split_dim: int, join_dim: int) -
             f"all-to-all: dimension {split_dim} of size {tensor.size(split_dim)} is not divisible by the"
             f" sequence-parallel size {size}"
         )
-    exchange = _Exchange(group, split_dim, join_dim, tensor.shape)
+    exchange = _Exchange(group, split_dim, join_dim)
     return InFlightExchange(exchange, _Start.apply(tensor, exchange))
 
 

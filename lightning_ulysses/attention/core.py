@@ -109,11 +109,20 @@ def kv_replication_factor(num_key_value_heads: int, sequence_parallel_size: int)
     return max(1, sequence_parallel_size // num_key_value_heads)
 
 
+def check_overlap_head_groups(value) -> int:
+    """Raise a fix-naming error unless `value` is a valid `overlap_head_groups` (a whole number >= 1)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"overlap_head_groups must be a whole number >= 1 (1: no overlap, 2: two head groups whose all-to-alls"
+            f" overlap each other's attention), got {value!r}"
+        )
+    return value
+
+
 def usable_head_groups(num_heads: int, num_key_value_heads: int, sequence_parallel_size: int, requested: int) -> int:
     """The most head groups, at most `requested`, that split evenly: every group must give each SP rank whole
     query heads and whole KV heads (after KV replication), so that each group is a Ulysses exchange of its own."""
-    if requested < 1:
-        raise ValueError(f"overlap_head_groups must be at least 1 (1: no overlap), got {requested}")
+    check_overlap_head_groups(requested)
     kv_heads = num_key_value_heads * kv_replication_factor(num_key_value_heads, sequence_parallel_size)
     return max(g for g in range(1, requested + 1)
                if num_heads % (g * sequence_parallel_size) == 0 and kv_heads % (g * sequence_parallel_size) == 0)
@@ -127,7 +136,8 @@ def exchange_and_attend(query, key, value, group, attend: Callable, head_groups:
     many ways) and pipelines them: every group's q/k/v exchange is launched at once, and each group's attention
     runs while the next group's inputs and the previous group's output are in flight. Backward, run by autograd in
     reverse creation order, does the same with the gradients. Only the first exchange and the last stay exposed.
-    Attention heads are independent, so the result is that of one group, whatever the grouping.
+    Attention heads are independent, so the result is that of one group, whatever the grouping. (Under a ring,
+    `ulysses_attention` passes one group: the ring exchanges K/V blocks between its own block computations.)
     """
     sp = dist.get_world_size(group)
     validate_head_counts(query.size(1), key.size(1), sp)
@@ -303,7 +313,7 @@ class UlyssesAttention(nn.Module):
         self.causal, self.scale = causal, scale
         self.num_heads, self.num_key_value_heads = num_heads, num_key_value_heads
         if overlap_head_groups is not None:
-            usable_head_groups(1, 1, 1, overlap_head_groups)  # raises for values below 1
+            check_overlap_head_groups(overlap_head_groups)
         self.overlap_head_groups = overlap_head_groups
         self._bound_head_groups: Optional[int] = None
         self._group = ProcessGroupHandle(None)

@@ -45,6 +45,15 @@ def test_pipelined_head_groups_are_exact(results, sp):
 
 
 @pytest.mark.parametrize("sp", [2, 4])
+def test_exchange_edges(results, sp):
+    for rank in results:
+        assert rank[sp]["anomaly_mode"] is True  # else: the anomaly check's error message
+        assert rank[sp]["in_place_on_output"] is True
+        assert rank[sp]["exchanges_finished_before_attention"] == 3  # q, k, v
+        assert rank[sp]["finished_exchanges_holding_buffers"] == 0
+
+
+@pytest.mark.parametrize("sp", [2, 4])
 def test_head_group_exchanges_overlap_the_attention(results, sp):
     # forward: both groups' q, k and v exchanges (3 + 3) launched before the first attention, group 0's output
     # exchange before group 1's attention; backward (reverse creation order): both output-gradient exchanges first,

@@ -109,5 +109,6 @@ def test_overlap_head_groups_of_a_module_win_over_the_strategy():
     assert (own.head_groups, inherits.head_groups) == (4, 2)
     inherits.bind_head_groups(None)
     assert inherits.head_groups == 1
-    with pytest.raises(ValueError, match="at least 1"):
-        UlyssesAttention("sdpa", overlap_head_groups=0)
+    for bad in (0, 1.5, True):  # the same check as the strategy's
+        with pytest.raises(ValueError, match="overlap_head_groups must be a whole number >= 1"):
+            UlyssesAttention("sdpa", overlap_head_groups=bad)

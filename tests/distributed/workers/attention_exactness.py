@@ -6,6 +6,7 @@ full-sequence inputs, keeps its shard, and measures the largest deviation from t
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -13,7 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_ulysses import SequenceSharder, UlyssesAttention, prepare_hf_model
-from lightning_ulysses.attention import heads_to_sequence, sequence_to_heads
+from lightning_ulysses.attention import all_to_all, heads_to_sequence, sequence_to_heads
+from lightning_ulysses.attention.all_to_all import InFlightExchange
 from lightning_ulysses.attention.core import usable_head_groups
 from lightning_ulysses.attention.documents import DocumentMask
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
@@ -126,6 +128,54 @@ def head_group_schedule(group, sp, rank):
     return log
 
 
+def check_exchange_edges(groups, results):
+    """Review regressions of the start/finish exchange: anomaly mode, buffers released, in-place on the output."""
+    sp, rank, group = groups.sequence_parallel_world_size, groups.sequence_parallel_rank, groups.sequence_parallel_group
+    # Anomaly mode checks every gradient the engine is handed for NaN; a receive buffer still being written
+    # (here: NaN-filled, as reused memory can be, and filled late because rank 1 starts its backward late) must
+    # never be one of them.
+    x = torch.randn(1, 2 * sp, 4 * sp, 3, requires_grad=True)
+    empty_like = torch.empty_like
+    torch.empty_like = lambda *args, **kwargs: empty_like(*args, **kwargs).fill_(float("nan"))
+    try:
+        with torch.autograd.set_detect_anomaly(True):
+            y = all_to_all(x, group, 1, 2)
+            if rank == 1:
+                time.sleep(0.3)
+            y.backward(torch.full_like(y, 3.0))
+        results["anomaly_mode"] = torch.equal(x.grad, torch.full_like(x, 3.0))
+    except RuntimeError as error:
+        results["anomaly_mode"] = str(error)
+    finally:
+        torch.empty_like = empty_like
+    # In-place on the output, in the shape whose layout needs no copy (one head per rank, batch 1).
+    x = torch.randn(1, sp, 4 * sp, 3, requires_grad=True)
+    y = all_to_all(x, group, 1, 2)
+    y.mul_(2)
+    y.sum().backward()
+    results["in_place_on_output"] = torch.equal(x.grad, torch.full_like(x, 2.0))
+    # Once laid out, a receive buffer is garbage: no finished exchange holds one while the attention runs (the
+    # handles of q, k and v live on in the caller's list until it returns).
+    finished, finish = [], InFlightExchange.finish
+
+    def recording_finish(self):
+        finished.append(self)
+        return finish(self)
+
+    def attend(q, k, v):
+        results["finished_exchanges_holding_buffers"] = sum(handle._payload is not None for handle in finished)
+        results["exchanges_finished_before_attention"] = len(finished)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    attention = UlyssesAttention(attend)
+    attention.bind(group)
+    InFlightExchange.finish = recording_finish
+    try:
+        attention(*(torch.randn(2, 2 * sp, 4, 8) for _ in range(3)))
+    finally:
+        InFlightExchange.finish = finish
+
+
 def padded_batch(seq_len=16):
     generator = torch.Generator().manual_seed(7)
     input_ids = torch.randint(0, 64, (2, seq_len), generator=generator)
@@ -172,6 +222,7 @@ def main():
         check_all_to_all(groups, results)
         check_ulysses_attention(groups, results)
         check_head_groups(groups, results)
+        check_exchange_edges(groups, results)
         check_hf_model(groups, results)
         output[sp] = results
     torch.save(output, Path(sys.argv[2]) / f"result_{dist.get_rank()}.pt")
