@@ -25,8 +25,8 @@ from lightning_ulysses.layout import ShardOrder
 
 
 class _Exchange:
-    """What the start and finish nodes of one all-to-all share: the group, the dimensions, the shape of the pieces
-    and the collective in flight (forward, then backward)."""
+    """What the start and finish nodes of one all-to-all share: the group, the dimensions and the collective in
+    flight (forward, then backward, whose receive buffer waits here for `_Start.backward`)."""
 
     def __init__(self, group, split_dim: int, join_dim: int):
         self.group, self.split_dim, self.join_dim = group, split_dim, join_dim
