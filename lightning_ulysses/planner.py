@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -207,7 +208,14 @@ class MemoryPlan:
 
 
 def optimizer_sub_groups(shape: ModelShape, setup: TrainingSetup) -> list[int]:
-    """Elements of each optimizer sub-group that one rank updates, in DeepSpeed's order.
+    """Elements of each optimizer sub-group that one rank updates, in DeepSpeed's order (`sub_groups_of` the
+    shape's parameter tensors)."""
+    return sub_groups_of(shape.parameter_numels(), setup)
+
+
+def sub_groups_of(parameter_numels: Sequence[int], setup: TrainingSetup) -> list[int]:
+    """Elements of each optimizer sub-group that one rank updates, for parameter tensors of these sizes (in the
+    model's registration order), in DeepSpeed's order.
 
     ZeRO-3 partitions every parameter tensor over the `dp × sp` ranks (`ceil(numel / ranks)` elements each) and cuts
     the local partitions, in parameter order, into sub-groups, each closed as soon as it holds `sub_group_size`
@@ -216,9 +224,9 @@ def optimizer_sub_groups(shape: ModelShape, setup: TrainingSetup) -> list[int]:
     """
     ranks = setup.world_size if setup.zero_stage >= 1 else 1
     if setup.zero_stage < 3:
-        return [math.ceil(shape.num_parameters / ranks)]
+        return [math.ceil(sum(parameter_numels) / ranks)]
     groups, current = [], 0
-    for numel in shape.parameter_numels():
+    for numel in parameter_numels:
         current += math.ceil(numel / ranks)
         if current >= setup.sub_group_size:
             groups, current = groups + [current], 0
@@ -230,7 +238,15 @@ def _pinned_block_bytes(nbytes: int) -> int:
     return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
 
 
-def _optimizer_offload_terms(shape: ModelShape, setup: TrainingSetup) -> tuple[dict, dict, float, float]:
+def optimizer_offload_host_bytes(parameter_numels: Sequence[int], setup: TrainingSetup) -> dict[str, float]:
+    """Host bytes, by term, that one rank's process holds for DeepSpeed's optimizer offload of a model with parameter
+    tensors of these sizes (registration order) once training runs: the terms `plan_memory` counts for it, without
+    the process baseline and the activations (what preflight checks against the free RAM before training)."""
+    _, host, _, _ = _optimizer_offload_terms(parameter_numels, setup)
+    return host
+
+
+def _optimizer_offload_terms(parameter_numels: Sequence[int], setup: TrainingSetup) -> tuple[dict, dict, float, float]:
     """GPU and host bytes of DeepSpeed's optimizer offload (`offload_optimizer: {device: cpu, ratio}`), its largest
     host transient at engine start, and the largest sub-group left on the GPU.
 
@@ -251,7 +267,7 @@ def _optimizer_offload_terms(shape: ModelShape, setup: TrainingSetup) -> tuple[d
     """
     e, pinned = setup.compute_bytes, setup.offload_pin_memory
     block = _pinned_block_bytes if pinned else (lambda nbytes: nbytes)
-    groups = optimizer_sub_groups(shape, setup)
+    groups = sub_groups_of(parameter_numels, setup)
     first_on_host = int((1 - setup.offload_optimizer) * len(groups)) if setup.offload_optimizer else len(groups)
     on_gpu, on_host = groups[:first_on_host], groups[first_on_host:]
     gpu = {"optimizer: fp32 master + Adam m, v": 12.0 * sum(on_gpu)}
@@ -333,7 +349,8 @@ def plan_memory(shape: ModelShape, setup: TrainingSetup) -> MemoryPlan:
     # ZeRO-3 with an offloaded optimizer keeps the 16-bit gradient partitions on the host (`_optimizer_offload_terms`)
     gradients_on_host = stage == 3 and setup.offload_optimizer > 0
     gpu["gradients (16-bit)"] = 0.0 if gradients_on_host else e * params / (n if stage >= 2 else 1)
-    offload_gpu, offload_host, host_start_transient, largest_gpu_sub_group = _optimizer_offload_terms(shape, setup)
+    offload_gpu, offload_host, host_start_transient, largest_gpu_sub_group = _optimizer_offload_terms(
+        shape.parameter_numels(), setup)
     gpu.update(offload_gpu)
     host.update(offload_host)
 

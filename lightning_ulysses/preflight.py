@@ -23,6 +23,8 @@ from typing import Optional
 
 import torch
 
+from lightning_ulysses.planner import TrainingSetup, optimizer_offload_host_bytes
+
 GIB = 1024**3
 # Bytes per parameter that ZeRO-Offload keeps in host memory, split over all ranks: fp32 master weights, Adam's
 # two fp32 moments and fp32 gradients (optimizer offload); the 16-bit parameters (parameter offload).
@@ -55,6 +57,12 @@ class PlannedRun:
     num_nodes: int = 1
     offload_ratio: Optional[float] = None  # zero_optimization.offload_optimizer.ratio (partial offload)
     sub_group_size: Optional[int] = None  # zero_optimization.sub_group_size (ZeRO-3)
+    # With these the host check counts DeepSpeed's own offload buffers (lightning_ulysses.planner) instead of
+    # 16 B per parameter: the trainable parameter tensors' sizes in registration order, the ZeRO stage, and
+    # zero_optimization.offload_optimizer.pin_memory (pinned blocks round up to powers of two).
+    parameter_numels: Optional[tuple[int, ...]] = None
+    zero_stage: Optional[int] = None
+    offload_pin_memory: bool = True
 
 
 def check(run: PlannedRun, environ: Mapping[str, str] = os.environ) -> list[Finding]:
@@ -239,17 +247,42 @@ def _host_resources(run: PlannedRun) -> list[Finding]:
             " sets), or offload only part of the optimizer (zero_optimization.offload_optimizer.ratio).",
         ))
     if run.num_parameters and per_rank_gib is not None:
-        per_parameter = (OPTIMIZER_OFFLOAD_BYTES_PER_PARAMETER if run.offload_optimizer else 0) + (
-            PARAMETER_OFFLOAD_BYTES_PER_PARAMETER if run.offload_parameters else 0)
-        needed_gib = run.num_parameters * per_parameter / run.world_size / GIB
+        needed, basis = _offload_host_bytes(run)
+        needed_gib = needed / GIB
         level = "warning" if needed_gib > per_rank_gib else "ok"
         findings.append(Finding(
-            "host", level, f"offload needs {needed_gib:.1f} GiB per rank ({run.num_parameters / 1e9:.2f}B parameters ×"
-            f" {per_parameter} B / {run.world_size} ranks), {per_rank_gib:.1f} GiB free",
+            "host", level, f"offload needs {needed_gib:.1f} GiB per rank ({basis}), {per_rank_gib:.1f} GiB free",
             "" if level == "ok" else "the run will be killed by the OOM killer mid-training: add nodes, offload only"
             " part of the optimizer (offload_optimizer.ratio), or keep parameters on the GPU.",
         ))
     return findings
+
+
+def _offload_host_bytes(run: PlannedRun) -> tuple[float, str]:
+    """Host bytes per rank that the offload will hold, and how they were counted."""
+    parameters = PARAMETER_OFFLOAD_BYTES_PER_PARAMETER * run.num_parameters / run.world_size if (
+        run.offload_parameters) else 0.0
+    if not run.offload_optimizer:
+        return parameters, f"16-bit parameters: {run.num_parameters / 1e9:.2f}B × 2 B / {run.world_size} ranks"
+    if run.parameter_numels is None or run.zero_stage not in (1, 2, 3):
+        per_parameter = OPTIMIZER_OFFLOAD_BYTES_PER_PARAMETER + (
+            PARAMETER_OFFLOAD_BYTES_PER_PARAMETER if run.offload_parameters else 0)
+        return (run.num_parameters * per_parameter / run.world_size,
+                f"{run.num_parameters / 1e9:.2f}B parameters × {per_parameter} B / {run.world_size} ranks")
+    # ZeRO-1/2 offload the optimizer whole; a ratio splits ZeRO-3's sub-groups (see _partial_offload).
+    ratio = run.offload_ratio if run.zero_stage == 3 and run.offload_ratio is not None else 1.0
+    setup = TrainingSetup(
+        seq_len=1, sequence_parallel_size=run.sequence_parallel_size,
+        data_parallel_size=run.world_size // run.sequence_parallel_size, zero_stage=run.zero_stage,
+        offload_optimizer=ratio, compute_bytes=2 if run.precision.startswith(("bf16", "16")) else 4,
+        sub_group_size=run.sub_group_size or TrainingSetup.sub_group_size, offload_pin_memory=run.offload_pin_memory,
+    )
+    optimizer = sum(optimizer_offload_host_bytes(run.parameter_numels, setup).values())
+    basis = ("DeepSpeed's offload buffers: fp32 master + Adam m, v and fp32 gradients of the host sub-groups,"
+             " 16-bit gradients" + (" of all parameters" if run.zero_stage == 3 else "")
+             + (", pinned blocks rounded up to powers of two" if run.offload_pin_memory else "")
+             + (", 16-bit parameters" if run.offload_parameters else ""))
+    return optimizer + parameters, basis
 
 
 def _partial_offload(run: PlannedRun) -> list[Finding]:

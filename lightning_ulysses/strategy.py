@@ -382,6 +382,10 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             sequence_parallel_size=self.sequence_parallel_world_size, local_world_size=self.num_processes,
             world_size=self.world_size, local_rank=self.local_rank, num_nodes=self.num_nodes,
             num_parameters=sum(getattr(p, "ds_numel", p.numel()) for p in self.lightning_module.parameters()),
+            parameter_numels=tuple(getattr(p, "ds_numel", p.numel()) for p in self.lightning_module.parameters()
+                                   if p.requires_grad),
+            zero_stage=zero.get("stage"),
+            offload_pin_memory=(zero.get("offload_optimizer") or {}).get("pin_memory", True),
             offload_optimizer=offloaded("offload_optimizer"), offload_parameters=offloaded("offload_param"),
             precision=str(self.precision_plugin.precision),
             grad_accum_dtype=self.config.get("data_types", {}).get("grad_accum_dtype"),

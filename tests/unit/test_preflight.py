@@ -92,3 +92,40 @@ def test_partial_offload_with_one_sub_group_is_a_full_offload():
     assert split.level == "ok" and "9 of 30 optimizer sub-group(s)" in split.detail  # about: DeepSpeed closes a
     # sub-group at the first parameter that fills it (the planner follows that exactly: 8 of 26 for Llama 3 8B)
     assert preflight._partial_offload(PlannedRun(**{**run, "offload_ratio": None}, sub_group_size=10**12)) == []
+
+
+def test_offload_host_need_counts_deepspeeds_buffers(monkeypatch):
+    """With the model's parameter tensors the host check counts DeepSpeed's own offload buffers (planner terms), not
+    16 B per parameter: a full ZeRO-3 optimizer offload of the 8B shape needs fp32 master + Adam m, v (12 B), the fp32
+    gradients and the 16-bit gradients of all parameters in pinned blocks rounded up to powers of two — 137.7 GiB,
+    which 125 GiB of free RAM does not hold although the old 16 B/parameter estimate (119.7 GiB) said it did."""
+    from lightning_ulysses.planner import MODELS, TrainingSetup, plan_memory
+
+    monkeypatch.setattr(preflight, "_memory_available", lambda: 125 * preflight.GIB)
+    numels = tuple(MODELS["llama3-8b"].parameter_numels())
+    n = sum(numels)
+    block = lambda nbytes: 1 << (nbytes - 1).bit_length()  # noqa: E731  (pinned host blocks)
+    full = dict(sequence_parallel_size=1, local_world_size=1, world_size=1, num_parameters=n, offload_optimizer=True,
+                precision="bf16-mixed", sub_group_size=10**12)
+    old = preflight._host_resources(PlannedRun(**full))[-1]
+    assert old.level == "ok" and "119.7 GiB per rank" in old.detail and "× 16 B" in old.detail
+    new = preflight._host_resources(PlannedRun(**full, parameter_numels=numels, zero_stage=3))[-1]
+    expected = (12 * n + block(4 * n) + block(2 * n)) / preflight.GIB
+    assert f"{expected:.1f} GiB per rank" in new.detail and "DeepSpeed's offload buffers" in new.detail
+    assert new.level == "warning" and "OOM killer" in new.advice and round(expected, 1) == 137.7
+    # A partial offload (ratio 0.45 over sub-groups of 2.09e8, the measured one-GPU 360K configuration) counts
+    # exactly the optimizer terms the planner counts for that run, on the same split.
+    partial = PlannedRun(**{**full, "sub_group_size": 209_000_000}, offload_ratio=0.45, parameter_numels=numels,
+                         zero_stage=3)
+    needed, _ = preflight._offload_host_bytes(partial)
+    plan = plan_memory(MODELS["llama3-8b"], TrainingSetup(seq_len=360_448, offload_optimizer=0.45,
+                                                          sub_group_size=209_000_000))
+    not_optimizer = ("process baseline", "checkpointed layer inputs", "kept attention outputs", "largest host transient")
+    assert needed == sum(v for k, v in plan.host.items() if not k.startswith(not_optimizer))
+    # Unpinned buffers are not rounded up; ZeRO-2 offloads its one partition whole whatever the ratio.
+    unpinned, _ = preflight._offload_host_bytes(PlannedRun(**full, parameter_numels=numels, zero_stage=3,
+                                                            offload_pin_memory=False))
+    assert unpinned == 12 * n + 4 * n + 2 * n
+    zero2, basis = preflight._offload_host_bytes(PlannedRun(**{**full, "offload_ratio": 0.3}, parameter_numels=numels,
+                                                            zero_stage=2, offload_pin_memory=False))
+    assert zero2 == 16 * n and "of all parameters" not in basis
