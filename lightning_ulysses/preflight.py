@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from lightning_ulysses.planner import TrainingSetup, optimizer_offload_host_bytes
+from lightning_ulysses.planner import TrainingSetup, optimizer_offload_host_bytes, sub_groups_of
 
 GIB = 1024**3
 # Bytes per parameter that ZeRO-Offload keeps in host memory, split over all ranks: fp32 master weights, Adam's
@@ -271,18 +271,22 @@ def _offload_host_bytes(run: PlannedRun) -> tuple[float, str]:
                 f"{run.num_parameters / 1e9:.2f}B parameters × {per_parameter} B / {run.world_size} ranks")
     # ZeRO-1/2 offload the optimizer whole; a ratio splits ZeRO-3's sub-groups (see _partial_offload).
     ratio = run.offload_ratio if run.zero_stage == 3 and run.offload_ratio is not None else 1.0
-    setup = TrainingSetup(
-        seq_len=1, sequence_parallel_size=run.sequence_parallel_size,
-        data_parallel_size=run.world_size // run.sequence_parallel_size, zero_stage=run.zero_stage,
-        offload_optimizer=ratio, compute_bytes=2 if run.precision.startswith(("bf16", "16")) else 4,
-        sub_group_size=run.sub_group_size or TrainingSetup.sub_group_size, offload_pin_memory=run.offload_pin_memory,
-    )
-    optimizer = sum(optimizer_offload_host_bytes(run.parameter_numels, setup).values())
-    basis = ("DeepSpeed's offload buffers: fp32 master + Adam m, v and fp32 gradients of the host sub-groups,"
-             " 16-bit gradients" + (" of all parameters" if run.zero_stage == 3 else "")
+    optimizer = sum(optimizer_offload_host_bytes(run.parameter_numels, _training_setup(run, ratio)).values())
+    basis = ("DeepSpeed's offload buffers: fp32 master + Adam m, v and fp32 gradients of the host sub-groups"
+             + (", 16-bit gradients of all parameters" if run.zero_stage == 3 else "")
              + (", pinned blocks rounded up to powers of two" if run.offload_pin_memory else "")
              + (", 16-bit parameters" if run.offload_parameters else ""))
     return optimizer + parameters, basis
+
+
+def _training_setup(run: PlannedRun, offload_ratio: float) -> TrainingSetup:
+    """The planner's view of the run's model states (lengths do not matter for them)."""
+    return TrainingSetup(
+        seq_len=1, sequence_parallel_size=run.sequence_parallel_size,
+        data_parallel_size=run.world_size // run.sequence_parallel_size, zero_stage=run.zero_stage or 3,
+        offload_optimizer=offload_ratio, compute_bytes=2 if run.precision.startswith(("bf16", "16")) else 4,
+        sub_group_size=run.sub_group_size or TrainingSetup.sub_group_size, offload_pin_memory=run.offload_pin_memory,
+    )
 
 
 def _partial_offload(run: PlannedRun) -> list[Finding]:
@@ -293,9 +297,11 @@ def _partial_offload(run: PlannedRun) -> list[Finding]:
             and run.num_parameters and run.sub_group_size):
         return []
     local = math.ceil(run.num_parameters / run.world_size)
-    groups = math.ceil(local / run.sub_group_size)
+    if run.parameter_numels is not None:  # exact: a sub-group closes at the first parameter tensor that fills it
+        groups = len(sub_groups_of(run.parameter_numels, _training_setup(run, run.offload_ratio)))
+    else:  # from a parameter count alone: about
+        groups = math.ceil(local / run.sub_group_size)
     on_host = groups - int((1 - run.offload_ratio) * groups)
-    # about: DeepSpeed closes a sub-group at the first parameter tensor that fills it (the planner counts exactly)
     summary = (f"offload_optimizer.ratio={run.offload_ratio:g}: {on_host} of {groups} optimizer sub-group(s) on the"
                f" host (sub_group_size={run.sub_group_size:.3g}, {local / 1e9:.2f}B parameters per rank)")
     if on_host < groups:

@@ -92,6 +92,12 @@ def test_partial_offload_with_one_sub_group_is_a_full_offload():
     assert split.level == "ok" and "9 of 30 optimizer sub-group(s)" in split.detail  # about: DeepSpeed closes a
     # sub-group at the first parameter that fills it (the planner follows that exactly: 8 of 26 for Llama 3 8B)
     assert preflight._partial_offload(PlannedRun(**{**run, "offload_ratio": None}, sub_group_size=10**12)) == []
+    # With the model's parameter tensors (the strategy passes them) the count is exact, as the planner's.
+    from lightning_ulysses.planner import MODELS
+
+    numels = tuple(MODELS["llama3-8b"].parameter_numels())
+    [exact] = preflight._partial_offload(PlannedRun(**run, sub_group_size=2**28, parameter_numels=numels, zero_stage=3))
+    assert "8 of 26 optimizer sub-group(s)" in exact.detail
 
 
 def test_offload_host_need_counts_deepspeeds_buffers(monkeypatch):
@@ -128,4 +134,4 @@ def test_offload_host_need_counts_deepspeeds_buffers(monkeypatch):
     assert unpinned == 12 * n + 4 * n + 2 * n
     zero2, basis = preflight._offload_host_bytes(PlannedRun(**{**full, "offload_ratio": 0.3}, parameter_numels=numels,
                                                             zero_stage=2, offload_pin_memory=False))
-    assert zero2 == 16 * n and "of all parameters" not in basis
+    assert zero2 == 16 * n and "16-bit gradients" not in basis
