@@ -69,9 +69,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--check", choices=("auto", "yes", "no"), default="auto",
                         help="compare with full SDPA (auto: lengths <= 32K)")
     parser.add_argument("--head-groups", type=int, nargs="+", default=[1],
-                        help="ulysses mode: one variant per count of pipelined head groups (overlap_head_groups)")
+                        help="ulysses and exchange modes: one variant per count of pipelined head groups (overlap_head_groups)")
     parser.add_argument("--high-priority-streams", action="store_true",
-                        help="ulysses mode: also run each variant over an SP group whose NCCL stream has high priority")
+                        help="ulysses and exchange modes: also run each variant over an SP group whose NCCL stream has high"
+                             " priority")
     parser.add_argument("--sdpa-kernel", choices=("default",) + tuple(SDPA_KERNELS), default="default",
                         help="SDPA kernel tried first for every mode (default: torch's own order)")
     parser.add_argument("--profile", default=None,
@@ -148,11 +149,11 @@ class _StackCatAllToAll(torch.autograd.Function):
         return _StackCatAllToAll.exchange(grad_output, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
 
 
-def per_tensor_ulysses(attend, group, fused_machinery: bool):
-    """Ulysses with one all-to-all per tensor: through `start_exchange` (fused_machinery) or the old stack/cat."""
+def per_tensor_ulysses(attend, group, library_exchange: bool):
+    """Ulysses with each all-to-all waited for at once: through the library's `start_exchange` or the old stack/cat."""
 
     def exchange(tensor, scatter_dim, gather_dim):
-        if fused_machinery:
+        if library_exchange:
             return start_exchange(tensor, group, scatter_dim, gather_dim).finish()
         return _StackCatAllToAll.apply(tensor, group, scatter_dim, gather_dim)
 
