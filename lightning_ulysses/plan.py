@@ -24,14 +24,17 @@ FEATURES = {"ac": "activation_checkpointing", "offload": "offload_activations", 
 def memory_options(features: str, mlp_tile_tokens: int = 8192, logits_tile_tokens: int = 4096) -> MemoryOptions:
     """`"ac,offload,mlp,logits,norms"` (or `+`-joined, or `none`) → `MemoryOptions`; `everyK` sets
     checkpoint_interval=K."""
-    names = [name for name in features.replace("+", ",").split(",") if name and name != "none"]
-    interval = [int(name[5:]) for name in names if name.startswith("every") and name[5:].isdigit()]
-    names = [name for name in names if not (name.startswith("every") and name[5:].isdigit())]
+    names, interval = [], 1
+    for name in features.replace("+", ",").split(","):
+        if name.startswith("every") and name[5:].isdigit():
+            interval = int(name[5:])  # the last one counts
+        elif name and name != "none":
+            names.append(name)
     unknown = [name for name in names if name not in FEATURES]
     if unknown:
         raise ValueError(f"Unknown feature(s) {unknown}; choose from {sorted(FEATURES)}, everyK or none")
     return MemoryOptions(mlp_tile_tokens=mlp_tile_tokens, logits_tile_tokens=logits_tile_tokens,
-                         checkpoint_interval=interval[-1] if interval else 1,
+                         checkpoint_interval=interval,
                          **{FEATURES[name]: True for name in names})
 
 

@@ -377,20 +377,20 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
 
     def _planned_run(self) -> preflight.PlannedRun:
         zero = self.config.get("zero_optimization", {})
-        offloaded = lambda key: (zero.get(key) or {}).get("device") in ("cpu", "nvme")  # noqa: E731
+        optimizer_offload = zero.get("offload_optimizer") or {}
+        offloaded = lambda section: section.get("device") in ("cpu", "nvme")  # noqa: E731
+        parameters = list(self.lightning_module.parameters())
         return preflight.PlannedRun(
             sequence_parallel_size=self.sequence_parallel_world_size, local_world_size=self.num_processes,
             world_size=self.world_size, local_rank=self.local_rank, num_nodes=self.num_nodes,
-            num_parameters=sum(getattr(p, "ds_numel", p.numel()) for p in self.lightning_module.parameters()),
-            parameter_numels=tuple(getattr(p, "ds_numel", p.numel()) for p in self.lightning_module.parameters()
-                                   if p.requires_grad),
+            num_parameters=sum(getattr(p, "ds_numel", p.numel()) for p in parameters),
+            parameter_numels=tuple(getattr(p, "ds_numel", p.numel()) for p in parameters if p.requires_grad),
             zero_stage=zero.get("stage"),
-            offload_pin_memory=(zero.get("offload_optimizer") or {}).get("pin_memory", True),
-            offload_optimizer=offloaded("offload_optimizer"), offload_parameters=offloaded("offload_param"),
+            offload_optimizer=offloaded(optimizer_offload), offload_parameters=offloaded(zero.get("offload_param") or {}),
+            offload_ratio=optimizer_offload.get("ratio"), offload_pin_memory=optimizer_offload.get("pin_memory", True),
+            sub_group_size=zero.get("sub_group_size") if zero.get("stage") == 3 else None,
             precision=str(self.precision_plugin.precision),
             grad_accum_dtype=self.config.get("data_types", {}).get("grad_accum_dtype"),
-            offload_ratio=(zero.get("offload_optimizer") or {}).get("ratio"),
-            sub_group_size=zero.get("sub_group_size") if zero.get("stage") == 3 else None,
         )
 
     @override

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from lightning_ulysses.attention.documents import DocumentMask
+from lightning_ulysses.views import view_key
 
 
 class BatchRows:
@@ -41,13 +42,13 @@ class BatchRows:
         self.position_ids = position_ids
         self.padding_mask = None if padding_mask is None else padding_mask.bool()
         self._shard_position_ids = shard_position_ids  # kept alive: its storage cannot be reused by another tensor
-        self._shard_version = _version(shard_position_ids)
+        self._shard_view = view_key(shard_position_ids)
         self._shard_padding_mask_shape = None if shard_padding_mask is None else shard_padding_mask.shape
         self._documents: dict[bool, DocumentMask | None] = {}
 
     def describes(self, position_ids: torch.Tensor | None, padding_mask: torch.Tensor | None) -> bool:
         """Whether an attention handed these shards runs on this batch (metadata only: no sync, no collective)."""
-        if position_ids is None or not _same_view(position_ids, self._shard_position_ids, self._shard_version):
+        if position_ids is None or view_key(position_ids) != self._shard_view:
             return False
         return padding_mask is None or padding_mask.shape == self._shard_padding_mask_shape
 
@@ -58,24 +59,6 @@ class BatchRows:
                 self.batch_size, self.position_ids, self.padding_mask if with_padding else None
             )
         return self._documents[with_padding]
-
-
-def _same_view(tensor: torch.Tensor, recorded: torch.Tensor, recorded_version: int) -> bool:
-    """`tensor` is `recorded` or a detached alias of it, unmodified since it was recorded."""
-    return (
-        tensor.data_ptr() == recorded.data_ptr()
-        and tensor.shape == recorded.shape
-        and tensor.stride() == recorded.stride()
-        and tensor.dtype == recorded.dtype
-        and tensor.device == recorded.device
-        and _version(tensor) == recorded_version
-    )
-
-
-def _version(tensor: torch.Tensor) -> int | None:
-    """The in-place version counter; None for inference tensors, which have none (Lightning evaluates under
-    `torch.inference_mode`, so evaluation batches are such tensors: an in-place change to them goes unnoticed)."""
-    return None if tensor.is_inference() else tensor._version
 
 
 class BatchRowsSlot:

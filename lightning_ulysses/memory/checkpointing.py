@@ -32,6 +32,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_ulysses.views import view_key
+
 # The fused attention kernels whose outputs `keep_attention_outputs` records (what F.scaled_dot_product_attention
 # dispatches to on CUDA and CPU). The math fallback decomposes into ordinary ops and simply runs again.
 _ATTENTION_KERNELS = frozenset(
@@ -343,12 +345,12 @@ class _Stretches:
     def __init__(self, interval: int, store: Optional[HostActivationStore], keep_attention_outputs: bool) -> None:
         self.interval, self.store, self.keep_attention_outputs = interval, store, keep_attention_outputs
         self.current: list[weakref.ref] = []
-        self.last_output: Optional[tuple] = None  # `_view` of the last call's hidden-state output
+        self.last_output: Optional[tuple] = None  # `view_key` of the last call's hidden-state output
 
     def call(self, hidden: torch.Tensor, run: Callable) -> _LayerCall:
         earlier = [reference() for reference in self.current]
         # A call whose graph is already gone (its output was detached, say) cannot recompute the next one's input.
-        continues = (self.last_output is not None and self.last_output == _view(hidden)
+        continues = (self.last_output is not None and self.last_output == view_key(hidden)
                      and len(earlier) < self.interval and None not in earlier)
         call = _LayerCall(run, earlier if continues else [], self.store, self.keep_attention_outputs)
         # Weak: the calls live in their autograd nodes, and a dropped graph must free them at once.
@@ -357,26 +359,8 @@ class _Stretches:
 
     def returned(self, outputs: Any) -> Any:
         hidden = outputs[0] if isinstance(outputs, tuple) else outputs
-        self.last_output = _view(hidden) if torch.is_tensor(hidden) else None
+        self.last_output = view_key(hidden) if torch.is_tensor(hidden) else None
         return outputs
-
-
-class _StorageOf:
-    """Compares equal to the same live storage only; holds it weakly (no device memory kept alive)."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        # Storages keep their Python object while they live: the same object for every alias of a tensor.
-        self.storage = weakref.ref(tensor.untyped_storage())
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _StorageOf) and self.storage() is not None and self.storage() is other.storage()
-
-
-def _view(tensor: torch.Tensor) -> tuple:
-    """What identifies the values of `tensor`: its storage, place in it, layout and in-place version. The same for an
-    alias (`detach()`, or the one DeepSpeed ZeRO-3's module hooks return in place of every module output)."""
-    version = None if tensor.is_inference() else tensor._version  # inference tensors have no version counter
-    return _StorageOf(tensor), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype, version
 
 
 def _checkpointed_forward(layer: nn.Module, original: Callable, stretches: _Stretches, *args: Any, **kwargs: Any):

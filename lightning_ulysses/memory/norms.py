@@ -152,8 +152,4 @@ def llama_style_norms(model: nn.Module) -> list[nn.Module]:
 def use_low_memory_norm(norm: nn.Module) -> Callable[[], None]:
     """Make a Llama-style RMSNorm (checked by `llama_style_norms`) keep only its input; return the undo."""
     norm.forward = functools.partial(_low_memory_forward, norm)
-
-    def restore() -> None:
-        norm.__dict__.pop("forward", None)
-
-    return restore
+    return functools.partial(norm.__dict__.pop, "forward", None)
