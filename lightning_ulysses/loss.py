@@ -104,26 +104,69 @@ def sequence_parallel_token_mean(
 
 
 class SequenceParallelCausalLMLoss:
-    """Drop-in for a Hugging Face model's `loss_function` when `labels` arrive pre-shifted and sharded."""
+    """Drop-in for a Hugging Face model's `loss_function` under `UlyssesDeepSpeedStrategy`, at every SP size.
 
-    def __init__(self, group, gradient_scale: float):
+    The loss is right for whatever labels reach it (`targets`): the batch's own `labels`, which the sharder shifted
+    before cutting (recognised by tensor identity through the published `BatchRows`), are used as they are; any
+    other labels (`labels=input_ids`, labels built in the step, a batch the strategy did not cut) are read the way
+    Hugging Face reads them — unshifted, the target of position t is label t+1 — and shifted here exactly, across
+    shard boundaries; `shift_labels=` (Hugging Face's own argument for labels already shifted) is used as given.
+    """
+
+    def __init__(self, group, gradient_scale: float, batch_rows=None, order=None):
         self.group = group
         self.gradient_scale = gradient_scale
+        self.batch_rows = batch_rows  # attention.rows.BatchRowsSlot the sharder publishes each batch into
+        self.order = order  # layout.ShardOrder of the batch's cut (None: contiguous)
 
     def __call__(self, logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=IGNORE_INDEX,
                  shift_labels=None, **kwargs):
-        targets = shift_labels if shift_labels is not None else labels
+        targets = self.targets(labels, shift_labels, ignore_index)
         return sequence_parallel_cross_entropy(
             logits, targets, self.group, self.gradient_scale, ignore_index, num_items_in_batch
         )
 
+    def targets(self, labels: torch.Tensor, shift_labels: torch.Tensor | None = None,
+                ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+        """This rank's shifted targets (position t → its next token) for `labels` as a model received them."""
+        if shift_labels is not None:
+            return shift_labels
+        rows = None if self.batch_rows is None else self.batch_rows.rows
+        if rows is not None and rows.produced_labels(labels):
+            return labels  # the sharder shifted them before cutting
+        return shift_sharded_labels(labels, self.group, self.order, ignore_index,
+                                    None if rows is None else rows.unpadded_length_of(labels))
+
     def reduce_token_loss_sum(self, token_loss_sum, shift_labels, ignore_index=IGNORE_INDEX, num_items_in_batch=None):
-        """Same value and gradient as `__call__`, from this shard's summed token losses instead of its logits."""
+        """Same value and gradient as `__call__`, from this shard's summed token losses instead of its logits
+        (`shift_labels`: as `targets` returns them)."""
         return sequence_parallel_token_mean(token_loss_sum, shift_labels, self.group, self.gradient_scale,
                                             ignore_index, num_items_in_batch)
 
     def __deepcopy__(self, memo):  # holds a process group: share it, see ProcessGroupHandle
         return self
+
+
+def shift_sharded_labels(labels: torch.Tensor, group=None, order=None, ignore_index: int = IGNORE_INDEX,
+                         unpadded_length: int | None = None) -> torch.Tensor:
+    """Hugging Face's causal shift (target of t = label t+1, the last position ignored) of labels cut along the
+    sequence over `group` in `order`: the whole rows are gathered (integers, no gradient), shifted and cut again,
+    so the target of a shard's last token comes from the next shard. `unpadded_length`: the rows' length before the
+    sharder padded them; labels beyond it (padding tokens when the labels are the input ids) are ignored."""
+    from lightning_ulysses.attention.all_to_all import all_gather_sequence
+
+    size = 1 if group is None else dist.get_world_size(group)
+    whole = all_gather_sequence(labels, group, 1, order) if size > 1 else labels
+    if unpadded_length is not None and unpadded_length < whole.size(1):
+        whole = whole.clone()
+        whole[:, unpadded_length:] = ignore_index
+    shifted = F.pad(whole[:, 1:], (0, 1), value=ignore_index)
+    if size == 1:
+        return shifted
+    rank = dist.get_rank(group)
+    if order is None:
+        return shifted.chunk(size, dim=1)[rank]
+    return order.shard(shifted, rank, dim=1)
 
 
 class LossFunctionHost:

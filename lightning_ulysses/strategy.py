@@ -50,7 +50,7 @@ from lightning_ulysses.loss import (
     swap_loss_function,
 )
 from lightning_ulysses.notebook import UlyssesForkLauncher
-from lightning_ulysses.sharding import SequencePadding, SequenceSharder
+from lightning_ulysses.sharding import SequencePadding, SequenceSharder, batch_fingerprint
 
 # A child of Lightning's logger, so the start-up report prints wherever Lightning's own messages do.
 _log = logging.getLogger("lightning.pytorch.ulysses")
@@ -138,6 +138,10 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             query and KV heads) runs with the largest smaller one; with a ring (`ring_size > 1`) it is not used (the
             ring overlaps its own K/V exchanges). Measured on 2 × H200:
             `benchmarks/results/2026-11-29-h200x2-overlap/`.
+        check_batches: whether the ranks of an SP group are compared to hold the same batch (one tiny all-gather
+            of a fingerprint per checked batch; ranks fed different samples, e.g. by an `IterableDataset` sharded by
+            global rank or a sampler of its own, train silently wrong otherwise): `"first"` (default) the first
+            batches of every loop, `"every"` each batch (debugging), `"never"`.
         heartbeat_timeout: seconds after which a rank that stopped sending heartbeats (killed, crashed, frozen)
             makes every other rank exit with status 75 and a message naming it, instead of hanging until the
             collective timeout (`lightning_ulysses.faults`). `None` turns the watchdog off.
@@ -167,6 +171,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         heartbeat_timeout: Optional[float] = 120.0,
         sdpa_kernel_priority: Optional[Sequence[str]] = None,
         overlap_head_groups: int = 1,
+        check_batches: Literal["first", "every", "never"] = "first",
         **kwargs: Any,
     ) -> None:
         memory = MemoryOptions.coerce(memory)  # bad options fail here, in the launching process
@@ -214,6 +219,10 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self.heartbeat_timeout = heartbeat_timeout
         self.sdpa_kernel_priority = sdpa_kernel_priority
         self.overlap_head_groups = overlap_head_groups
+        if check_batches not in ("first", "every", "never"):
+            raise ValueError(f"check_batches must be 'first', 'every' or 'never', got {check_batches!r}")
+        self.check_batches = check_batches
+        self._batches_checked: dict[Any, int] = {}  # per loop stage: how many batches were compared over SP
         self._watchdog: Optional[RankWatchdog] = None
         self._hf_model_configs: dict[str, Any] = {}  # module path → the config save_pretrained will need
         self._resume: Optional[_PendingResume] = None
@@ -264,10 +273,12 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     @property
     def loss_function(self) -> SequenceParallelCausalLMLoss:
         """`loss_function(logits, labels)`: the whole-sequence token-mean loss with the right ZeRO gradient, for
-        modules that compute their loss from logits (labels as this strategy delivers them: shifted, sharded)."""
+        modules that compute their loss from logits. `labels`: the batch's `labels` (shifted by the strategy), or
+        any labels as Hugging Face takes them (unshifted, e.g. `batch["input_ids"]`); see `SequenceParallelCausalLMLoss`."""
         groups = self.parallel_groups
         group = groups.sequence_parallel_group if groups.sequence_parallel_world_size > 1 else None
-        return SequenceParallelCausalLMLoss(group, gradient_scale_for(self.config, groups.sequence_parallel_world_size))
+        return SequenceParallelCausalLMLoss(group, gradient_scale_for(self.config, groups.sequence_parallel_world_size),
+                                            batch_rows=self._batch_rows, order=groups.shard_order)
 
     # -- launch, environment and groups ------------------------------------------------------------------------
     @override
@@ -743,7 +754,40 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def batch_to_device(self, batch: Any, device=None, dataloader_idx: int = 0) -> Any:
         batch = super().batch_to_device(batch, device, dataloader_idx)
-        return self._sharder(batch) if self.batches_are_sharded else batch
+        if not self.batches_are_sharded:
+            return batch
+        self._check_same_batch_in_group(batch)
+        return self._sharder(batch)
+
+    _FIRST_BATCHES_CHECKED = 2
+
+    def _check_same_batch_in_group(self, batch: Any) -> None:
+        """Raise, on every rank of the SP group alike, if its ranks were handed different batches."""
+        groups = self.parallel_groups
+        if groups.sequence_parallel_world_size == 1 or self.check_batches == "never":
+            return
+        stage = self.lightning_module.trainer.state.stage
+        checked = self._batches_checked.get(stage, 0)
+        if self.check_batches == "first" and checked >= self._FIRST_BATCHES_CHECKED:
+            return
+        self._batches_checked[stage] = checked + 1
+        fingerprint = batch_fingerprint(batch).to(self.root_device)
+        size = torch.tensor([fingerprint.numel()], device=self.root_device)
+        sizes = [torch.empty_like(size) for _ in range(groups.sequence_parallel_world_size)]
+        torch.distributed.all_gather(sizes, size, group=groups.sequence_parallel_group)
+        if len({int(s) for s in sizes}) == 1:
+            gathered = [torch.empty_like(fingerprint) for _ in range(groups.sequence_parallel_world_size)]
+            torch.distributed.all_gather(gathered, fingerprint, group=groups.sequence_parallel_group)
+            if all(torch.equal(g, gathered[0]) for g in gathered):
+                return
+        ranks = next(g for g in groups.layout.sequence_parallel_groups() if self.global_rank in g)
+        raise ValueError(
+            f"The ranks {ranks} of one sequence-parallel group were given different batches (stage {stage}, batch"
+            f" {checked}). Every rank of an SP group must load the same samples (they share each"
+            " sequence): use the strategy's distributed sampler (Lightning adds it; a sampler of your own should take"
+            " num_replicas=strategy.data_parallel_world_size, rank=strategy.data_parallel_rank), and shard an"
+            " IterableDataset by strategy.data_parallel_rank, not by global rank."
+        )
 
     # -- registry -----------------------------------------------------------------------------------------------
     @classmethod

@@ -22,6 +22,7 @@ construction, can be set up once per process and drops padding masks.
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -185,8 +186,12 @@ class PreparedHFModel:
     original_configs: dict[int, Any] = field(default_factory=dict)
     original_loss_function: Any = _NOT_SET
     loss_swapped: bool = False
+    hooks: list = field(default_factory=list)
 
     def restore(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
         for module in self.model.modules():
             if _BINDING_ATTRIBUTE in module.__dict__:
                 del module.__dict__[_BINDING_ATTRIBUTE]
@@ -263,8 +268,12 @@ def prepare_hf_model(
         prepared.original_loss_function = model.__dict__.get("_loss_function", _NOT_SET)
         prepared.loss_swapped = True
         model.loss_function = loss_function
-    if group.world_size == 1 and ring.world_size == 1:
-        return prepared  # nothing to exchange: the model keeps its own attention untouched
+    sharded = group.world_size > 1 or ring.world_size > 1
+    if not sharded and backend not in BACKENDS:
+        return prepared  # SP 1 with a backend we do not wrap (eager): the model keeps its own attention, exactly
+    # Switched at SP 1 too: one attention for every SP size, so packed rows (position_ids restarting per document)
+    # keep their documents apart at SP 1 exactly as at SP 8. Hugging Face's own sdpa path detects packing only
+    # without an attention mask and without a KV cache, which its default `use_cache=True` creates even in training.
     _register_attention()
     # Private config copy, installed on every module that referenced the shared one (or a sub-config of it).
     memo: dict[int, Any] = {}
@@ -285,4 +294,47 @@ def prepare_hf_model(
     binding = _Binding(group=group, backend=backend, ring=ring, batch_rows=batch_rows, head_groups=head_groups)
     for module in model.modules():
         module.__dict__[_BINDING_ATTRIBUTE] = binding
+    if sharded and batch_rows is not None:
+        prepared.hooks.append(model.register_forward_pre_hook(_PositionCheck(model, binding), with_kwargs=True))
     return prepared
+
+
+class _PositionCheck:
+    """Refuses a sharded forward whose positions are not the batch's global ones (a forward pre-hook).
+
+    Left without `position_ids`, a model numbers every shard from 0: wrong rotary/learned positions, and the
+    gathered positions restart at each shard boundary, so attention silently becomes block-diagonal. Positions
+    are checked against the shard the sharder published (metadata only); a different tensor is compared by value
+    before it is refused. Raised in the model's forward, before its first all-to-all, on every rank alike.
+    """
+
+    def __init__(self, model: PreTrainedModel, binding: _Binding) -> None:
+        self.binding = binding
+        self.name = type(model).__name__
+        self.signature = inspect.signature(model.forward)
+        self.takes_positions = "position_ids" in self.signature.parameters
+
+    def __call__(self, module, args, kwargs):
+        rows = None if self.binding.batch_rows is None else self.binding.batch_rows.rows
+        if rows is None or (self.binding.decode is not None) or not self.takes_positions:
+            return None
+        try:
+            bound = self.signature.bind_partial(*args, **kwargs).arguments
+        except TypeError:
+            return None  # the model's own call raises its own error
+        input_ids, position_ids = bound.get("input_ids"), bound.get("position_ids")
+        if rows.holds_position_ids(position_ids):
+            return None
+        expected = rows.shard_position_ids
+        if (position_ids is not None and expected is not None and position_ids.shape[-1] == expected.shape[-1]
+                and torch.equal(position_ids.expand_as(expected).to(expected.device), expected)):
+            return None
+        if position_ids is None and input_ids is not None and not rows.holds_input_ids(input_ids):
+            return None  # not this batch's tokens: nothing to check them against
+        what = "no position_ids" if position_ids is None else "position_ids that are not the batch's"
+        raise ValueError(
+            f"{self.name} was called under sequence parallelism with {what}: each rank holds only its shard of the"
+            " sequence, so the model would number it from 0 (wrong positions, and attention that stops at every shard"
+            " boundary). Pass the batch's global positions: model(**batch), or model(input_ids=batch['input_ids'],"
+            " labels=..., position_ids=batch['position_ids']) — the strategy fills them in when the batch has none."
+        )

@@ -33,22 +33,49 @@ class BatchRows:
 
     `position_ids`: the whole rows, or None when they are `0..seq-1` (filled in by the sharder: one document per
     row); `padding_mask`: the whole rows' `attention_mask` (1 = real token), or None when the batch has none;
-    `shard_position_ids`/`shard_padding_mask`: this rank's shards of them, as the model receives them.
+    `shard_position_ids`/`shard_padding_mask`: this rank's shards of them, as the model receives them (positions
+    None only when the sharder left them out); `shard_input_ids`/`shard_labels`: this rank's shards of the batch's
+    tokens and of the labels the sharder shifted (None without labels); `unpadded_length`: the rows' length before
+    the sharder padded them to a multiple of the SP size.
     """
 
     def __init__(self, batch_size: int, position_ids: torch.Tensor | None, padding_mask: torch.Tensor | None,
-                 shard_position_ids: torch.Tensor, shard_padding_mask: torch.Tensor | None):
+                 shard_position_ids: torch.Tensor | None, shard_padding_mask: torch.Tensor | None,
+                 shard_input_ids: torch.Tensor | None = None, shard_labels: torch.Tensor | None = None,
+                 unpadded_length: int | None = None):
         self.batch_size = batch_size
         self.position_ids = position_ids
         self.padding_mask = None if padding_mask is None else padding_mask.bool()
-        self._shard_position_ids = shard_position_ids  # kept alive: its storage cannot be reused by another tensor
-        self._shard_view = view_key(shard_position_ids)
+        # Kept alive, so that their storages cannot be reused by another tensor while the batch is current.
+        self._shards = (shard_position_ids, shard_input_ids, shard_labels)
+        self.shard_position_ids = shard_position_ids
+        self._shard_view = None if shard_position_ids is None else view_key(shard_position_ids)
+        self._input_view = None if shard_input_ids is None else view_key(shard_input_ids)
+        self._labels_view = None if shard_labels is None else view_key(shard_labels)
         self._shard_padding_mask_shape = None if shard_padding_mask is None else shard_padding_mask.shape
+        self._shard_shape = None if shard_input_ids is None else tuple(shard_input_ids.shape)
+        self.unpadded_length = unpadded_length
         self._documents: dict[bool, DocumentMask | None] = {}
+
+    def produced_labels(self, labels: torch.Tensor | None) -> bool:
+        """Whether `labels` are the batch's labels as the sharder shifted and cut them (or an unmodified alias)."""
+        return labels is not None and self._labels_view is not None and view_key(labels) == self._labels_view
+
+    def holds_input_ids(self, input_ids: torch.Tensor | None) -> bool:
+        """Whether `input_ids` are this batch's token shard as the sharder cut it (or an unmodified alias)."""
+        return input_ids is not None and self._input_view is not None and view_key(input_ids) == self._input_view
+
+    def holds_position_ids(self, position_ids: torch.Tensor | None) -> bool:
+        """Whether `position_ids` are this batch's position shard as the sharder cut it (or an unmodified alias)."""
+        return position_ids is not None and self._shard_view is not None and view_key(position_ids) == self._shard_view
+
+    def unpadded_length_of(self, shard: torch.Tensor) -> int | None:
+        """The batch's unpadded row length when `shard` has the shape of its shards (a tensor of this batch)."""
+        return self.unpadded_length if tuple(shard.shape) == self._shard_shape else None
 
     def describes(self, position_ids: torch.Tensor | None, padding_mask: torch.Tensor | None) -> bool:
         """Whether an attention handed these shards runs on this batch (metadata only: no sync, no collective)."""
-        if position_ids is None or view_key(position_ids) != self._shard_view:
+        if not self.holds_position_ids(position_ids):
             return False
         return padding_mask is None or padding_mask.shape == self._shard_padding_mask_shape
 

@@ -21,7 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_ulysses.loss import IGNORE_INDEX, SequenceParallelCausalLMLoss, sequence_parallel_token_mean
+from lightning_ulysses.loss import (
+    IGNORE_INDEX,
+    SequenceParallelCausalLMLoss,
+    sequence_parallel_token_mean,
+    shift_sharded_labels,
+)
 
 
 class _LinearCrossEntropySum(torch.autograd.Function):
@@ -73,11 +78,6 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         return grads[0], grads[1], grads[2], None, None, None
 
 
-def _shift_like_hugging_face(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """Position t's target is label t+1; the last position has none (Hugging Face's `ForCausalLMLoss`)."""
-    return F.pad(labels[:, 1:], (0, 1), value=ignore_index)
-
-
 class TiledLogitsLoss:
     """Computes a causal-LM loss from final hidden states and an output head, tile by tile.
 
@@ -93,10 +93,10 @@ class TiledLogitsLoss:
     def __call__(self, hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, loss_function: Callable,
                  num_items_in_batch=None) -> torch.Tensor:
         if isinstance(loss_function, SequenceParallelCausalLMLoss):
-            shift_labels = labels
+            shift_labels = loss_function.targets(labels, ignore_index=self.ignore_index)
             reduce = loss_function.reduce_token_loss_sum
         else:
-            shift_labels = _shift_like_hugging_face(labels, self.ignore_index)
+            shift_labels = shift_sharded_labels(labels, ignore_index=self.ignore_index)
             reduce = sequence_parallel_token_mean
         # Called through the head module, so that ZeRO-3 gathers its weight around this forward and its backward.
         token_loss_sum = head(hidden, shift_labels=shift_labels)

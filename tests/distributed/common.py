@@ -91,8 +91,10 @@ def collate(samples: list[dict]) -> dict:
 class CausalLM(L.LightningModule):
     """A LightningModule written exactly as without sequence parallelism (plus bookkeeping for the tests)."""
 
-    def __init__(self, num_key_value_heads: int, lr: float = 0.5, kind: str = "llama", in_configure_model=False):
+    def __init__(self, num_key_value_heads: int, lr: float = 0.5, kind: str = "llama", in_configure_model=False,
+                 step: str = "batch"):
         super().__init__()
+        self.step = step  # how the step calls the model: see STEP_FORMS
         # in_configure_model: build under Lightning's model_sharded_context (deepspeed.zero.Init on ZeRO-3), where
         # every tensor is partitioned at construction: checks that initialisation survives partitioning.
         self.kind, self.num_key_value_heads = kind, num_key_value_heads
@@ -106,8 +108,7 @@ class CausalLM(L.LightningModule):
             self.model = build_model(self.kind, self.num_key_value_heads)
 
     def training_step(self, batch, batch_idx):
-        inputs = {key: value for key, value in batch.items() if key != "sample_index"}
-        loss = self.model(**inputs).loss
+        loss = STEP_FORMS[self.step](self, batch)
         self.records.append(
             {
                 "loss": loss.detach().item(),
@@ -136,3 +137,34 @@ class CausalLM(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def built_labels(input_ids: torch.Tensor) -> torch.Tensor:
+    """Labels a step builds itself from the tokens, as with plain Hugging Face: unshifted, some tokens ignored."""
+    return input_ids.masked_fill(input_ids < VOCAB // 4, -100)
+
+
+def _batch_step(module, batch):
+    return module.model(**{key: value for key, value in batch.items() if key != "sample_index"}).loss
+
+
+def _labels_are_input_ids_step(module, batch):
+    # The most common Hugging Face idiom: the model shifts the labels itself.
+    return module.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                        labels=batch["input_ids"]).loss
+
+
+def _built_labels_step(module, batch):
+    return module.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                        labels=built_labels(batch["input_ids"])).loss
+
+
+def _own_loss_step(module, batch):
+    # A step that computes its loss from the logits with the strategy's loss function and the batch's labels.
+    logits = module.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    return module.trainer.strategy.loss_function(logits, batch["labels"])
+
+
+# How a test step calls its model (CausalLM(step=...)); the references in test_parity.py mirror each form.
+STEP_FORMS = {"batch": _batch_step, "labels_are_input_ids": _labels_are_input_ids_step,
+              "built_labels": _built_labels_step, "own_loss": _own_loss_step}

@@ -20,6 +20,9 @@ CASES = {
     "length_not_divisible": ({"stage": 2}, "ValueError", ["sequence length 15 is not divisible by sequence_parallel_size(2)", "pad_to_multiple_of=2", "sequence_padding='pad'"]),
     "tuple_batch": ({"stage": 1}, "TypeError", ["must be a dict with at least 'input_ids'", "got list"]),
     "whole_row_documents": ({"stage": 0}, "ValueError", ["batch['cu_seq_lens_q'] describes packed documents of the whole row", "position_ids restarting at 0"]),
+    "positions_forgotten": ({"stage": 2}, "ValueError", ["LlamaForCausalLM was called under sequence parallelism with no position_ids", "position_ids=batch['position_ids']"]),
+    "positions_not_global": ({"stage": 3}, "ValueError", ["with position_ids that are not the batch's", "model(**batch)"]),
+    "ranks_fed_different_samples": ({"stage": 2}, "ValueError", ["ranks [0, 1] of one sequence-parallel group were given different batches", "strategy.data_parallel_rank"]),
     "unavailable_backend": ({"stage": 0}, "ImportError", ["'flash_attention_2' needs the flash-attn package", "use 'sdpa'"]),
 }
 
@@ -27,7 +30,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     cases = [{"kind": kind, **options} for kind, (options, _, _) in CASES.items()]
-    return launch(WORKER, 2, {"world_size": 2, "cases": cases}, tmp_path_factory.mktemp("errors"), timeout=240)
+    return launch(WORKER, 2, {"world_size": 2, "cases": cases}, tmp_path_factory.mktemp("errors"), timeout=480)
 
 
 @pytest.mark.parametrize("kind", list(CASES))

@@ -24,6 +24,9 @@ WORLD_SIZE, STEPS, BATCH_SIZE, SEQ_LEN, LR = 4, 3, 2, 16, 0.5
 STRATEGY_CASES = [
     {"name": "llama-mqa-zero2-sp2-dp2", "model": "llama", "kv_heads": 1, "sp": 2, "stage": 2},
     {"name": "gpt-gqa-zero3-sp4", "model": "gpt", "kv_heads": 2, "sp": 4, "stage": 3},
+    # SP 1 keeps documents apart like SP N (Hugging Face's sdpa alone attends across them: its default
+    # use_cache=True creates a cache in training, which turns its packed-row detection off).
+    {"name": "llama-gqa-zero2-sp1-dp4", "model": "llama", "kv_heads": 2, "sp": 1, "stage": 2},
 ]
 STRATEGY_CASES = [dict(case, data="packed", steps=STEPS, batch_size=BATCH_SIZE, seq_len=SEQ_LEN, lr=LR)
                   for case in STRATEGY_CASES]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_ulysses.layout import ShardOrder
-from tests.distributed.common import NUM_HEADS, UnevenlyMaskedTokens, build_model, collate
+from tests.distributed.common import NUM_HEADS, UnevenlyMaskedTokens, build_model, built_labels, collate
 from tests.distributed.harness import ROOT, launch
 from tests.distributed.reference import assert_weights_match, reference_training
 
@@ -61,12 +61,30 @@ def _matrix():
         _case(4, 4, 3, "gqa", suffix="-ring2", strategy_kwargs={"ring_size": 2}),
         _case(4, 4, 2, "gqa", suffix="-gpt-ring2", model="gpt", validate=True, strategy_kwargs={"ring_size": 2}),
         _case(4, 2, 1, "mqa", suffix="-ring2", seq_len=15, strategy_kwargs={"ring_size": 2}),
+        # Label idioms: labels=input_ids and labels built in the step are read as Hugging Face reads them
+        # (unshifted), at SP 1 (DP 2), SP 2 and SP 2 x DP 2; the batch's own labels with the strategy's loss.
+        *[_case(world, sp, stage, "mqa", suffix=f"-{step}", step=step)
+          for step in ("labels_are_input_ids", "built_labels")
+          for world, sp, stage in ((2, 1, 3), (2, 2, 2), (4, 2, 3))],
+        _case(4, 2, 3, "mqa", suffix="-labels_are_input_ids-len15", seq_len=15, step="labels_are_input_ids"),
+        _case(4, 2, 2, "gqa", suffix="-own_loss", step="own_loss"),
+        _case(4, 4, 3, "gqa", suffix="-ring2-labels_are_input_ids", step="labels_are_input_ids",
+              strategy_kwargs={"ring_size": 2}),
         # Pipelined head groups (NUM_HEADS 4 at SP 2: two groups of 2 heads, one per rank each).
         _case(2, 2, 3, "mha", suffix="-overlap2", strategy_kwargs={"overlap_head_groups": 2}),
         _case(4, 2, 2, "mha", suffix="-gpt-overlap2", model="gpt", strategy_kwargs={"overlap_head_groups": 2}),
     ]
     return cases
 
+
+# The plain Hugging Face loss each step form of tests/distributed/common.py STEP_FORMS stands for.
+REFERENCE_LOSSES = {
+    "batch": lambda model, batch: model(input_ids=batch["input_ids"], labels=batch["labels"]).loss,
+    "own_loss": lambda model, batch: model(input_ids=batch["input_ids"], labels=batch["labels"]).loss,
+    "labels_are_input_ids": lambda model, batch: model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss,
+    "built_labels": lambda model, batch: model(input_ids=batch["input_ids"],
+                                               labels=built_labels(batch["input_ids"])).loss,
+}
 
 CASES = _matrix()
 _results: dict[int, list[dict]] = {}
@@ -114,14 +132,12 @@ def check_parity(case: dict, ranks: list[dict]) -> None:
             sp_rank = rank["sequence_parallel_rank"]
             assert torch.equal(record["input_ids"], order.shard(input_ids, sp_rank, dim=1))
             assert torch.equal(record["labels"], order.shard(labels, sp_rank, dim=1))
-            if sp == 1:
-                assert record["position_ids"] is None  # the model numbers an uncut sequence itself
-            else:
-                assert torch.equal(record["position_ids"], order.positions(padded, sp_rank).expand(BATCH_SIZE, -1))
+            # Global positions at every SP size (SP 1 included: one rule for all).
+            assert torch.equal(record["position_ids"], order.positions(padded, sp_rank).expand(BATCH_SIZE, -1))
 
     clip = case.get("trainer_kwargs", {}).get("gradient_clip_val")
     reference = reference_training(case["kv_heads"], case["seq_len"], steps, gradient_clip_val=clip,
-                                   kind=case.get("model", "llama"))
+                                   kind=case.get("model", "llama"), replica_loss=REFERENCE_LOSSES[case.get("step", "batch")])
 
     # Every returned loss: the whole-sequence loss of this rank's DP replica, the same on every SP rank.
     for rank in ranks:

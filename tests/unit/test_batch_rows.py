@@ -16,10 +16,15 @@ def tokens(**extra) -> dict:
     return {"input_ids": torch.arange(16).view(2, 8), **extra}
 
 
-def test_unpacked_unpadded_rows_at_sp_1_get_no_positions_and_publish_nothing():
+def test_sp_1_gets_global_positions_and_publishes_one_document_per_row_like_sp_n():
     slot = BatchRowsSlot()
-    shard = SequenceSharder(1, 0, batch_rows=slot)(tokens())
-    assert "position_ids" not in shard and slot.rows is None
+    shard = SequenceSharder(1, 0, batch_rows=slot)(tokens(labels=torch.arange(16).view(2, 8)))
+    assert torch.equal(shard["position_ids"], torch.arange(8).expand(2, 8))
+    rows = slot.rows
+    assert rows is not None and rows.position_ids is None  # filled in: nothing to inspect for documents
+    assert rows.holds_position_ids(shard["position_ids"]) and rows.holds_input_ids(shard["input_ids"])
+    assert rows.produced_labels(shard["labels"]) and rows.produced_labels(shard["labels"].detach())
+    assert not rows.produced_labels(shard["input_ids"]) and not rows.produced_labels(shard["labels"].clone())
 
 
 def test_sp_1_packed_rows_build_their_document_mask_once_for_every_layer():

@@ -100,19 +100,18 @@ def test_feature_equals_plain_path(kind, feature):
 
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
 def test_tiled_logits_loss_composes_with_sequence_parallel_loss(kind):
-    """With the strategy's loss (pre-shifted labels, global count, ZeRO gradient scale) the fused path reduces
-    the same way: value equal, gradient scaled the same."""
+    """With the strategy's loss (labels it did not shift read as Hugging Face reads them, ZeRO gradient scale)
+    the fused path reduces the same way: value equal, gradient scaled the same."""
     plain = tiny_gpt(2) if kind == "gpt" else tiny_llama(2)
     plain.train()
     input_ids, labels = _batch()
-    shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
     sp_loss = SequenceParallelCausalLMLoss(group=None, gradient_scale=2.0)
     plain.loss_function = sp_loss
-    expected = _loss_and_grads(plain, input_ids, shifted)
+    expected = _loss_and_grads(plain, input_ids, labels)
     model = copy.deepcopy(plain)
     model.loss_function = sp_loss
     apply_memory_options(model, MemoryOptions(tiled_logits_loss=True, logits_tile_tokens=4))
-    _assert_same(expected, _loss_and_grads(model, input_ids, shifted))
+    _assert_same(expected, _loss_and_grads(model, input_ids, labels))
 
 
 def test_hugging_face_num_items_in_batch():

@@ -77,9 +77,9 @@ def test_sp1_passes_non_dict_batches_untouched():
         SequenceSharder(2, 0)(data)
 
 
-def test_sp1_only_shifts_labels():
+def test_sp1_shifts_labels_and_fills_positions_like_sp_n():
     full = batch()
     out = SequenceSharder(1, 0)(full)
-    assert "position_ids" not in out  # the model's own positions are right when nothing is cut
+    assert torch.equal(out["position_ids"], torch.arange(full["input_ids"].size(1)).expand_as(full["input_ids"]))
     assert torch.equal(out["input_ids"], full["input_ids"])
     assert torch.equal(out["labels"][:, :-1], full["labels"][:, 1:])

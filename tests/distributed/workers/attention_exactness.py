@@ -19,6 +19,7 @@ from lightning_ulysses.attention.all_to_all import InFlightExchange
 from lightning_ulysses.attention.core import usable_head_groups
 from lightning_ulysses.attention.documents import DocumentMask
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
+from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.loss import SequenceParallelCausalLMLoss
 from tests.distributed.common import summed_gradient_error, tiny_llama
 
@@ -196,11 +197,12 @@ def check_hf_model(groups, results):
 
         model = tiny_llama(kv_heads)
         bystander = type(model)(model.config)  # built from the same config object, never prepared
-        prepared = prepare_hf_model(model, group, SequenceParallelCausalLMLoss(group, gradient_scale=1.0))
+        slot = BatchRowsSlot()  # where the sharder's shifted labels are recognised by the loss
+        prepared = prepare_hf_model(model, group, SequenceParallelCausalLMLoss(group, 1.0, batch_rows=slot))
         results[f"bystander_keeps_sdpa_kv{kv_heads}"] = bystander.config._attn_implementation == "sdpa" and all(
             getattr(m, "config", bystander.config)._attn_implementation == "sdpa" for m in bystander.modules()
         )
-        shard = SequenceSharder(sp, groups.sequence_parallel_rank)(batch)
+        shard = SequenceSharder(sp, groups.sequence_parallel_rank, batch_rows=slot)(batch)
         loss = model(**shard).loss
         loss.backward()
         results[f"hf_loss_kv{kv_heads}"] = abs(loss.item() - reference_loss.item())

@@ -168,19 +168,24 @@ def check_ring_refusals(groups, results):
 def model_pass(kind, groups, batch, slot, checkpointing: bool):
     """One forward + backward of a fresh 4-layer model at this SP size; (counts, loss, gradients)."""
     group = groups.sequence_parallel_group
+    # The loss recognises the sharder's shifted labels through the published rows, also where the attention is
+    # left to gather (slot None): the sharder publishes into `published`, the attention reads `slot`.
+    published = slot if slot is not None else BatchRowsSlot()
+    loss_function = SequenceParallelCausalLMLoss(group, gradient_scale=1.0, batch_rows=published)
     if kind == "llama":
         model = tiny_llama(2, num_layers=NUM_LAYERS)
-        prepare_hf_model(model, group, SequenceParallelCausalLMLoss(group, gradient_scale=1.0), batch_rows=slot)
+        prepare_hf_model(model, group, loss_function, batch_rows=slot)
     else:
         model = tiny_gpt(2, num_layers=NUM_LAYERS)
         for attention in model.modules():
             if isinstance(attention, UlyssesAttention):
                 attention.bind(group)
                 attention.bind_batch_rows(slot)
-        model.loss_function = SequenceParallelCausalLMLoss(group, gradient_scale=1.0)
+        model.loss_function = loss_function
     if checkpointing:
         apply_memory_options(model, MemoryOptions(activation_checkpointing=True))
-    shard = SequenceSharder(groups.sequence_parallel_world_size, groups.sequence_parallel_rank, batch_rows=slot)(batch)
+    shard = SequenceSharder(groups.sequence_parallel_world_size, groups.sequence_parallel_rank,
+                            batch_rows=published)(batch)
     with counting() as forward:
         loss = model(**shard).loss
     with counting() as backward:

@@ -15,6 +15,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from lightning_ulysses import SequenceSharder, prepare_hf_model
 from lightning_ulysses.inference import sequence_outputs
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
+from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.loss import SequenceParallelCausalLMLoss
 from lightning_ulysses.metrics import NextTokenAccuracy, Perplexity, SequenceParallel, TokenCrossEntropy
 from tests.distributed.common import VOCAB, UnevenlyMaskedTokens, collate, tiny_llama
@@ -41,8 +42,9 @@ def main():
         groups = SequenceParallelGroups.build(ParallelLayout(dist.get_world_size(), sp))
         group = groups.sequence_parallel_group
         model = tiny_llama(1)
-        prepared = prepare_hf_model(model, group, SequenceParallelCausalLMLoss(group, 1.0))
-        sharder = SequenceSharder(sp, groups.sequence_parallel_rank)
+        slot = BatchRowsSlot()  # where the sharder's shifted labels are recognised by the loss
+        prepared = prepare_hf_model(model, group, SequenceParallelCausalLMLoss(group, 1.0, batch_rows=slot))
+        sharder = SequenceSharder(sp, groups.sequence_parallel_rank, batch_rows=slot)
         metrics = {"loss": TokenCrossEntropy(), "perplexity": Perplexity(), "accuracy": NextTokenAccuracy()}
         wrapped = SequenceParallel(MulticlassAccuracy(num_classes=VOCAB, ignore_index=-100, average="micro"))
         wrapped.bind_parallel_groups(groups)

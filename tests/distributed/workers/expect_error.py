@@ -63,6 +63,30 @@ class FlashKwargsRows(UnevenlyMaskedTokens):
         return sample
 
 
+class ForgetsPositions(CausalLM):
+    """A step that passes the tokens and labels but not the batch's (global) position_ids."""
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+
+
+class OwnPositions(CausalLM):
+    """A step that numbers the shard it holds itself (0..seq/P-1), as a plain Hugging Face habit would."""
+
+    def training_step(self, batch, batch_idx):
+        input_ids = batch["input_ids"]
+        positions = torch.arange(input_ids.size(1)).expand_as(input_ids)
+        return self.model(input_ids=input_ids, labels=batch["labels"], position_ids=positions).loss
+
+
+class ShardedByGlobalRank(torch.utils.data.IterableDataset):
+    """An iterable dataset that splits its samples by global rank, so the ranks of an SP group differ."""
+
+    def __iter__(self):
+        rows = UnevenlyMaskedTokens(64, 16)
+        return iter([rows[i] for i in range(dist.get_rank(), 64, dist.get_world_size())])
+
+
 def build(case):
     data = DataLoader(UnevenlyMaskedTokens(8, 16), batch_size=2, collate_fn=collate)
     strategy_kwargs = {"sequence_parallel_size": case.get("sp", 2), "ring_size": case.get("ring_size")}
@@ -85,6 +109,12 @@ def build(case):
         data = DataLoader(TupleBatches(), batch_size=2)
     elif kind == "whole_row_documents":
         data = DataLoader(FlashKwargsRows(8, 16), batch_size=2, collate_fn=collate)
+    elif kind == "positions_forgotten":
+        module = ForgetsPositions(num_key_value_heads=4)
+    elif kind == "positions_not_global":
+        module = OwnPositions(num_key_value_heads=4)
+    elif kind == "ranks_fed_different_samples":
+        data = DataLoader(ShardedByGlobalRank(), batch_size=2, collate_fn=collate)
     elif kind == "unavailable_backend":
         # A native model asking for a backend this machine lacks: rejected at setup, before any collective.
         module = CausalLM(num_key_value_heads=4, kind="gpt")

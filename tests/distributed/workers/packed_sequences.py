@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from lightning_ulysses import SequenceSharder, UlyssesAttention, prepare_hf_model
 from lightning_ulysses.attention.core import ulysses_attention
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
+from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.loss import SequenceParallelCausalLMLoss
 from tests.distributed.common import VOCAB, summed_gradient_error, tiny_gpt, tiny_llama
 from tests.distributed.packed import per_document_forward, spans_from_lengths
@@ -106,7 +107,8 @@ def check_model(kind, kv_heads, groups, results):
     reference_loss, reference_logits = per_document_forward(reference, batch["input_ids"], SPANS)
     reference_loss.backward()
 
-    loss_function = SequenceParallelCausalLMLoss(group, gradient_scale=1.0)
+    slot = BatchRowsSlot()  # where the sharder's shifted labels are recognised by the loss
+    loss_function = SequenceParallelCausalLMLoss(group, gradient_scale=1.0, batch_rows=slot)
     if kind == "llama":
         prepare_hf_model(model, group, loss_function)
     else:
@@ -114,7 +116,7 @@ def check_model(kind, kv_heads, groups, results):
             if isinstance(attention, UlyssesAttention):
                 attention.bind(group)
         model.loss_function = loss_function
-    output = model(**SequenceSharder(sp, rank)(batch))
+    output = model(**SequenceSharder(sp, rank, batch_rows=slot)(batch))
     output.loss.backward()
     key = f"{kind}_kv{kv_heads}"
     results[f"model_loss_{key}"] = abs(output.loss.item() - reference_loss.item())

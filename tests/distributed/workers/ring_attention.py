@@ -17,6 +17,7 @@ from lightning_ulysses import SequenceSharder, UlyssesAttention, prepare_hf_mode
 from lightning_ulysses.attention.all_to_all import all_gather_sequence
 from lightning_ulysses.inference import sequence_outputs
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
+from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.loss import SequenceParallelCausalLMLoss
 from lightning_ulysses.metrics import SequenceParallel
 from tests.distributed.common import VOCAB, summed_gradient_error, tiny_llama
@@ -71,7 +72,8 @@ def check_hf_model(groups, results):
     """Llama (4 heads/2 KV heads, and 2 heads/1 KV head) with a right-padded row: loss, gradients, outputs."""
     sp, rank, order = groups.sequence_parallel_world_size, groups.sequence_parallel_rank, groups.shard_order
     sp_group = groups.sequence_parallel_group
-    sharder = SequenceSharder(sp, rank, ring_size=groups.ring_size)
+    slot = BatchRowsSlot()  # where the sharder's shifted labels are recognised by the loss
+    sharder = SequenceSharder(sp, rank, ring_size=groups.ring_size, batch_rows=slot)
     for heads, kv_heads in ((4, 2), (2, 1)):
         name = f"h{heads}_kv{kv_heads}"
         batch = padded_batch()
@@ -80,7 +82,7 @@ def check_hf_model(groups, results):
         reference_out.loss.backward()
 
         model = tiny_llama(kv_heads, num_heads=heads)
-        prepared = prepare_hf_model(model, groups.ulysses_group, SequenceParallelCausalLMLoss(sp_group, 1.0),
+        prepared = prepare_hf_model(model, groups.ulysses_group, SequenceParallelCausalLMLoss(sp_group, 1.0, batch_rows=slot),
                                     ring_group=groups.ring_group)
         shard = sharder(batch)
         out = model(**shard)

@@ -51,7 +51,7 @@ class CountAttentionRuns(L.Callback):
 
 def run_case(case: dict, world_size: int) -> dict:
     module = CausalLM(num_key_value_heads=case["kv_heads"], lr=case.get("lr", 0.5), kind=case.get("model", "llama"),
-                      in_configure_model=case.get("in_configure_model", False))
+                      in_configure_model=case.get("in_configure_model", False), step=case.get("step", "batch"))
     strategy = lightning_ulysses.UlyssesDeepSpeedStrategy(
         sequence_parallel_size=case["sp"], stage=case["stage"], **case.get("strategy_kwargs", {})
     )
