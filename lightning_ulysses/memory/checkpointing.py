@@ -191,34 +191,51 @@ _MISMATCH = ("keep_attention_outputs: a checkpointed layer's forward ran the att
              " switch keep_attention_outputs off.")
 
 
+def _generator_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.random.get_rng_state()
+
+
+def _set_generator_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.random.set_rng_state(state)
+
+
 class _AttentionOutputs(TorchDispatchMode):
     """Records the outputs of the fused attention kernels a layer's forward runs; replays them in its recomputes.
 
     A dispatch mode works below autograd, so a recompute with gradients still builds the attention's backward node,
     which saves the replayed output and log-sum-exp exactly as if the kernel had run again: gradients are unchanged.
+    A kernel with attention dropout draws from its device's generator (the CUDA kernels advance the Philox offset, and
+    return the seed and offset their backward regenerates the mask from): the generator's state after the kernel is
+    recorded too and set in the replay, so the dropout after the attention (GPT-2's `resid_pdrop`, the MLP's) draws in
+    the recompute what it drew in the forward.
     """
 
     def __init__(self, store: Optional[HostActivationStore]) -> None:
         super().__init__()
         self.store = store
-        self.recorded: list[tuple] = []
+        self.recorded: list[tuple] = []  # (kernel, outputs, device, generator state after the kernel)
         self.next_replayed: Optional[int] = None  # None while recording
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func not in _ATTENTION_KERNELS:
             return func(*args, **(kwargs or {}))
+        device = args[0].device  # the query's: where the kernel runs, whose generator its dropout draws from
         if self.next_replayed is None:
             args, kwargs = _with_log_sumexp(func, tuple(args), kwargs or {})
             outputs = func(*args, **kwargs)
             # The large outputs go where the layer inputs go; the scalars (seeds, sizes) stay as they are.
             self.recorded.append((func, tuple(_Kept(o, self.store) if torch.is_tensor(o) and o.dim() > 0 else o
-                                              for o in outputs)))
+                                              for o in outputs), device, _generator_state(device)))
             return outputs
         recorded = self.recorded[self.next_replayed][0] if self.next_replayed < len(self.recorded) else None
         if recorded is not func:
             raise RuntimeError(_MISMATCH.format(recorded=recorded, now=func))
-        outputs = self.recorded[self.next_replayed][1]
+        _, outputs, device, state_after = self.recorded[self.next_replayed]
         self.next_replayed += 1
+        _set_generator_state(device, state_after)  # as if the kernel had drawn its dropout again
         return tuple(o.get() if isinstance(o, _Kept) else o for o in outputs)
 
     @contextlib.contextmanager
@@ -233,7 +250,7 @@ class _AttentionOutputs(TorchDispatchMode):
             self.next_replayed = None
 
     def drop(self) -> None:
-        for _, outputs in self.recorded:
+        for _, outputs, _, _ in self.recorded:
             for output in outputs:
                 if isinstance(output, _Kept):
                     output.drop()

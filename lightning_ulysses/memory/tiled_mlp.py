@@ -9,6 +9,12 @@ are the sum of the tiles' gradients, accumulated in fp32. Parameter gradients le
 so every parameter's gradient is accumulated *once* per step, as in the untiled MLP: DeepSpeed's ZeRO hooks (which
 reduce on accumulation) and DDP see nothing unusual. The tiles run inside one call of the MLP module, so no
 collective (ZeRO-3 parameter gathering) happens per tile and ranks may use different tile counts.
+
+Dropout in the MLP (GPT-2's `resid_pdrop`, PEFT's `lora_dropout`): each tile's recompute replays the random state
+(CPU and CUDA generators) its forward started from, so it draws the same masks. A tile's mask is a fresh draw for
+the tile, not the slice of the mask an untiled MLP would draw: the same distribution, another sample. The MLP is
+tiled without gradients too, so that a checkpointed layer's forward (run without gradients) and its recompute (with
+them) draw their masks tile by tile alike.
 """
 
 from __future__ import annotations
