@@ -7,6 +7,10 @@ UlyssesDeepSpeedStrategy(memory={"tiled_mlp": True})          # a mapping works 
 ```
 
 - `tiled_mlp`: every decoder layer's `mlp` runs over `mlp_tile_tokens`-token tiles, recomputed in backward.
+
+Every recompute replays the random state of its forward (dropout draws the same masks) and a checkpointed layer's
+recompute gets no KV cache (however the model passes it: GPT-2 passes it by position), so gradients stay exact with
+dropout and with `use_cache=True`.
 - `tiled_logits_loss`: training forwards with labels compute the loss from the final hidden states tile by tile
   (`logits_tile_tokens`); whole `[seq, vocab]` logits never exist, and `outputs.logits` is `None`.
 - `activation_checkpointing`: every decoder layer keeps only its input and recomputes itself in backward;

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import itertools
 import weakref
 from collections import defaultdict
@@ -190,34 +191,51 @@ _MISMATCH = ("keep_attention_outputs: a checkpointed layer's forward ran the att
              " switch keep_attention_outputs off.")
 
 
+def _generator_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.random.get_rng_state()
+
+
+def _set_generator_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.random.set_rng_state(state)
+
+
 class _AttentionOutputs(TorchDispatchMode):
     """Records the outputs of the fused attention kernels a layer's forward runs; replays them in its recomputes.
 
     A dispatch mode works below autograd, so a recompute with gradients still builds the attention's backward node,
     which saves the replayed output and log-sum-exp exactly as if the kernel had run again: gradients are unchanged.
+    A kernel with attention dropout draws from its device's generator (the CUDA kernels advance the Philox offset, and
+    return the seed and offset their backward regenerates the mask from): the generator's state after the kernel is
+    recorded too and set in the replay, so the dropout after the attention (GPT-2's `resid_pdrop`, the MLP's) draws in
+    the recompute what it drew in the forward.
     """
 
     def __init__(self, store: Optional[HostActivationStore]) -> None:
         super().__init__()
         self.store = store
-        self.recorded: list[tuple] = []
+        self.recorded: list[tuple] = []  # (kernel, outputs, device, generator state after the kernel)
         self.next_replayed: Optional[int] = None  # None while recording
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func not in _ATTENTION_KERNELS:
             return func(*args, **(kwargs or {}))
+        device = args[0].device  # the query's: where the kernel runs, whose generator its dropout draws from
         if self.next_replayed is None:
             args, kwargs = _with_log_sumexp(func, tuple(args), kwargs or {})
             outputs = func(*args, **kwargs)
             # The large outputs go where the layer inputs go; the scalars (seeds, sizes) stay as they are.
             self.recorded.append((func, tuple(_Kept(o, self.store) if torch.is_tensor(o) and o.dim() > 0 else o
-                                              for o in outputs)))
+                                              for o in outputs), device, _generator_state(device)))
             return outputs
         recorded = self.recorded[self.next_replayed][0] if self.next_replayed < len(self.recorded) else None
         if recorded is not func:
             raise RuntimeError(_MISMATCH.format(recorded=recorded, now=func))
-        outputs = self.recorded[self.next_replayed][1]
+        _, outputs, device, state_after = self.recorded[self.next_replayed]
         self.next_replayed += 1
+        _set_generator_state(device, state_after)  # as if the kernel had drawn its dropout again
         return tuple(o.get() if isinstance(o, _Kept) else o for o in outputs)
 
     @contextlib.contextmanager
@@ -232,7 +250,7 @@ class _AttentionOutputs(TorchDispatchMode):
             self.next_replayed = None
 
     def drop(self) -> None:
-        for _, outputs in self.recorded:
+        for _, outputs, _, _ in self.recorded:
             for output in outputs:
                 if isinstance(output, _Kept):
                     output.drop()
@@ -329,8 +347,31 @@ class _CheckpointedLayer(torch.autograd.Function):
                               for a, needs in zip(args, call.requires_grad)))
 
 
-# Keyword arguments of Hugging Face decoder layers that carry a KV cache: a recompute must not update it twice.
-_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "cache", "layer_past")
+# Arguments of Hugging Face decoder layers that carry a KV cache (or a recurrent state): a recompute must not update
+# it a second time (the recompute's keys and values would be appended again, and attend to the forward's detached
+# copies, so their gradients would be lost).
+_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "cache", "layer_past", "cache_params")
+
+
+def _without_cache(layer: nn.Module, signature: inspect.Signature, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call's arguments with every cache set to None and `use_cache` off, whether passed by position or by name.
+
+    Bound to the layer's signature because models pass the cache either way: GPT-2's model calls
+    `block(hidden_states, cache, causal_mask, ...)`. Layers that only read the cache (Hugging Face's
+    `_can_checkpoint_with_cache`) keep it: the recompute reads the same states. The arguments come back in
+    `BoundArguments` order: the hidden states first, even when passed by name.
+    """
+    bound = signature.bind(*args, **kwargs)
+    var_keyword = next((name for name, parameter in signature.parameters.items()
+                        if parameter.kind is inspect.Parameter.VAR_KEYWORD), None)
+    for arguments in (bound.arguments, bound.arguments.get(var_keyword, {})):
+        if arguments.get("use_cache"):
+            arguments["use_cache"] = False
+        if not getattr(layer, "_can_checkpoint_with_cache", False):
+            for name in _CACHE_ARGUMENTS:
+                if arguments.get(name) is not None:
+                    arguments[name] = None
+    return bound.args, bound.kwargs
 
 
 class _Stretches:
@@ -363,17 +404,14 @@ class _Stretches:
         return outputs
 
 
-def _checkpointed_forward(layer: nn.Module, original: Callable, stretches: _Stretches, *args: Any, **kwargs: Any):
+def _checkpointed_forward(layer: nn.Module, original: Callable, signature: inspect.Signature, stretches: _Stretches,
+                          *args: Any, **kwargs: Any):
     if not (layer.training and torch.is_grad_enabled()):
         return original(*args, **kwargs)
-    if kwargs.get("use_cache"):
-        kwargs["use_cache"] = False
-    for name in _CACHE_ARGUMENTS:
-        if kwargs.get(name) is not None:
-            kwargs[name] = None
-    if not args:  # hidden states passed by keyword: move them first, the position that is kept
-        raise ValueError(f"activation_checkpointing needs {type(layer).__name__}'s hidden states as the first"
-                         " positional argument.")
+    args, kwargs = _without_cache(layer, signature, args, kwargs)
+    if not args or not torch.is_tensor(args[0]):
+        raise ValueError(f"activation_checkpointing needs {type(layer).__name__}'s hidden states as its first"
+                         " argument.")
     call = stretches.call(args[0], functools.partial(original, **kwargs))
     # A layer whose inputs need no gradient (frozen embeddings, adapters on a frozen base) may still have trainable
     # parameters: an input that requires grad makes autograd run its backward, which accumulates theirs.
@@ -393,9 +431,17 @@ def checkpoint_layers(layers: list[nn.Module], store: Optional[HostActivationSto
                 " option activation_checkpointing=True the layer would be recomputed twice. Disable one of them (for"
                 " the recipes: model.activation_checkpointing=false)."
             )
+    signatures = []
+    for layer in layers:
+        try:
+            signatures.append(inspect.signature(layer.forward))
+        except (TypeError, ValueError) as error:  # without it a cache passed by position could not be found
+            raise ValueError(f"activation_checkpointing reads the arguments of {type(layer).__name__}.forward to drop"
+                             f" its KV cache in the recompute, but its signature cannot be read ({error}). Switch"
+                             " activation_checkpointing off for this model.") from error
     stretches = _Stretches(interval, store, keep_attention_outputs)
     restores = []
-    for layer in layers:
-        layer.forward = functools.partial(_checkpointed_forward, layer, layer.forward, stretches)
+    for layer, signature in zip(layers, signatures):
+        layer.forward = functools.partial(_checkpointed_forward, layer, layer.forward, signature, stretches)
         restores.append(functools.partial(layer.__dict__.pop, "forward", None))
     return restores

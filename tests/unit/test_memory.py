@@ -237,6 +237,135 @@ def test_sparse_checkpoints_replay_dropout():
     assert not torch.equal(_loss_and_grads(model, input_ids, labels)[0], expected[0])  # dropout is really on
 
 
+def _tiny_gpt2(dropout: float):
+    """A Hugging Face GPT-2 (dropout in its embeddings, attention, attention output and MLP; `use_cache=True` by
+    default, its blocks get the cache by position; Conv1D layers that flatten with `view`)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0,
+                        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(config).train()
+
+
+def _tile_by_autograd(mlps, tile_tokens):
+    """The reference for a tiled MLP with dropout: the same tiles, in the same order, kept by plain autograd, so
+    they draw the same dropout masks (one tile's mask is not the matching slice of the untiled MLP's mask)."""
+    for mlp in mlps:
+        mlp.forward = functools.partial(
+            lambda forward, x: torch.cat([forward(tile.contiguous()) for tile in x.split(tile_tokens, dim=-2)], -2),
+            mlp.forward)
+
+
+def _seeded(seed, run, *args):
+    torch.manual_seed(seed)
+    return run(*args)
+
+
+DROPOUT_FEATURES = {
+    "tiled_mlp": dict(tiled_mlp=True, mlp_tile_tokens=4),
+    "checkpointing": dict(activation_checkpointing=True),
+    "tiled_mlp_sparse_kept_offloaded": dict(tiled_mlp=True, mlp_tile_tokens=4, tiled_logits_loss=True,
+                                            logits_tile_tokens=3, activation_checkpointing=True,
+                                            offload_activations=True, checkpoint_interval=2,
+                                            keep_attention_outputs=True),
+}
+
+
+@pytest.mark.parametrize("feature", list(DROPOUT_FEATURES))
+def test_gpt2_dropout_gradients_equal_the_plain_model(feature):
+    """GPT-2 with dropout 0.1 everywhere, batch of 2 (tiles are strided views): every recompute (a tile's, a
+    checkpointed layer's, a stretch's) draws the masks its forward drew, so loss and gradients equal the plain
+    model's under the same seed (with the MLP tiled the same way by plain autograd where it is tiled). A checkpointed
+    layer's forward runs without gradients: its MLP is tiled there too, or its recompute would draw other masks."""
+    options = MemoryOptions(**DROPOUT_FEATURES[feature])
+    plain = _tiny_gpt2(dropout=0.1)
+    model = copy.deepcopy(plain)
+    if options.tiled_mlp:
+        _tile_by_autograd([block.mlp for block in plain.transformer.h], options.mlp_tile_tokens)
+    input_ids, labels = _batch()
+    expected = _seeded(11, _loss_and_grads, plain, input_ids, labels)
+    apply_memory_options(model, options)
+    _assert_same(expected, _seeded(11, _loss_and_grads, model, input_ids, labels))
+    assert not torch.equal(_seeded(12, _loss_and_grads, model, input_ids, labels)[0], expected[0])  # dropout is on
+
+
+def test_gpt2_cache_passed_by_position_is_dropped_under_checkpointing():
+    """GPT2Model calls `block(hidden_states, cache, causal_mask, ...)` with a DynamicCache (`use_cache=True` is
+    GPT-2's default): the recompute must not append its keys and values to the cache the forward filled, where
+    attention would read the forward's detached copies and the K/V projection (c_attn) lose its gradients."""
+    plain = _tiny_gpt2(dropout=0.0)
+    assert plain.config.use_cache
+    model = copy.deepcopy(plain)
+    apply_memory_options(model, MemoryOptions(activation_checkpointing=True))
+    input_ids, labels = _batch()
+    expected, actual = _loss_and_grads(plain, input_ids, labels), _loss_and_grads(model, input_ids, labels)
+    for name in [n for n in expected[1] if "c_attn" in n]:
+        torch.testing.assert_close(actual[1][name], expected[1][name], rtol=1e-5, atol=1e-6, msg=name)
+    _assert_same(expected, actual)
+
+
+def test_lora_dropout_gradients_equal_the_plain_model():
+    """PEFT LoRA (`lora_dropout=0.1`) on a Llama's attention and MLP projections: tiled MLP and checkpointed layers
+    (sparse, offloaded) give the adapters' gradients of the plain adapted model under the same seed."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1,
+                        target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"])
+    plain = get_peft_model(tiny_llama(2), config).train()
+    model = copy.deepcopy(plain)
+    options = MemoryOptions(tiled_mlp=True, mlp_tile_tokens=4, activation_checkpointing=True,
+                            offload_activations=True, checkpoint_interval=2)
+    _tile_by_autograd([layer.mlp for layer in plain.base_model.model.model.layers], options.mlp_tile_tokens)
+    input_ids, labels = _batch()
+    expected = _seeded(11, _loss_and_grads, plain, input_ids, labels)
+    assert expected[1] and all("lora_" in name for name in expected[1])
+    apply_memory_options(model, options)
+    _assert_same(expected, _seeded(11, _loss_and_grads, model, input_ids, labels))
+
+
+def test_kept_attention_replays_the_kernels_random_draws(monkeypatch):
+    """A fused attention kernel with dropout (CUDA's flash, memory-efficient and cuDNN kernels) draws from the
+    generator; its replay draws nothing, so the dropout after it would draw other masks in the recompute than in
+    the forward unless the replay leaves the generator where the kernel left it. On CPU no fused kernel takes
+    dropout: a kernel that draws and returns a tuple (`native_dropout`: output and mask) stands in for one."""
+    from lightning_ulysses.memory import checkpointing
+
+    stand_in = torch.ops.aten.native_dropout.default
+    monkeypatch.setattr(checkpointing, "_ATTENTION_KERNELS", checkpointing._ATTENTION_KERNELS | {stand_in})
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention, self.output = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, hidden):
+            attended = stand_in(self.attention(hidden), 0.3, True)[0]
+            return hidden + self.output(torch.nn.functional.dropout(attended, 0.3))
+
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList([Layer() for _ in range(3)])
+    inputs = torch.randn(2, 5, 8, requires_grad=True)
+
+    def gradients(stack):
+        hidden = inputs
+        for layer in stack:
+            hidden = layer(hidden)
+        inputs.grad = None
+        stack.zero_grad()
+        hidden.square().sum().backward()
+        return [inputs.grad, *(p.grad for p in stack.parameters())]
+
+    expected = _seeded(5, gradients, layers)
+    checkpointed = copy.deepcopy(layers)
+    checkpointing.checkpoint_layers(list(checkpointed), None, interval=2, keep_attention_outputs=True)
+    with _CountAttentionKernels() as kernels:
+        actual = _seeded(5, gradients, checkpointed)
+    assert kernels.count == 0  # counted by the real kernel set: the stand-in was replayed, not run again
+    for got, wanted in zip(actual, expected, strict=True):
+        torch.testing.assert_close(got, wanted, rtol=1e-5, atol=1e-6)
+
+
 SPARSE_KEPT_OFFLOADED = MemoryOptions(activation_checkpointing=True, offload_activations=True, checkpoint_interval=2,
                                       keep_attention_outputs=True)
 
