@@ -314,6 +314,18 @@ class _PositionCheck:
         self.signature = inspect.signature(model.forward)
         self.takes_positions = "position_ids" in self.signature.parameters
 
+    def _same_values_on_every_rank(self, position_ids: torch.Tensor, expected: torch.Tensor | None) -> bool:
+        """Whether `position_ids` hold the batch's positions on every rank of the SP group. One rank's shard may
+        match by chance (local 0..n-1 are rank 0's global ones), so the ranks agree (MIN all-reduce) before any
+        of them raises or goes on: the path here is taken by every rank alike (it follows metadata only)."""
+        same = (expected is not None and position_ids.shape[-1] == expected.shape[-1]
+                and torch.equal(position_ids.expand_as(expected).to(expected.device), expected))
+        flag = torch.tensor([int(same)], device=position_ids.device)
+        for handle in (self.binding.group, self.binding.ring):
+            if handle.world_size > 1:
+                dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=handle.group)
+        return bool(flag.item())
+
     def __call__(self, module, args, kwargs):
         rows = None if self.binding.batch_rows is None else self.binding.batch_rows.rows
         if rows is None or (self.binding.decode is not None) or not self.takes_positions:
@@ -325,13 +337,11 @@ class _PositionCheck:
         input_ids, position_ids = bound.get("input_ids"), bound.get("position_ids")
         if rows.holds_position_ids(position_ids):
             return None
-        expected = rows.shard_position_ids
-        if (position_ids is not None and expected is not None and position_ids.shape[-1] == expected.shape[-1]
-                and torch.equal(position_ids.expand_as(expected).to(expected.device), expected)):
+        if position_ids is not None and self._same_values_on_every_rank(position_ids, rows.shard_position_ids):
             return None
         if position_ids is None and input_ids is not None and not rows.holds_input_ids(input_ids):
             return None  # not this batch's tokens: nothing to check them against
-        what = "no position_ids" if position_ids is None else "position_ids that are not the batch's"
+        what = "no position_ids" if position_ids is None else "position_ids that are not the batch's global ones"
         raise ValueError(
             f"{self.name} was called under sequence parallelism with {what}: each rank holds only its shard of the"
             " sequence, so the model would number it from 0 (wrong positions, and attention that stops at every shard"
