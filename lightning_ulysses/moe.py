@@ -134,6 +134,8 @@ def exact_router_loss(model: torch.nn.Module, router_loss: SequenceParallelRoute
     whose function is not the shared one: refused when asked for); returns the callable that undoes it."""
     validate_router_loss(model)
     namespaces = _modeling_globals(model)
+    if not namespaces:
+        return lambda: None  # not a model with a load-balancing loss
     if not _knows_router_loss(model):
         router_loss = _Refusal(type(model).__name__)
     switches = []
@@ -154,7 +156,8 @@ def exact_router_loss(model: torch.nn.Module, router_loss: SequenceParallelRoute
     def leave(module, args, output):
         _ACTIVE.reset(tokens.pop())
 
-    hooks = [model.register_forward_pre_hook(enter, with_kwargs=True), model.register_forward_hook(leave, always_call=True)]
+    hooks = [model.register_forward_pre_hook(enter, with_kwargs=True),
+             model.register_forward_hook(leave, always_call=True)]  # reset even when the forward raises
 
     def restore() -> None:
         for hook in hooks:

@@ -20,6 +20,9 @@ CASES = {
     "length_not_divisible": ({"stage": 2}, "ValueError", ["sequence length 15 is not divisible by sequence_parallel_size(2)", "pad_to_multiple_of=2", "sequence_padding='pad'"]),
     "tuple_batch": ({"stage": 1}, "TypeError", ["must be a dict with at least 'input_ids'", "got list"]),
     "whole_row_documents": ({"stage": 0}, "ValueError", ["batch['cu_seq_lens_q'] describes packed documents of the whole row", "position_ids restarting at 0"]),
+    # In the model's forward (its mask function), before the first all-to-all, under ZeRO-3's parameter hooks.
+    "mask_only_sliding_window": ({}, "NotImplementedError", ["Qwen2MoeForCausalLM uses a sliding window of 4 tokens, shorter than its rows of 16 tokens", "Use rows of at most 4 tokens"]),
+    "unknown_router_loss": ({}, "NotImplementedError", ["DogeForCausalLM computes its MoE load-balancing loss", "Set output_router_logits=False"]),
     "unavailable_backend": ({"stage": 0}, "ImportError", ["'flash_attention_2' needs the flash-attn package", "use 'sdpa'"]),
 }
 
