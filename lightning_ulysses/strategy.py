@@ -43,6 +43,7 @@ from lightning_ulysses.faults import RankWatchdog, is_peer_failure
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, check_ring_size, check_sequence_parallel_size
 from lightning_ulysses.memory import MemoryOptions, apply_allocator_settings, apply_memory_options
 from lightning_ulysses.metrics import SequenceParallel
+from lightning_ulysses.moe import SequenceParallelRouterLoss, exact_router_loss, sharder_padding, validate_router_loss
 from lightning_ulysses.loss import (
     LossFunctionHost,
     SequenceParallelCausalLMLoss,
@@ -454,6 +455,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             groups = self.parallel_groups
         for model in hf_models:  # all checks first: a failure leaves no model half-prepared
             validate_hf_model(model, groups.ulysses_size)
+            if size > 1:
+                validate_router_loss(model)
         loss = self.loss_function
         names = {id(child): name for name, child in module.named_modules()}
         prepared = [prepare_hf_model(model, groups.ulysses_group, loss, ring_group=groups.ring_group,
@@ -464,6 +467,10 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             names[id(p.model)]: p.original_configs.get(id(p.model), p.model.config) for p in prepared
         }
         self._restore_callbacks = [p.restore for p in prepared]
+        if loss.group is not None:  # MoE load-balancing losses of the whole sequence (moe.py)
+            router_loss = SequenceParallelRouterLoss(loss.group, loss.gradient_scale,
+                                                     sharder_padding(lambda: self._sharder))
+            self._restore_callbacks += [exact_router_loss(model, router_loss) for model in hf_models]
         for bindable in module.modules():  # UlyssesAttention, SequenceParallel metrics, ...
             if callable(getattr(bindable, "bind_parallel_groups", None)):
                 bindable.bind_parallel_groups(groups)

@@ -22,18 +22,21 @@ construction, can be set up once per process and drops padding masks.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from transformers import AttentionInterface, PreTrainedModel
-from transformers.masking_utils import AttentionMaskInterface
+from transformers import AttentionInterface, PreTrainedConfig, PreTrainedModel
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from lightning_ulysses.attention.backends import BACKENDS, check_backend
 from lightning_ulysses.attention.core import ProcessGroupHandle, ulysses_attention, validate_head_counts
+from lightning_ulysses.attention.masks import reject_unsupported_pattern, reject_window
 from lightning_ulysses.attention.rows import BatchRowsSlot
 
 ULYSSES_ATTENTION = "ulysses"
@@ -67,6 +70,11 @@ class _Binding:
     # Head groups whose all-to-alls are pipelined with their attention (core.exchange_and_attend).
     head_groups: int = 1
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the sequence is cut at all (SP > 1); at SP 1 the binding only keeps packed documents apart."""
+        return self.group.world_size * self.ring.world_size > 1
+
     def __deepcopy__(self, memo):
         return self
 
@@ -85,14 +93,19 @@ def _reject_unsupported(module, attention_mask, kwargs, row_length: int) -> None
             " 2-D padding masks ([batch, seq]) and packed position_ids can be cut along the sequence."
         )
     sliding_window = kwargs.get("sliding_window")
-    if sliding_window is not None and sliding_window < row_length:
-        raise NotImplementedError(
-            f"{type(module).__name__} uses a sliding window of {sliding_window} tokens, which Ulysses attention does"
-            " not apply yet: use rows no longer than the window, or a model without sliding-window attention."
-        )
+    if sliding_window is not None:  # the same rule as for a window the mask function carries (attention/masks.py)
+        reject_window(type(module).__name__, "a sliding window", sliding_window, row_length)
     for name in ("softcap", "s_aux"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"{type(module).__name__} passes {name}, which Ulysses attention does not apply yet.")
+
+
+def _unsupported(module, attention_mask, kwargs, row_length: int) -> bool:
+    try:
+        _reject_unsupported(module, attention_mask, kwargs, row_length)
+    except (ValueError, NotImplementedError):
+        return True
+    return False
 
 
 def _ulysses_attention_forward(module, query, key, value, attention_mask, **kwargs):
@@ -103,9 +116,13 @@ def _ulysses_attention_forward(module, query, key, value, attention_mask, **kwar
             " lightning_ulysses (prepare_hf_model). Switch it back with model.set_attn_implementation('sdpa')."
         )
     group = binding.group.group
+    row_length = query.size(2) * binding.group.world_size * binding.ring.world_size
+    if not binding.sharded and (binding.decode is not None or _unsupported(module, attention_mask, kwargs, row_length)):
+        # SP 1: what the core does not apply (generation with a KV cache, sliding windows, soft-capping, sinks,
+        # masks built from other mask functions) runs through the model's own attention, exactly as unprepared.
+        return ALL_ATTENTION_FUNCTIONS[binding.backend](module, query, key, value, attention_mask, **kwargs)
     if binding.decode is not None and binding.decode.prefilled:
         return _decode_attention(query, key, value, binding.decode, group, kwargs.get("scaling")), None
-    row_length = query.size(2) * binding.group.world_size * binding.ring.world_size
     _reject_unsupported(module, attention_mask, kwargs, row_length)
     is_causal = kwargs.get("is_causal")
     output = ulysses_attention(
@@ -122,14 +139,48 @@ def _ulysses_attention_forward(module, query, key, value, attention_mask, **kwar
     return output, None  # [batch, seq/P, heads, dim], the layout the model expects back
 
 
-def _shard_padding_mask(*args, attention_mask=None, **kwargs):
+# The private configs of prepared models (every sub-config too) → (the config, the model's name, its binding): the
+# mask interface is handed only the config, and needs the SP size to know how long the whole row is.
+_MASK_CONFIGS: dict[int, tuple[weakref.ref, str, "_Binding"]] = {}
+
+
+def _shard_padding_mask(*args, attention_mask=None, mask_function=None, config=None, q_length=None,
+                        kv_length=None, kv_offset=0, **kwargs):
     """Mask function for the "ulysses" key: hand the attention this shard's 2-D padding mask as it is.
 
     A 4-D mask built at shard length would be wrong after the all-to-all, so the attention gathers the 2-D mask
     and builds its own. The mask is kept even when this shard holds no padding (flash's mask function would
     drop it): gathering is a collective, so the decision must be the same on every rank of the SP group, and
     only "the batch has an attention_mask" is.
+
+    Every pattern in `mask_function` other than causal attention (with padding and packed documents, which the
+    attention applies itself) would be dropped, so it is refused here (attention/masks.py), before the model's
+    first attention layer and so alike on every SP rank before any all-to-all of this forward.
     """
+    entry = _MASK_CONFIGS.get(id(config))
+    if mask_function is not None and entry is not None and entry[0]() is config:
+        _, model_name, binding = entry
+        decode = binding.decode
+        if not binding.sharded:
+            # SP 1: the model's own mask for what the core does not apply (see _ulysses_attention_forward).
+            own_mask = functools.partial(ALL_MASK_ATTENTION_FUNCTIONS[binding.backend], *args,
+                                         attention_mask=attention_mask, mask_function=mask_function, config=config,
+                                         q_length=q_length, kv_length=kv_length, kv_offset=kv_offset, **kwargs)
+            if decode is not None:
+                return own_mask()
+            try:
+                reject_unsupported_pattern(mask_function, q_length, model_name)
+            except NotImplementedError:
+                return own_mask()
+            return attention_mask
+        if decode is None:
+            # Called with this shard's length: the whole row spans every shard of the SP group (and ring).
+            row_length = q_length * binding.group.world_size * binding.ring.world_size
+        elif not decode.prefilled:
+            row_length = decode.prompt_length
+        else:  # each rank's cache: its prompt shard, then every generated token, this one included
+            row_length = decode.prompt_length + kv_length + kv_offset - decode.shard_length
+        reject_unsupported_pattern(mask_function, row_length, model_name)
     return attention_mask
 
 
@@ -187,11 +238,15 @@ class PreparedHFModel:
     original_loss_function: Any = _NOT_SET
     loss_swapped: bool = False
     hooks: list = field(default_factory=list)
+    mask_configs: list[int] = field(default_factory=list)
 
     def restore(self) -> None:
         for hook in self.hooks:
             hook.remove()
         self.hooks = []
+        for key in self.mask_configs:
+            _MASK_CONFIGS.pop(key, None)
+        self.mask_configs = []
         for module in self.model.modules():
             if _BINDING_ATTRIBUTE in module.__dict__:
                 del module.__dict__[_BINDING_ATTRIBUTE]
@@ -296,6 +351,10 @@ def prepare_hf_model(
         module.__dict__[_BINDING_ATTRIBUTE] = binding
     if sharded and batch_rows is not None:
         prepared.hooks.append(model.register_forward_pre_hook(_PositionCheck(model, binding), with_kwargs=True))
+    for private in memo.values():
+        if isinstance(private, PreTrainedConfig):
+            _MASK_CONFIGS[id(private)] = (weakref.ref(private), type(model).__name__, binding)
+            prepared.mask_configs.append(id(private))
     return prepared
 
 

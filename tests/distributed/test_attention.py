@@ -79,3 +79,41 @@ def test_prepare_is_per_model_and_restorable(results, sp, kv_heads):
     for rank in results:
         assert rank[sp][f"bystander_keeps_sdpa_kv{kv_heads}"] is True
         assert rank[sp][f"restored_kv{kv_heads}"] is True
+
+
+REFUSALS = {
+    "phimoe_window": ["PhimoeForCausalLM uses a sliding window of 4 tokens, shorter than its rows of 16 tokens",
+                      "Use rows of at most 4 tokens"],
+    "llama4_chunks": ["Llama4ForCausalLM uses chunked attention with chunks of 4 tokens, shorter than its rows of 16",
+                      "Use rows of at most 4 tokens"],
+    "gemma3_overlay": ["Gemma3ForCausalLM builds its attention mask with an overlay", "use a model without it"],
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_mask_only_patterns_are_refused_on_every_rank(results, case):
+    for rank in results:
+        message = rank[2][f"refused_{case}"]
+        assert message is not None, f"{case} ran at SP 2 (its pattern silently became causal attention)"
+        for fragment in REFUSALS[case]:
+            assert fragment in message, message
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_window_no_shorter_than_the_row_is_exact(results, sp):
+    for rank in results:
+        assert rank[sp]["mistral_window_loss"] < 1e-5
+        assert rank[sp]["mistral_window_grad_relative"] < 1e-5
+
+
+@pytest.mark.parametrize("rows", ["padded", "unmasked"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("sp", [2, 4])
+def test_moe_load_balancing_loss_equals_full_model(results, sp, family, rows):
+    key = f"{family}_{rows}"
+    for rank in results:
+        assert rank[sp][f"router_aux_{key}"] < 1e-5
+        assert rank[sp][f"router_loss_{key}"] < 1e-5
+        assert rank[sp][f"router_grad_relative_{key}"] < 1e-5
+        assert rank[sp][f"router_bystander_{key}"] < 1e-6  # another model of the family keeps its own loss
+        assert rank[sp][f"router_restored_{key}"] < 1e-6

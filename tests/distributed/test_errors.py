@@ -23,6 +23,9 @@ CASES = {
     "positions_forgotten": ({"stage": 2}, "ValueError", ["LlamaForCausalLM was called under sequence parallelism with no position_ids", "position_ids=batch['position_ids']"]),
     "positions_not_global": ({"stage": 3}, "ValueError", ["with position_ids that are not the batch's", "model(**batch)"]),
     "ranks_fed_different_samples": ({"stage": 2}, "ValueError", ["ranks [0, 1] of one sequence-parallel group were given different batches", "strategy.data_parallel_rank"]),
+    # In the model's forward (its mask function), before the first all-to-all, under ZeRO-3's parameter hooks.
+    "mask_only_sliding_window": ({}, "NotImplementedError", ["Qwen2MoeForCausalLM uses a sliding window of 4 tokens, shorter than its rows of 16 tokens", "Use rows of at most 4 tokens"]),
+    "unknown_router_loss": ({}, "NotImplementedError", ["DogeForCausalLM computes its MoE load-balancing loss", "Set output_router_logits=False"]),
     "unavailable_backend": ({"stage": 0}, "ImportError", ["'flash_attention_2' needs the flash-attn package", "use 'sdpa'"]),
 }
 

@@ -21,6 +21,7 @@ from lightning_ulysses.attention.documents import DocumentMask
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
 from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.loss import SequenceParallelCausalLMLoss
+from lightning_ulysses.moe import SequenceParallelRouterLoss, exact_router_loss, sharder_padding
 from tests.distributed.common import summed_gradient_error, tiny_llama
 
 
@@ -214,6 +215,97 @@ def check_hf_model(groups, results):
         )
 
 
+def tiny_hf(family: str, seed: int = 0, **config):
+    """A 2-layer model of `family` (4 heads, 2 KV heads: replicated at SP 4), fp32, sdpa."""
+    import transformers
+
+    config_class, model_class = {
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
+        "phimoe": ("PhimoeConfig", "PhimoeForCausalLM"),
+        "llama4": ("Llama4TextConfig", "Llama4ForCausalLM"),
+        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+        "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+        "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    }[family]
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=False)
+    if family in ("phimoe", "mixtral", "qwen3_moe", "llama4"):
+        shape.update(num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                     intermediate_size_mlp=48)
+    cfg = getattr(transformers, config_class)(**{**shape, **config}, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    return getattr(transformers, model_class)(cfg).float()
+
+
+def check_mask_refusals(groups, results):
+    """Patterns transformers builds only through mask functions are refused alike on every rank, before any
+    all-to-all (a rank that went on would hang the next collective of this worker)."""
+    sp, group = groups.sequence_parallel_world_size, groups.sequence_parallel_group
+    cases = {
+        "phimoe_window": ("phimoe", {"sliding_window": 4}),  # the window lives in the mask only
+        "llama4_chunks": ("llama4", {"attention_chunk_size": 4, "no_rope_layers": [1, 0]}),
+        "gemma3_overlay": ("gemma3", {"use_bidirectional_attention": True, "sliding_window": 64}),
+    }
+    for name, (family, config) in cases.items():
+        model = tiny_hf(family, **config)
+        prepared = prepare_hf_model(model, group, SequenceParallelCausalLMLoss(group, gradient_scale=1.0))
+        shard = SequenceSharder(sp, groups.sequence_parallel_rank)(padded_batch())
+        try:
+            model(**shard)
+            results[f"refused_{name}"] = None
+        except NotImplementedError as error:
+            results[f"refused_{name}"] = str(error)
+        finally:
+            prepared.restore()
+
+
+def check_long_sliding_window(groups, results):
+    """A window no shorter than the whole row is plain causal attention: exact (Mistral also passes it on as a
+    kwarg); at SP 4 the shards are 4 tokens long, so the decision must use the whole row."""
+    sp, group = groups.sequence_parallel_world_size, groups.sequence_parallel_group
+    batch = padded_batch()
+    reference = tiny_hf("mistral", sliding_window=16)
+    reference_loss = reference(**batch).loss
+    reference_loss.backward()
+    model = tiny_hf("mistral", sliding_window=16)
+    prepared = prepare_hf_model(model, group, SequenceParallelCausalLMLoss(group, gradient_scale=1.0))
+    loss = model(**SequenceSharder(sp, groups.sequence_parallel_rank)(batch)).loss
+    loss.backward()
+    results["mistral_window_loss"] = abs(loss.item() - reference_loss.item())
+    results["mistral_window_grad_relative"] = summed_gradient_error(model, reference, group)
+    prepared.restore()
+
+
+def check_router_loss(groups, results, swap: bool = True):
+    """MoE load-balancing loss (output_router_logits=True): the whole sequence's value and gradient at every SP size,
+    with a padding mask, and without one on a row the sharder pads to a multiple of the SP size."""
+    sp, group = groups.sequence_parallel_world_size, groups.sequence_parallel_group
+    unmasked = padded_batch(seq_len=14)
+    del unmasked["attention_mask"]
+    for family in ("mixtral", "qwen3_moe"):
+        for rows, batch in (("padded", padded_batch()), ("unmasked", unmasked)):
+            config = dict(output_router_logits=True, router_aux_loss_coef=0.5)
+            reference = tiny_hf(family, seed=3, **config)
+            expected = reference(**batch)
+            expected.loss.backward()
+            model = tiny_hf(family, seed=3, **config)
+            bystander = tiny_hf(family, seed=3, **config)  # same family, same process, never prepared
+            prepared = prepare_hf_model(model, group, SequenceParallelCausalLMLoss(group, gradient_scale=1.0))
+            sharder = SequenceSharder(sp, groups.sequence_parallel_rank)
+            undo = (exact_router_loss(model, SequenceParallelRouterLoss(group, 1.0, sharder_padding(lambda: sharder)))
+                    if swap else lambda: None)
+            output = model(**sharder(batch))
+            output.loss.backward()
+            key = f"{family}_{rows}"
+            results[f"router_aux_{key}"] = abs(output.aux_loss.item() - expected.aux_loss.item())
+            results[f"router_loss_{key}"] = abs(output.loss.item() - expected.loss.item())
+            results[f"router_grad_relative_{key}"] = summed_gradient_error(model, reference, group)
+            results[f"router_bystander_{key}"] = abs(bystander(**batch).aux_loss.item() - expected.aux_loss.item())
+            undo()
+            prepared.restore()
+            results[f"router_restored_{key}"] = abs(model(**batch).aux_loss.item() - expected.aux_loss.item())
+
+
 def main():
     spec = json.loads(Path(sys.argv[1]).read_text())
     dist.init_process_group("gloo")
@@ -226,6 +318,10 @@ def main():
         check_head_groups(groups, results)
         check_exchange_edges(groups, results)
         check_hf_model(groups, results)
+        if sp == 2:
+            check_mask_refusals(groups, results)
+        check_long_sliding_window(groups, results)
+        check_router_loss(groups, results, swap=spec.get("swap_router_loss", True))
         output[sp] = results
     torch.save(output, Path(sys.argv[2]) / f"result_{dist.get_rank()}.pt")
     dist.destroy_process_group()

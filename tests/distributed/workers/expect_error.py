@@ -38,6 +38,24 @@ def llama_module(num_heads: int, num_key_value_heads: int, attn_implementation: 
     return module
 
 
+def moe_module(kind: str) -> CausalLM:
+    """Qwen2-MoE whose first layer's sliding window (4 < rows of 16) lives in its mask only; Doge, whose MoE
+    load-balancing loss is not transformers' shared implementation, asking for it."""
+    import transformers
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=4, num_experts=4, num_experts_per_tok=2, attn_implementation="sdpa")
+    module = CausalLM(num_key_value_heads=1)
+    if kind == "mask_only_sliding_window":
+        module.model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **shape, moe_intermediate_size=16, shared_expert_intermediate_size=16, use_sliding_window=True,
+            sliding_window=4, max_window_layers=2))
+    else:
+        module.model = transformers.DogeForCausalLM(transformers.DogeConfig(**shape, is_moe=True,
+                                                                            output_router_logits=True))
+    return module
+
+
 class OpaqueAttentionModule(PlainModule):
     """UlyssesAttention around a callable it cannot know to be softmax attention (no `causal=` declared)."""
 
@@ -98,6 +116,8 @@ def build(case):
         module = llama_module(num_heads=6, num_key_value_heads=3)
     elif kind == "eager_attention":
         module = llama_module(num_heads=4, num_key_value_heads=4, attn_implementation="eager")
+    elif kind in ("mask_only_sliding_window", "unknown_router_loss"):
+        module = moe_module(kind)
     elif kind == "no_attention_to_wrap":
         module = PlainModule()
     elif kind == "opaque_attention_on_ring":
