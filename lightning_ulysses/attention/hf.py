@@ -117,8 +117,9 @@ def _ulysses_attention_forward(module, query, key, value, attention_mask, **kwar
         )
     group = binding.group.group
     row_length = query.size(2) * binding.group.world_size * binding.ring.world_size
-    if not binding.sharded and (binding.decode is not None or _unsupported(module, attention_mask, kwargs, row_length)):
-        # SP 1: what the core does not apply (generation with a KV cache, sliding windows, soft-capping, sinks,
+    if not binding.sharded and (binding.decode is not None or key.size(2) != query.size(2)
+                                or _unsupported(module, attention_mask, kwargs, row_length)):
+        # SP 1: what the core does not apply (decoding from a KV cache, sliding windows, soft-capping, sinks,
         # masks built from other mask functions) runs through the model's own attention, exactly as unprepared.
         return ALL_ATTENTION_FUNCTIONS[binding.backend](module, query, key, value, attention_mask, **kwargs)
     if binding.decode is not None and binding.decode.prefilled:
@@ -166,7 +167,7 @@ def _shard_padding_mask(*args, attention_mask=None, mask_function=None, config=N
             own_mask = functools.partial(ALL_MASK_ATTENTION_FUNCTIONS[binding.backend], *args,
                                          attention_mask=attention_mask, mask_function=mask_function, config=config,
                                          q_length=q_length, kv_length=kv_length, kv_offset=kv_offset, **kwargs)
-            if decode is not None:
+            if decode is not None or q_length != kv_length:  # decoding from a KV cache
                 return own_mask()
             try:
                 reject_unsupported_pattern(mask_function, q_length, model_name)
