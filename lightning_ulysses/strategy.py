@@ -614,8 +614,9 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         batch counter at the end of that epoch: with `max_steps` (which makes Lightning treat every resume as a
         restart) it trains one batch of the next epoch and ends that epoch there. Both are rewritten to the
         state between the same two steps of an uninterrupted run: the epoch in progress, or the next one not yet
-        begun. A save inside a batch hook (ModelCheckpoint every n steps, a callback), before Lightning counts
-        the epoch, already resumes correctly and only gets its epoch counters made consistent."""
+        begun. A save inside a batch hook (ModelCheckpoint every n steps, a callback) comes before Lightning counts
+        the epoch and resumes correctly as it is; in mid-epoch its epoch counters are written out consistently
+        too (after some of Lightning's own restarts, `ready` lags `processed` by one)."""
         fit = loops.get("fit_loop")
         epoch = self._data_epoch
         if fit is None or epoch is None:  # nothing trained since this process started (or loaded) the run
