@@ -58,7 +58,8 @@ CASES = [
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("checkpoints")
-    results = launch(WORKERS / "resume.py", WORLD_SIZE, {"world_size": WORLD_SIZE, "cases": CASES}, workdir, timeout=900)
+    spec = {"world_size": WORLD_SIZE, "cases": CASES}
+    results = launch(WORKERS / "resume.py", WORLD_SIZE, spec, workdir, timeout=900)  # 20 runs: slow on a busy machine
     return results, workdir
 
 

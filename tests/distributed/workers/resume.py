@@ -5,9 +5,9 @@ another epoch's permutation shows in the samples. Checkpoints come from every sa
 steps and at epoch end, `trainer.save_checkpoint` from a callback at a step and after `fit` returned (max_steps),
 and the SIGTERM save.
 
-Every run records, per training step: the loss, the sample indices of the step's batch, Lightning's epoch, and one
-draw from the global torch RNG (a probe: equal draws after a resume mean the generator states were restored exactly, without
-dropout changing the model's math). Rank 0 records the final weights and the initial ones.
+Every run records, per training step: the loss, the sample indices of the step's batch, Lightning's epoch, and
+one draw from the global torch RNG (a probe: equal draws after a resume mean the generator states were restored
+exactly, without dropout changing the model's math). Rank 0 records the final weights and the initial ones.
 """
 
 import json
