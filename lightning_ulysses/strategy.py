@@ -227,6 +227,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._watchdog: Optional[RankWatchdog] = None
         self._hf_model_configs: dict[str, Any] = {}  # module path → the config save_pretrained will need
         self._resume: Optional[_PendingResume] = None
+        self._data_epoch: Optional[int] = None  # the epoch the last training batch came from (see _resumable_loops)
         self._preflight_reported = False
         self._sigterm_pending = False  # a SIGTERM this rank received, not yet agreed on (see _agree_on_sigterm)
 
@@ -577,6 +578,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             checkpoints.prepare_staging(path)
         self.barrier("lightning_ulysses.checkpoint.staging")
         staging = checkpoints.staging_path(path)
+        if "loops" in checkpoint:
+            checkpoint = {**checkpoint, "loops": self._resumable_loops(checkpoint["loops"])}
         super().save_checkpoint(checkpoint, staging, storage_options)
         checkpoints.save_rng_state(staging, self.global_rank)
         if self.is_global_zero:
@@ -602,16 +605,54 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         batch_size = getattr(self.lightning_module.trainer.train_dataloader, "batch_size", None)
         return None if batch_size is None else batch_size * self.parallel_groups.data_parallel_world_size
 
-    def _epoch_samples_consumed(self) -> int:
-        """Samples of the current epoch trained on so far, over all DP ranks (0 between epochs)."""
+    def _epoch_position(self) -> tuple[int, bool]:
+        """Batches of the current epoch trained on so far, and whether that epoch's data is used up."""
         trainer = self.lightning_module.trainer
         progress = trainer.fit_loop.epoch_loop.batch_progress
-        if progress.is_last_batch or not progress.current.processed:
+        done = progress.current.processed
+        return done, progress.is_last_batch or done >= trainer.num_training_batches
+
+    def _epoch_samples_consumed(self) -> int:
+        """Samples of the current epoch trained on so far, over all DP ranks (0 between epochs)."""
+        done, used_up = self._epoch_position()
+        if used_up or not done:
             return 0
         global_batch = self._global_batch_size()
         if global_batch is None:  # a custom batch sampler: positions cannot be counted in samples
             return -1
-        return progress.current.processed * global_batch
+        return done * global_batch
+
+    def _resumable_loops(self, loops: dict[str, Any]) -> dict[str, Any]:
+        """Lightning's loop state as the uninterrupted run had it at this data position, so that a resume continues
+        on the same epoch's sampler permutation with the same epoch counters.
+
+        Lightning counts an epoch as processed (and, after `fit`, completed) as soon as its epoch loop ends, also
+        when `max_steps` ends it inside the epoch; a resume then sets the sampler to the next epoch and calls the
+        rest of the old one's batches part of it. And a checkpoint whose epoch ran to its end resumes with the
+        batch counter at the end of that epoch: with `max_steps` (which makes Lightning treat every resume as a
+        restart) it trains one batch of the next epoch and ends that epoch there. Both are rewritten to the
+        state between the same two steps of an uninterrupted run: the epoch in progress, or the next one not yet
+        begun. A save inside a batch hook (ModelCheckpoint every n steps, a callback) comes before Lightning counts
+        the epoch and resumes correctly as it is; in mid-epoch its epoch counters are written out consistently
+        too (after some of Lightning's own restarts, `ready` lags `processed` by one)."""
+        fit = loops.get("fit_loop")
+        epoch = self._data_epoch
+        if fit is None or epoch is None:  # nothing trained since this process started (or loaded) the run
+            return loops
+        done, used_up = self._epoch_position()
+        counted = fit["epoch_progress"]["current"]["processed"] > epoch  # Lightning has counted the data's epoch
+        if used_up and counted:
+            epochs = dict.fromkeys(("ready", "started", "processed", "completed"), epoch + 1)
+            batches = {**fit["epoch_loop.batch_progress"], "is_last_batch": False,
+                       "current": dict.fromkeys(("ready", "started", "processed", "completed"), 0)}
+        elif done and not used_up:
+            epochs = {"ready": epoch + 1, "started": epoch + 1, "processed": epoch, "completed": epoch}
+            batches = fit["epoch_loop.batch_progress"]
+        else:
+            return loops
+        fit = {**fit, "epoch_progress": {"total": dict(epochs), "current": dict(epochs)},
+               "epoch_loop.batch_progress": batches}
+        return {**loops, "fit_loop": fit}
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -654,10 +695,19 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """After a resume in the middle of an epoch, skip the samples that epoch already trained on."""
+        """After a resume in the middle of an epoch, skip the samples that epoch already trained on; at an epoch
+        boundary, restore the random generators here."""
         resume = self._resume
         trainer = self.lightning_module.trainer
-        if resume is None or trainer.state.stage != RunningStage.TRAINING or resume.epoch_samples_consumed == 0:
+        if resume is None or trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        if resume.epoch_samples_consumed == 0:
+            # Between an epoch's last step and the next one, the uninterrupted run drew from the global generator
+            # for the new epoch's data loader iterator (its base seed); Lightning creates that iterator right after
+            # this call, so the generators continue from here, not from the first batch.
+            if resume.rng_state is not None:
+                checkpoints.restore_rng_state(resume.rng_state)
+                resume.rng_state = None
             return dataloader
         if resume.epoch_samples_consumed < 0 or not isinstance(dataloader, DataLoader) or dataloader.sampler is None:
             rank_zero_warn("The checkpoint's position inside its epoch cannot be restored for this dataloader (a"
@@ -673,12 +723,15 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        # Restored here, not at load: the dataloader and anything between load and the first step would otherwise
-        # consume random numbers the uninterrupted run did not.
+        # Mid-epoch, restored here, not at load: the dataloader and anything between load and the first step would
+        # otherwise consume random numbers the uninterrupted run did not (at an epoch boundary: process_dataloader).
         if self._resume is not None:
             if self._resume.rng_state is not None:
                 checkpoints.restore_rng_state(self._resume.rng_state)
             self._resume = None
+        # Lightning set the sampler's epoch from this counter when the epoch began; it stays until the epoch loop
+        # ends (a checkpoint needs it after that, see `_resumable_loops`).
+        self._data_epoch = self.lightning_module.trainer.fit_loop.epoch_progress.current.processed
         self._agree_on_sigterm()
         super().on_train_batch_start(batch, batch_idx)
 

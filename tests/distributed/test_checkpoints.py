@@ -14,6 +14,17 @@ from tests.distributed.harness import launch
 WORKERS = Path(__file__).parent / "workers"
 WORLD_SIZE = 4
 STEPS, SAVE_AT = 4, 2  # 12 samples: at a global batch of 4, step 2 is mid-epoch and step 4 is in the next epoch
+LONG = 7  # the SP 2 × DP 2 reference: epochs 0 and 1 whole (steps 1-3, 4-6), and one step of epoch 2
+
+# Every way a checkpoint gets written, each resumed at SP 2 × DP 2 and compared with the uninterrupted "sp2".
+SAVE_PATHS = {
+    "after_fit_mid_epoch": "stop_mid_epoch/after_fit.ckpt",  # fit(max_steps=2); trainer.save_checkpoint
+    "epoch_end_hook_mid_epoch": f"stop_mid_epoch/epoch_end/step={SAVE_AT}.ckpt",  # ModelCheckpoint, same stop
+    "after_fit_at_epoch_end": "stop_at_epoch_end/after_fit.ckpt",  # fit(max_steps=3): the epoch's last step
+    "epoch_end": "sp2/epoch_end/step=3.ckpt",  # ModelCheckpoint(every_n_epochs=1) at a real epoch end
+    "last_batch": "sp2/step=3.ckpt",  # ModelCheckpoint(every_n_train_steps=3): after the epoch's last batch
+    "callback_mid_epoch": "sp2/callback.ckpt",  # trainer.save_checkpoint from on_train_batch_end after step 5
+}
 
 CASES = [
     {"name": "sp4", "sp": 4, "batch_size": 4, "steps": STEPS, "save_every": SAVE_AT},
@@ -25,26 +36,42 @@ CASES = [
      "expect_error": True},
     {"name": "sp1", "sp": 1, "batch_size": 1, "steps": STEPS, "save_every": SAVE_AT},
     {"name": "sp1_to_sp4", "sp": 4, "batch_size": 4, "steps": STEPS, "resume": f"sp1/step={SAVE_AT}.ckpt"},
-    {"name": "sp2", "sp": 2, "batch_size": 2, "steps": STEPS},
+    # Uninterrupted, saving along the way: ModelCheckpoint every 3 steps (the epoch's last batch, is_last_batch),
+    # ModelCheckpoint at every epoch end, and `trainer.save_checkpoint` from a callback after step 5 (mid-epoch).
+    {"name": "sp2", "sp": 2, "batch_size": 2, "steps": LONG, "save_every": 3, "save_epoch_end": True,
+     "save_at_step": 5},
     {"name": "sp2_sigterm", "sp": 2, "batch_size": 2, "steps": STEPS, "sigterm_in_batch": SAVE_AT - 1},
-    {"name": "sp2_from_sigterm", "sp": 2, "batch_size": 2, "steps": STEPS, "resume": "hpc", "root": "sp2_sigterm"},
+    {"name": "sp2_from_sigterm", "sp": 2, "batch_size": 2, "steps": LONG, "resume": "hpc", "root": "sp2_sigterm"},
+    # max_steps ends fit inside epoch 0 (Lightning then counts the epoch as done and runs its epoch-end hooks, so
+    # the epoch-end ModelCheckpoint saves too), and exactly at its end; each saved after fit returned.
+    {"name": "stop_mid_epoch", "sp": 2, "batch_size": 2, "steps": SAVE_AT, "save_after_fit": True,
+     "save_epoch_end": True},
+    {"name": "stop_at_epoch_end", "sp": 2, "batch_size": 2, "steps": 3, "save_after_fit": True},
+    *[{"name": f"from_{name}", "sp": 2, "batch_size": 2, "steps": LONG, "resume": path}
+      for name, path in SAVE_PATHS.items()],
+    # The checkpoint saved after fit at SP 2 × DP 2, resumed at SP 4 × DP 1 and SP 1 × DP 4 (same global batch).
+    {"name": "after_fit_to_sp4", "sp": 4, "batch_size": 4, "steps": LONG, "resume": SAVE_PATHS["after_fit_mid_epoch"]},
+    {"name": "after_fit_to_sp1", "sp": 1, "batch_size": 1, "steps": LONG, "resume": SAVE_PATHS["after_fit_mid_epoch"]},
 ]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("checkpoints")
-    results = launch(WORKERS / "resume.py", WORLD_SIZE, {"world_size": WORLD_SIZE, "cases": CASES}, workdir)
+    spec = {"world_size": WORLD_SIZE, "cases": CASES}
+    results = launch(WORKERS / "resume.py", WORLD_SIZE, spec, workdir, timeout=900)  # 20 runs: slow on a busy machine
     return results, workdir
 
 
 def steps(results, name):
-    """Per step: (global step, sorted samples over all ranks, losses of all ranks, RNG probes of all ranks)."""
+    """Per step: samples over all ranks, losses of all ranks, RNG probes of all ranks, Lightning's epoch."""
     by_step = {}
     for rank_result in results:
         for record in rank_result[name]["records"]:
-            entry = by_step.setdefault(record["global_step"], {"samples": set(), "losses": [], "probes": []})
+            entry = by_step.setdefault(record["global_step"],
+                                       {"samples": set(), "losses": [], "probes": [], "epochs": set()})
             entry["samples"].update(record["sample_index"])
+            entry["epochs"].add(record["epoch"])
             entry["losses"].append(record["loss"])
             entry["probes"].append(record["rng_probe"])
     return by_step
@@ -95,11 +122,54 @@ def test_sigterm_saves_exits_cleanly_and_resumes_exactly(runs):
     assert all(rank["sp2_sigterm"]["global_step"] == SAVE_AT for rank in results)
     assert (workdir / "sp2_sigterm" / "hpc_ckpt_1.ckpt" / "ulysses.json").exists()
     full, resumed = steps(results, "sp2"), steps(results, "sp2_from_sigterm")
-    assert sorted(resumed) == list(range(SAVE_AT, STEPS))
+    assert sorted(resumed) == list(range(SAVE_AT, LONG))
     for step in resumed:
         assert resumed[step] == full[step]
     for name, value in results[0]["sp2"]["weights"].items():
         assert torch.equal(results[0]["sp2_from_sigterm"]["weights"][name], value)
+
+
+def resumed_from(results, name):
+    """The global step a resumed run started at (its first recorded step)."""
+    return min(steps(results, name))
+
+
+def test_a_save_after_fit_stopped_mid_epoch_continues_that_epochs_permutation(runs):
+    # The reported failure: fit(max_steps=2), save, fit(ckpt_path, max_steps=7) trained steps 3.. on epoch 1's
+    # permutation (Lightning counts a max_steps stop as a finished epoch), with epoch 0's skip applied to it.
+    results, _ = runs
+    full, resumed = steps(results, "sp2"), steps(results, "from_after_fit_mid_epoch")
+    assert sorted(resumed) == list(range(SAVE_AT, LONG))
+    assert [resumed[step]["samples"] for step in resumed] == [full[step]["samples"] for step in resumed]
+    assert [resumed[step]["epochs"] for step in resumed] == [{0}, {1}, {1}, {1}, {2}]
+
+
+@pytest.mark.parametrize("save_path", list(SAVE_PATHS))
+def test_every_save_path_resumes_exactly(runs, save_path):
+    results, _ = runs
+    full, resumed = steps(results, "sp2"), steps(results, f"from_{save_path}")
+    start = resumed_from(results, f"from_{save_path}")
+    assert start == {"after_fit_mid_epoch": 2, "epoch_end_hook_mid_epoch": 2, "callback_mid_epoch": 5}.get(save_path, 3)
+    assert sorted(resumed) == list(range(start, LONG))
+    for step in resumed:  # same samples, losses, RNG draws and Lightning epoch, bit for bit
+        assert resumed[step] == full[step], step
+    for name, value in results[0]["sp2"]["weights"].items():
+        assert torch.equal(results[0][f"from_{save_path}"]["weights"][name], value)
+    assert {rank[f"from_{save_path}"]["current_epoch"] for rank in results} == {results[0]["sp2"]["current_epoch"]}
+
+
+@pytest.mark.parametrize("resumed", ["after_fit_to_sp4", "after_fit_to_sp1"])
+def test_a_save_after_fit_resumes_at_another_split(runs, resumed):
+    results, _ = runs
+    full, after = steps(results, "sp2"), steps(results, resumed)
+    assert sorted(after) == list(range(SAVE_AT, LONG))
+    for step in after:
+        assert after[step]["samples"] == full[step]["samples"]
+        assert after[step]["epochs"] == full[step]["epochs"]
+        full_mean = sum(full[step]["losses"]) / len(full[step]["losses"])
+        after_mean = sum(after[step]["losses"]) / len(after[step]["losses"])
+        assert abs(full_mean - after_mean) < 1e-6  # another reduction order: float rounding only
+    assert max_relative_weight_error(results, resumed, "sp2") < 1e-4
 
 
 def test_export_writes_a_state_dict_and_a_pretrained_model_with_identical_outputs(runs, tmp_path):

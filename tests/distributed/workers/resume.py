@@ -1,8 +1,13 @@
 """Worker: train, checkpoint, stop (max_steps or SIGTERM) and resume at the same or another SP × DP split.
 
-Every run records, per training step: the loss, the sample indices of the step's batch, and one draw from the
-global torch RNG (a probe: equal draws after a resume mean the generator states were restored exactly, without
-dropout changing the model's math). Rank 0 records the final weights and the initial ones.
+The data is shuffled (Lightning's DistributedSampler: one permutation per epoch), so a resume that continues on
+another epoch's permutation shows in the samples. Checkpoints come from every save path: ModelCheckpoint every n
+steps and at epoch end, `trainer.save_checkpoint` from a callback at a step and after `fit` returned (max_steps),
+and the SIGTERM save.
+
+Every run records, per training step: the loss, the sample indices of the step's batch, Lightning's epoch, and
+one draw from the global torch RNG (a probe: equal draws after a resume mean the generator states were restored
+exactly, without dropout changing the model's math). Rank 0 records the final weights and the initial ones.
 """
 
 import json
@@ -39,13 +44,25 @@ class FullyLabelledTokens(Dataset):
 class ResumableLM(CausalLM):
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
-        self.records[-1].update(rng_probe=torch.rand(1).item(), global_step=self.trainer.global_step)
+        self.records[-1].update(rng_probe=torch.rand(1).item(), global_step=self.trainer.global_step,
+                                epoch=self.trainer.current_epoch)
         return loss
 
     def configure_optimizers(self):
         # Momentum makes the optimizer state matter; the schedule makes the scheduler state matter.
         optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
         return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)]
+
+
+class SaveAtStep(L.Callback):
+    """`trainer.save_checkpoint` from user code in the middle of training (after the optimizer step of `step`)."""
+
+    def __init__(self, step: int, path: Path):
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
 
 
 class SigtermInStep(L.Callback):
@@ -68,6 +85,11 @@ def run(case: dict, workdir: Path, world_size: int) -> dict:
     if case.get("save_every"):
         callbacks.append(ModelCheckpoint(dirpath=workdir / case["name"], every_n_train_steps=case["save_every"],
                                          save_top_k=-1, filename="{step}"))
+    if case.get("save_epoch_end"):  # also where max_steps ends fit inside an epoch (Lightning's epoch-end hooks run)
+        callbacks.append(ModelCheckpoint(dirpath=workdir / case["name"] / "epoch_end", every_n_epochs=1,
+                                         save_on_train_epoch_end=True, save_top_k=-1, filename="{step}"))
+    if case.get("save_at_step"):
+        callbacks.append(SaveAtStep(case["save_at_step"], workdir / case["name"] / "callback.ckpt"))
     if case.get("sigterm_in_batch") is not None:
         callbacks.append(SigtermInStep(case["sigterm_in_batch"], case.get("sigterm_ranks", list(range(world_size)))))
     trainer = L.Trainer(
@@ -77,13 +99,15 @@ def run(case: dict, workdir: Path, world_size: int) -> dict:
         default_root_dir=workdir / case.get("root", case["name"]),
         strategy=lightning_ulysses.UlyssesDeepSpeedStrategy(sequence_parallel_size=case["sp"], stage=3),
     )
-    loader = DataLoader(FullyLabelledTokens(), batch_size=case["batch_size"], collate_fn=collate)
+    loader = DataLoader(FullyLabelledTokens(), batch_size=case["batch_size"], shuffle=True, collate_fn=collate)
     ckpt_path = case.get("resume")
     if ckpt_path and ckpt_path != "hpc":
         ckpt_path = str(workdir / ckpt_path)
     exited, error = False, None
     try:
         trainer.fit(module, loader, ckpt_path=ckpt_path)
+        if case.get("save_after_fit"):
+            trainer.save_checkpoint(workdir / case["name"] / "after_fit.ckpt")
     except SystemExit as stop:  # Lightning's SIGTERMException
         exited = stop.code in (None, 0)
     except ValueError as refused:
@@ -91,13 +115,14 @@ def run(case: dict, workdir: Path, world_size: int) -> dict:
             raise
         error = str(refused)
     return {
-        "records": [{k: v for k, v in r.items() if k in ("loss", "sample_index", "rng_probe", "global_step")}
+        "records": [{k: v for k, v in r.items() if k in ("loss", "sample_index", "rng_probe", "global_step", "epoch")}
                     for r in module.records],
         "weights": getattr(module, "final_weights", None) if dist.get_rank() == 0 else None,
         "initial": initial if dist.get_rank() == 0 else None,
         "exited_cleanly": exited,
         "error": error,
         "global_step": trainer.global_step,
+        "current_epoch": trainer.current_epoch,
     }
 
 
