@@ -53,7 +53,20 @@ def tiny_gpt(num_key_value_heads: int, seed: int = 0, num_layers: int = 2, **con
 def build_model(kind: str, num_key_value_heads: int, reference: bool = False):
     if kind == "gpt":
         return tiny_gpt(num_key_value_heads)
-    return tiny_llama(num_key_value_heads, attn_implementation="eager" if reference else "sdpa")
+    model = tiny_llama(num_key_value_heads, attn_implementation="eager" if reference else "sdpa")
+    if kind == "lora":
+        return tiny_lora(model)
+    return model
+
+
+def tiny_lora(model):
+    """A PEFT LoRA model: frozen base weights, adapters on attention and MLP projections (seeded, so every build
+    of it starts from the same adapter weights)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+    return get_peft_model(model, config)
 
 
 class UnevenlyMaskedTokens(Dataset):

@@ -49,12 +49,16 @@ def reference_training(
         optimizer.step()
         losses.append([loss.item() for loss in replica_losses])
     final = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return {"losses": losses, "initial": initial, "final": final}
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    return {"losses": losses, "initial": initial, "final": final, "trainable": trainable}
 
 
 def assert_weights_match(weights: dict, reference: dict) -> None:
     """Weights after the SGD steps equal the reference's within 1e-4 of the size of its update."""
     for name, final in reference["final"].items():
+        if name not in reference.get("trainable", reference["final"]):  # frozen (LoRA's base): never moves
+            assert torch.equal(weights[name], final), f"{name} is frozen but changed"
+            continue
         update = (final - reference["initial"][name]).norm()
         error = (weights[name] - final).norm()
         assert update > 0, name

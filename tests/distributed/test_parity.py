@@ -70,6 +70,9 @@ def _matrix():
         _case(4, 2, 2, "gqa", suffix="-own_loss", step="own_loss"),
         _case(4, 4, 3, "gqa", suffix="-ring2-labels_are_input_ids", step="labels_are_input_ids",
               strategy_kwargs={"ring_size": 2}),
+        # A PEFT LoRA model (frozen base, adapters train) against the same LoRA model in one process.
+        _case(4, 2, 3, "mqa", suffix="-lora", model="lora"),
+        _case(4, 2, 2, "gqa", suffix="-lora-labels_are_input_ids", model="lora", step="labels_are_input_ids"),
         # Pipelined head groups (NUM_HEADS 4 at SP 2: two groups of 2 heads, one per rank each).
         _case(2, 2, 3, "mha", suffix="-overlap2", strategy_kwargs={"overlap_head_groups": 2}),
         _case(4, 2, 2, "mha", suffix="-gpt-overlap2", model="gpt", strategy_kwargs={"overlap_head_groups": 2}),
