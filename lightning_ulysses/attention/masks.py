@@ -26,14 +26,27 @@ from typing import Callable, Optional
 from transformers import masking_utils as hf_masks
 
 _PROBE = hf_masks.causal_mask_function
+_NO_CODE = object()
+
+
+def _factory_code(name: str, *args):
+    """The code object of the closures transformers' factory `name` makes; None where this transformers has no such
+    factory (its closures are then unknown functions, refused rather than misread)."""
+    factory = getattr(hf_masks, name, None)
+    try:
+        return None if factory is None else factory(*args).__code__
+    except Exception:  # noqa: BLE001 - another signature in another release: treat as absent
+        return None
+
+
 # Closures made by one factory share its code object: these identify the pieces transformers composes masks from.
-_AND = hf_masks.and_masks(_PROBE).__code__
-_OR = hf_masks.or_masks(_PROBE).__code__
-_SLIDING = hf_masks.sliding_window_overlay(1).__code__
-_CHUNKED = hf_masks.chunked_overlay(1, None).__code__
-_PACKED = hf_masks.packed_sequence_mask_function(None).__code__
-_REMAP = hf_masks.remap_positions_for_packed_sequence(_PROBE, None).__code__
-_BLOCKWISE = hf_masks.blockwise_overlay(None).__code__
+_AND = _factory_code("and_masks", _PROBE)
+_OR = _factory_code("or_masks", _PROBE)
+_SLIDING = _factory_code("sliding_window_overlay", 1)
+_CHUNKED = _factory_code("chunked_overlay", 1, None)
+_PACKED = _factory_code("packed_sequence_mask_function", None)
+_REMAP = _factory_code("remap_positions_for_packed_sequence", _PROBE, None)
+_BLOCKWISE = _factory_code("blockwise_overlay", None)
 
 
 @dataclass(frozen=True)
@@ -52,10 +65,10 @@ def read_mask_function(mask_function: Callable) -> MaskPattern:
 
     def visit(function: Callable) -> None:
         nonlocal causal
-        code = getattr(function, "__code__", None)
+        code = getattr(function, "__code__", None) or _NO_CODE  # never equal to an absent factory's None
         if function is hf_masks.causal_mask_function:
             causal = True
-        elif function is hf_masks.bidirectional_mask_function:
+        elif function is getattr(hf_masks, "bidirectional_mask_function", None):
             unsupported.append("bidirectional attention (config.is_causal=False)")
         elif code is _AND:
             for member in _free(function, "mask_functions"):

@@ -22,7 +22,7 @@ def config():
     hf._register_attention()
     config = LlamaConfig(hidden_size=8, num_attention_heads=2, attention_chunk_size=None)
     config._attn_implementation = hf.ULYSSES_ATTENTION
-    binding = SimpleNamespace(group=SimpleNamespace(world_size=SP), ring=SimpleNamespace(world_size=1), decode=None)
+    binding = SimpleNamespace(group=SimpleNamespace(world_size=SP), ring=SimpleNamespace(world_size=1), decode=None, sharded=True)
     hf._MASK_CONFIGS[id(config)] = (lambda: config, "TinyModel", binding)
     yield config
     del hf._MASK_CONFIGS[id(config)]
