@@ -21,6 +21,8 @@ CASES = {
     "tuple_batch": ({"stage": 1}, "TypeError", ["must be a dict with at least 'input_ids'", "got list"]),
     "whole_row_documents": ({"stage": 0}, "ValueError", ["batch['cu_seq_lens_q'] describes packed documents of the whole row", "position_ids restarting at 0"]),
     "unavailable_backend": ({"stage": 0}, "ImportError", ["'flash_attention_2' needs the flash-attn package", "use 'sdpa'"]),
+    # Its small buckets divide by DP, its oversized ones by DP × SP: refused before any group is created.
+    "zero3_without_reduce_scatter": ({"stage": 3}, "ValueError", ["reduce_scatter=False cannot train exactly at sequence_parallel_size=2", "Leave reduce_scatter on"]),
 }
 
 
