@@ -76,7 +76,7 @@ RAISED = {
     "torchrun": (None, 4, 4, {"victim": 2, "at": 2}, "rank 2 (host {host}, pid {pid}, local rank 2) raised"
                  " RuntimeError: simulated out of memory on rank 2 at step 2"),
     # Rank 0, which hosts the rendezvous store, fails to commit a checkpoint while the others wait in a barrier.
-    "srun": (srun_variables, 2, 2, {"victim": 0, "at": 2, "raise_in": "commit"},
+    "srun": (srun_variables, 2, 2, {"victim": 0, "at": 2, "raise_in": "commit", "devices": 2},
              "rank 0 (host {host}, pid {pid}, local rank 0) raised OSError: [Errno 28] simulated: no space left"),
     "lightning": (lightning_launcher_variables, 1, 2, {"victim": 1, "at": 2, "devices": 2},
                   "rank 1 (host {host}, pid {pid}, local rank 1) raised RuntimeError: simulated out of memory"),

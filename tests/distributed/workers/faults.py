@@ -6,7 +6,7 @@ kills nobody, and `victim` lingers `linger` seconds after training before the st
 (which hosts the rendezvous store) leaves first, as it may at the end of any job. "raise" keeps every process
 alive but makes `victim` raise: in `training_step` at step `at` (an out-of-memory error on one rank), or with
 `raise_in: "commit"` in the `at`-th save's commit, which only global rank 0 runs (a full disk on rank 0).
-`spec["devices"]`: the number of ranks when the worker is started once and Lightning launches the others.
+`spec["devices"]`: the number of ranks, where WORLD_SIZE is not set (srun; Lightning launching the other ranks).
 """
 
 import json
