@@ -145,9 +145,10 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
 
     Checkpoints (`lightning_ulysses.checkpoint`) are saved atomically, resume exactly (RNG states and the position
     in the epoch's data included), resume at any other SP × DP split of the same number of ranks, and are
-    exported with `python -m lightning_ulysses checkpoint export`. A SIGTERM saves `hpc_ckpt_<n>.ckpt` in the
-    Trainer's `default_root_dir` at the next step boundary and exits with status 0 (resume with `ckpt_path="hpc"`;
-    SLURM requeues the job when Lightning's auto-requeue is on).
+    exported with `python -m lightning_ulysses checkpoint export`. A SIGTERM (and, under SLURM with Lightning's
+    auto-requeue on, its requeue signal SIGUSR1) saves `hpc_ckpt_<n>.ckpt` in the Trainer's `default_root_dir` at
+    the next step boundary, on every rank together, and exits with status 0 (resume with `ckpt_path="hpc"`; SLURM
+    requeues the job when auto-requeue is on). A rank that raises makes the others exit at once naming it.
     """
 
     strategy_name = "ulysses"
