@@ -9,6 +9,13 @@ seconds and watches everyone else's. A counter that stops moving for `timeout` s
 is not mistaken for a death; torch releases the GIL inside collectives and kernels, so a waiting rank still
 beats.
 
+A rank that *raises* (an out-of-memory error on one DP group, a save that fails on rank 0 only) is still alive
+and beating while the others wait for it in a collective. It records its failure in the store
+(`report_failure`, called from the strategy's `on_exception`): rank, host, pid, exception type and message. Every
+other rank's watchdog sees it within `_POLL` seconds and ends its process with the same status and a message
+naming it. Refusals that every rank raises alike (a bad configuration) are not mistaken for one rank's failure: a
+rank whose own main thread reports a failure within `_GRACE` seconds of seeing another's leaves by its own error.
+
 A rank that finishes normally marks itself finished first, so ranks leaving at slightly different times after
 `fit` (or after a SIGTERM checkpoint) are not reported.
 """
@@ -31,6 +38,9 @@ log = logging.getLogger(__name__)
 
 EXIT_PEER_LOST = 75  # EX_TEMPFAIL: "try again" for schedulers that requeue on it
 _PREFIX = "lightning_ulysses/watchdog"
+_POLL = 0.5  # seconds between two looks for a failure another rank reported (a single cheap store call)
+_GRACE = 2.0  # seconds a rank gives its own main thread to raise the same error before blaming another rank
+_MESSAGE_LIMIT = 500  # characters of an exception message carried to the other ranks
 
 
 class RankWatchdog:
@@ -51,8 +61,16 @@ class RankWatchdog:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._store: Optional[dist.Store] = None
+        self._generation = 0
+
+    # Watchdogs started so far in this process. Every rank starts one per fit/validate/test/predict, in the same
+    # order, so the count names the same run on every rank: keys of an earlier Trainer in the same process (a
+    # failure it reported, say) never reach a later one.
+    _starts = 0
 
     def start(self) -> None:
+        RankWatchdog._starts += 1
+        self._generation = RankWatchdog._starts
         # A client connection of our own: the main thread's store calls (barriers, new groups) never wait on ours.
         self._store = dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False,
                                     timeout=timedelta(seconds=max(30.0, self.timeout)))
@@ -75,6 +93,39 @@ class RankWatchdog:
                 pass
             self._store = None
 
+    def report_failure(self, exception: BaseException) -> None:
+        """Tell every other rank that this one raised `exception` and is leaving the job, so that they exit at
+        once (naming it) instead of waiting in a collective for it. Stops this rank's own watchdog first."""
+        store = self._store
+        if store is None:
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval + 5)
+            self._thread = None
+        message = str(exception).strip().replace("\n", " ")
+        if len(message) > _MESSAGE_LIMIT:
+            message = message[:_MESSAGE_LIMIT] + " [...]"
+        reason = f"{self._where(store, self.rank)} raised {type(exception).__name__}: {message}"
+        try:
+            store.set(self._key("failed", self.rank), "1")
+            store.compare_set(self._failure_key, "", reason)  # the first failure is the one everybody names
+            self._keep_store_until_read(store)
+        except Exception:  # the store's host may be gone already; this rank raises its own error anyway
+            pass
+
+    def _keep_store_until_read(self, store) -> None:
+        """On rank 0, where the store usually lives: wait (a few seconds at most) until every other rank has read
+        the failure report, reported a failure of its own or finished, so that none loses the store unread."""
+        if self.rank != 0:
+            return
+        deadline = time.monotonic() + 4 * _POLL + _GRACE
+        others = [rank for rank in range(self.world_size) if rank != self.rank]
+        while time.monotonic() < deadline and not all(
+                store.check([self._key("seen", rank)]) or store.check([self._key("failed", rank)])
+                or self._finished(store, rank) for rank in others):
+            time.sleep(_POLL / 5)
+
     def wait_for_lost_peer(self) -> None:
         """After a communication error in the main thread: give the watchdog time to name the rank that is gone
         (it then ends the process with that message). Returns if every rank is still beating after a full
@@ -85,15 +136,21 @@ class RankWatchdog:
         self._thread.join(timeout=self.timeout + 2 * self.interval)
 
     def _key(self, kind: str, rank: int) -> str:
-        return f"{_PREFIX}/{kind}/{rank}"
+        return f"{_PREFIX}/{self._generation}/{kind}/{rank}"
 
     def _run(self) -> None:
         store = self._store
         others = [rank for rank in range(self.world_size) if rank != self.rank]
         last_value = {rank: -1 for rank in others}
         last_change = {rank: time.monotonic() for rank in others}
-        while not self._stop.wait(self.interval):
+        next_beat = time.monotonic()
+        while not self._stop.wait(min(_POLL, self.interval)):
             try:
+                if store.check([self._failure_key]):
+                    self._blame_reported_failure(store)
+                if time.monotonic() < next_beat:
+                    continue
+                next_beat = time.monotonic() + self.interval
                 store.add(self._key("beat", self.rank), 1)
                 if store.check([self._lost_key]):  # another rank already found the lost one: say the same
                     self._abort(store.get(self._lost_key).decode(), announce=False)
@@ -115,22 +172,38 @@ class RankWatchdog:
                     " rank 0 (or in torchrun's agent), which has most likely died"
                 )
 
+    def _blame_reported_failure(self, store) -> None:
+        """Another rank reported that it raised: leave naming it, unless this rank's own main thread reports an
+        error within the grace period (every rank refusing the same configuration reaches here too)."""
+        reason = store.get(self._failure_key).decode()
+        store.set(self._key("seen", self.rank), "1")  # lets the store's host (rank 0) leave
+        if self._stop.wait(_GRACE):
+            return
+        self._keep_store_until_read(store)
+        self._abort(reason, announce=False, linger=False)
+
     def _finished(self, store, rank: int) -> bool:
         return store.add(self._key("finished", rank), 0) != 0  # set to "1" by `stop`
 
-    def _describe(self, store, rank: int, silent_for: float) -> str:
+    def _where(self, store, rank: int) -> str:
         try:
             info = json.loads(store.get(self._key("info", rank)))
-            where = f" (host {info['host']}, pid {info['pid']}, local rank {info['local_rank']})"
+            return f"rank {rank} (host {info['host']}, pid {info['pid']}, local rank {info['local_rank']})"
         except Exception:
-            where = ""
-        return f"rank {rank}{where} has sent no heartbeat for {silent_for:.0f} s: it died or is frozen"
+            return f"rank {rank}"
+
+    def _describe(self, store, rank: int, silent_for: float) -> str:
+        return f"{self._where(store, rank)} has sent no heartbeat for {silent_for:.0f} s: it died or is frozen"
 
     @property
     def _lost_key(self) -> str:
-        return f"{_PREFIX}/lost"
+        return f"{_PREFIX}/{self._generation}/lost"
 
-    def _abort(self, reason: str, announce: bool = True) -> None:
+    @property
+    def _failure_key(self) -> str:
+        return f"{_PREFIX}/{self._generation}/failure"
+
+    def _abort(self, reason: str, announce: bool = True, linger: bool = True) -> None:
         if self._stop.is_set():
             return
         try:
@@ -138,7 +211,7 @@ class RankWatchdog:
             # lost rank rather than us; the store host waits until the others had a chance to read it.
             if announce and self._store is not None:
                 self._store.set(self._lost_key, reason)
-            if self.rank == 0:
+            if self.rank == 0 and linger:
                 time.sleep(3 * self.interval)
         except Exception:
             pass

@@ -150,9 +150,10 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
 
     Checkpoints (`lightning_ulysses.checkpoint`) are saved atomically, resume exactly (RNG states and the position
     in the epoch's data included), resume at any other SP × DP split of the same number of ranks, and are
-    exported with `python -m lightning_ulysses checkpoint export`. A SIGTERM saves `hpc_ckpt_<n>.ckpt` in the
-    Trainer's `default_root_dir` at the next step boundary and exits with status 0 (resume with `ckpt_path="hpc"`;
-    SLURM requeues the job when Lightning's auto-requeue is on).
+    exported with `python -m lightning_ulysses checkpoint export`. A SIGTERM (and, under SLURM with Lightning's
+    auto-requeue on, its requeue signal SIGUSR1) saves `hpc_ckpt_<n>.ckpt` in the Trainer's `default_root_dir` at
+    the next step boundary, on every rank together, and exits with status 0 (resume with `ckpt_path="hpc"`; SLURM
+    requeues the job when auto-requeue is on). A rank that raises makes the others exit at once naming it.
     """
 
     strategy_name = "ulysses"
@@ -343,6 +344,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         # Raises before any collective; the ring size is settled against the model's heads in _prepare_modules.
         layout = ParallelLayout(world_size=self.world_size, sequence_parallel_size=size,
                                 ring_size=self._requested_ring_size or 1).with_ring_size(1)
+        gradient_scale_for(self.config, size)  # refuses a reduction no loss scale makes exact, before any group
         if self._groups is None or self._groups.layout.with_ring_size(1) != layout:  # fit → validate reuses them
             self._warn_if_groups_span_nodes(size)
             self._groups = SequenceParallelGroups.build(layout)
@@ -417,22 +419,38 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         thread happens to be: with a scheduler's signal arriving mid-step, that broadcast pairs with another rank's
         all-to-all or reduce-scatter (a hang, or silently wrong data). Only record the signal privately:
         `_agree_on_sigterm` turns it into Lightning's flag on every rank at once. (Lightning's end-of-batch check
-        reads each rank's own flag, so a flag set here directly would stop only the ranks the signal reached.)"""
+        reads each rank's own flag, so a flag set here directly would stop only the ranks the signal reached.)
+
+        SLURM's auto-requeue signal (SIGUSR1 unless `SLURMEnvironment(requeue_signal=...)` says otherwise) is
+        worse: Lightning's handler saves a whole checkpoint inside the handler, its collectives paired with
+        whatever the other ranks are doing. It takes the same route: recorded, agreed, then saved by every rank
+        at the same optimizer-step boundary, the job requeued and every rank exits (`_save_on_sigterm`); the
+        requeued job resumes with `ckpt_path="hpc"`."""
         self._sigterm_pending = False
         if threading.current_thread() is not threading.main_thread():
             return
-        connector = trainer._signal_connector
-        previous = signal.getsignal(signal.SIGTERM)
+        connector = type(trainer._signal_connector)
+        # Lightning's handlers that collect (broadcast, save) inside the handler; the others keep running.
+        replaced = (connector._sigterm_notifier_fn, connector._slurm_sigusr_handler_fn)
+        signals = [signal.SIGTERM]
+        environment = self.cluster_environment
+        if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
+            signals.append(environment.requeue_signal)
+        for signum in signals:
+            previous = signal.getsignal(signum)
+            handlers = getattr(previous, "signal_handlers", None)
+            if signum != signal.SIGTERM and not any(getattr(h, "__func__", None) in replaced for h in handlers or []):
+                continue  # the user's own requeue handler, which Lightning left in place: not ours to change
+            signal.signal(signum, functools.partial(self._record_sigterm, handlers or [], replaced))
 
-        def record_sigterm(signum, frame) -> None:
-            rank_zero_info("lightning_ulysses: SIGTERM received; saving at the next optimizer-step boundary.")
-            self._sigterm_pending = True
-            # Lightning's own non-broadcasting handlers (SLURM's "bypass") and the user's handlers keep running.
-            for handler in getattr(previous, "signal_handlers", []):
-                if getattr(handler, "__func__", None) is not type(connector)._sigterm_notifier_fn and callable(handler):
-                    handler(signum, frame)
-
-        signal.signal(signal.SIGTERM, record_sigterm)
+    def _record_sigterm(self, handlers: list, replaced: tuple, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        rank_zero_info(f"lightning_ulysses: {name} received; saving at the next optimizer-step boundary.")
+        self._sigterm_pending = True
+        # Lightning's own non-collective handlers (SLURM's SIGTERM "bypass") and the user's handlers keep running.
+        for handler in handlers:
+            if getattr(handler, "__func__", None) not in replaced and callable(handler):
+                handler(signum, frame)
 
     def _prepare_modules(self) -> None:
         self._restore_modules()
@@ -758,6 +776,12 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def backward(self, *args: Any, **kwargs: Any) -> Any:
+        # Lightning's automatic optimization already divides each micro-batch's loss by `accumulate_grad_batches`
+        # (`loops/optimization/automatic.py`) and gives DeepSpeed the same k as `gradient_accumulation_steps`;
+        # `DeepSpeedEngine.backward` would divide by k again (`scale_wrt_gas`), making every update (and the norm
+        # that gradient clipping compares) k times too small. DeepSpeed still counts the micro-steps, so its step
+        # boundary stays where it was; its loss scaler (fp16) is applied either way. Manual optimization has k = 1.
+        kwargs.setdefault("scale_wrt_gas", False)
         with sdpa_priority(self.sdpa_kernel_priority):
             return super().backward(*args, **kwargs)
 
@@ -785,13 +809,18 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         elif self._watchdog is not None and is_peer_failure(exception):
             # gloo/NCCL only say "connection closed by peer": let the watchdog name the rank (it exits if it can).
             self._watchdog.wait_for_lost_peer()
+        elif self._watchdog is not None and isinstance(exception, Exception):
+            # This rank leaves while the others may wait for it inside a collective (an OOM on one DP group, a
+            # save failing on rank 0 only): tell them, so they exit at once naming it (`faults.RankWatchdog`).
+            self._watchdog.report_failure(exception)
         super().on_exception(exception)
 
     def _save_on_sigterm(self) -> None:
         trainer = self.lightning_module.trainer
         path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
         trainer.save_checkpoint(path)
-        rank_zero_info(f"lightning_ulysses: SIGTERM received; saved {path}. Resume with trainer.fit(..., ckpt_path='hpc').")
+        rank_zero_info(f"lightning_ulysses: saved {path} on a scheduler's signal. Resume with trainer.fit(...,"
+                       " ckpt_path='hpc').")
         environment = self.cluster_environment
         if isinstance(environment, SLURMEnvironment) and environment.auto_requeue and self.is_global_zero:
             job_id = os.environ.get("SLURM_ARRAY_JOB_ID")

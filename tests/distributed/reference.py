@@ -25,8 +25,12 @@ def reference_training(
     dataset: Optional[Dataset] = None,
     replica_loss: Callable[..., torch.Tensor] = _model_loss,
     dataset_kwargs: dict | None = None,
+    micro_batches: int = 1,
 ) -> dict:
     """Train on `steps[t][dp_rank]` = sample indices, averaging the DP replicas' losses as DDP/ZeRO do.
+
+    `micro_batches` > 1: one SGD step per `t` still, each replica's samples cut into that many equal micro-batches
+    whose losses are averaged (what gradient accumulation means); `losses` then holds one entry per micro-batch.
 
     Uses eager attention and Hugging Face's own shifted loss (for the native GPT: its own unsharded forward and
     shifted loss), independent of everything under test; `replica_loss(model, batch)` replaces that loss (packed
@@ -39,15 +43,17 @@ def reference_training(
     losses = []
     for replicas in steps:
         optimizer.zero_grad()
-        replica_losses = []
+        micro_losses = []  # [dp_rank][micro-batch]
         for indices in replicas:
-            replica_losses.append(replica_loss(model, collate([dataset[i] for i in indices])))
-        torch.stack(replica_losses).mean().backward()
+            size = len(indices) // micro_batches
+            micro_losses.append([replica_loss(model, collate([dataset[i] for i in indices[j * size:(j + 1) * size]]))
+                                 for j in range(micro_batches)])
+        torch.stack([torch.stack(micro).mean() for micro in micro_losses]).mean().backward()
         if gradient_clip_val:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), gradient_clip_val)
             assert norm > gradient_clip_val, "the clipping case must actually clip"
         optimizer.step()
-        losses.append([loss.item() for loss in replica_losses])
+        losses += [[micro[j].item() for micro in micro_losses] for j in range(micro_batches)]
     final = {name: p.detach().clone() for name, p in model.named_parameters()}
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     return {"losses": losses, "initial": initial, "final": final, "trainable": trainable}

@@ -195,12 +195,17 @@ def test_export_writes_a_state_dict_and_a_pretrained_model_with_identical_output
 
 
 # A SIGTERM inside a gradient-accumulation window (world 2, SP 2, 6 batches of 2 per epoch, 2 batches per step),
-# and a SIGTERM that reaches only one rank while it is inside a batch.
+# and a SIGTERM that reaches only one rank while it is inside a batch. Under SLURM (auto-requeue), its requeue
+# signal SIGUSR1 reaching one rank inside a window.
 ACCUMULATION_CASES = [
     {"name": "accumulate", "sp": 2, "batch_size": 2, "steps": 3, "accumulate": 2},
     {"name": "accumulate_sigterm", "sp": 2, "batch_size": 2, "steps": 3, "accumulate": 2, "sigterm_in_batch": 2},
     {"name": "accumulate_resumed", "sp": 2, "batch_size": 2, "steps": 3, "accumulate": 2, "resume": "hpc",
      "root": "accumulate_sigterm"},
+    {"name": "accumulate_sigusr1", "sp": 2, "batch_size": 2, "steps": 3, "accumulate": 2, "sigterm_in_batch": 2,
+     "signal": "SIGUSR1", "sigterm_ranks": [1], "slurm": True},
+    {"name": "accumulate_sigusr1_resumed", "sp": 2, "batch_size": 2, "steps": 3, "accumulate": 2, "resume": "hpc",
+     "root": "accumulate_sigusr1", "slurm": True},
 ]
 
 
@@ -221,6 +226,22 @@ def test_sigterm_inside_an_accumulation_window_resumes_exactly(accumulation_runs
         assert resumed[step] == full[step]
     for name, value in results[0]["accumulate"]["weights"].items():
         assert torch.equal(results[0]["accumulate_resumed"]["weights"][name], value)
+
+
+def test_slurm_requeue_signal_to_one_rank_saves_on_every_rank_at_the_step_boundary(accumulation_runs):
+    # Lightning's own SIGUSR1 handler would save inside the signal handler, on the signalled rank only, in the middle
+    # of the window: its collectives would pair with whatever the other rank was doing.
+    results = accumulation_runs
+    assert {rank["accumulate_sigusr1"]["cluster_environment"] for rank in results} == {"SLURMEnvironment"}
+    assert all(rank["accumulate_sigusr1"]["exited_cleanly"] for rank in results)
+    assert {rank["accumulate_sigusr1"]["global_step"] for rank in results} == {2}
+    # Every rank trained exactly the batches up to the window's end (batch 3 of 0..5), none after it.
+    assert {len(rank["accumulate_sigusr1"]["records"]) for rank in results} == {4}
+    full, resumed = steps(results, "accumulate"), steps(results, "accumulate_sigusr1_resumed")
+    assert sorted(resumed) == [2]
+    assert resumed[2] == full[2]
+    for name, value in results[0]["accumulate"]["weights"].items():
+        assert torch.equal(results[0]["accumulate_sigusr1_resumed"]["weights"][name], value)
 
 
 @pytest.mark.parametrize("signalled_rank", [0, 1])

@@ -27,6 +27,8 @@ CASES = {
     "mask_only_sliding_window": ({}, "NotImplementedError", ["Qwen2MoeForCausalLM uses a sliding window of 4 tokens, shorter than its rows of 16 tokens", "Use rows of at most 4 tokens"]),
     "unknown_router_loss": ({}, "NotImplementedError", ["DogeForCausalLM computes its MoE load-balancing loss", "Set output_router_logits=False"]),
     "unavailable_backend": ({"stage": 0}, "ImportError", ["'flash_attention_2' needs the flash-attn package", "use 'sdpa'"]),
+    # Its small buckets divide by DP, its oversized ones by DP × SP: refused before any group is created.
+    "zero3_without_reduce_scatter": ({"stage": 3}, "ValueError", ["reduce_scatter=False cannot train exactly at sequence_parallel_size=2", "Leave reduce_scatter on"]),
 }
 
 

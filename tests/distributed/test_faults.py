@@ -56,3 +56,51 @@ def test_rank_0_leaving_first_at_the_end_of_a_job_is_not_a_failure(tmp_path):
     outcome = run_ranks(WORKER, 2, {"kill": "none", "victim": 1, "linger": linger, "sp": 2, "steps": 2,
                                     "heartbeat_timeout": HEARTBEAT_TIMEOUT}, tmp_path, timeout=BOUND)
     assert outcome.returncodes == [0, 0], outcome.logs[1][-3000:]
+
+
+def lightning_launcher_variables(rank: int, world_size: int) -> dict[str, str]:
+    """None: the user starts one process and Lightning's own launcher starts the other ranks."""
+    return {}
+
+
+def srun_variables(rank: int, world_size: int) -> dict[str, str]:
+    """What `srun --ntasks 2` on one node gives each task."""
+    return dict(SLURM_NTASKS=str(world_size), SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODEID="0",
+                SLURM_NNODES="1", SLURM_NTASKS_PER_NODE=str(world_size), SLURM_JOB_ID="4243",
+                SLURM_JOB_NAME="ulysses-test", SLURM_NODELIST="127.0.0.1")
+
+
+# (launcher, processes started, ranks, spec, what the others must print).
+RAISED = {
+    # Rank 2 raises in training_step; its SP partner waits in an all-to-all, the other DP group in the reduction.
+    "torchrun": (None, 4, 4, {"victim": 2, "at": 2}, "rank 2 (host {host}, pid {pid}, local rank 2) raised"
+                 " RuntimeError: simulated out of memory on rank 2 at step 2"),
+    # Rank 0, which hosts the rendezvous store, fails to commit a checkpoint while the others wait in a barrier.
+    "srun": (srun_variables, 2, 2, {"victim": 0, "at": 2, "raise_in": "commit", "devices": 2},
+             "rank 0 (host {host}, pid {pid}, local rank 0) raised OSError: [Errno 28] simulated: no space left"),
+    "lightning": (lightning_launcher_variables, 1, 2, {"victim": 1, "at": 2, "devices": 2},
+                  "rank 1 (host {host}, pid {pid}, local rank 1) raised RuntimeError: simulated out of memory"),
+}
+
+
+@pytest.mark.parametrize("launcher", list(RAISED))
+def test_a_rank_that_raises_ends_every_other_rank_naming_it(tmp_path, launcher):
+    variables, processes, ranks, spec, expected = RAISED[launcher]
+    # Found only by its silence, the victim would keep the others waiting for 600 s: the launch would time out.
+    outcome = run_ranks(WORKER, processes, dict(spec, kill="raise", sp=2, heartbeat_timeout=600), tmp_path,
+                        timeout=300, stop_on_first_failure=False,
+                        **({"launcher_variables": variables} if variables else {}))
+    assert outcome.failure != "timeout", outcome.logs
+    log = "\n".join(outcome.logs)
+    host, pid = next(line.split()[1:] for line in log.splitlines() if line.startswith("victim "))
+    message = f"lightning_ulysses: {expected.format(host=host, pid=pid)}"
+    victim = spec["victim"]
+    # Every rank but the victim ends with the watchdog's status and names the victim, its error and where it ran.
+    assert message in log, log[-6000:]
+    for rank in range(ranks):
+        assert (f"Ending rank {rank} with exit status {EXIT_PEER_LOST}" in log) == (rank != victim), log[-6000:]
+    if processes > 1:
+        assert all(message in text for rank, text in enumerate(outcome.logs) if rank != victim), log[-6000:]
+    for rank, code in enumerate(outcome.returncodes):
+        # The victim leaves with its own traceback (status 1); Lightning's launcher shows only its process, rank 0.
+        assert code == (1 if rank == victim else EXIT_PEER_LOST), (rank, log[-6000:])

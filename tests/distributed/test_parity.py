@@ -19,6 +19,7 @@ from tests.distributed.reference import assert_weights_match, reference_training
 WORKER = ROOT / "tests" / "distributed" / "workers" / "train_parity.py"
 STEPS, BATCH_SIZE, SEQ_LEN = 3, 2, 16
 ATTENTION = {"mha": NUM_HEADS, "mqa": 1, "gqa": 2}  # 1 KV head < SP 2 and 4: KV replication
+SMALL_BUCKET = 500  # elements: below every weight matrix of the tiny models (the norms fit)
 
 
 def _case(world_size, sp, stage, attention, seq_len=SEQ_LEN, suffix="", **extra):
@@ -36,8 +37,26 @@ def _matrix():
     cases += [
         # A length that SP 2 does not divide: padded at the end with ignored labels.
         _case(2, 2, 3, "mqa", seq_len=15, suffix="-len15"),
-        # ZeRO-3 without reduce-scatter divides gradients differently (see loss.gradient_scale_for).
-        _case(4, 2, 3, "mha", suffix="-no-reduce-scatter", strategy_kwargs={"reduce_scatter": False}),
+        # ZeRO-3 without reduce-scatter divides small buckets by DP and oversized ones by DP × SP (refused at SP > 1,
+        # see loss.gradient_scale_for); at SP 1 both are DP. Tiny buckets: every matrix is larger than one.
+        _case(4, 1, 3, "mha", suffix="-no-reduce-scatter-small-buckets",
+              strategy_kwargs={"reduce_scatter": False, "reduce_bucket_size": SMALL_BUCKET}),
+        # Parameters larger than reduce_bucket_size, with and without contiguous gradients: ZeRO-1/2 divide every
+        # bucket the same way, ZeRO-3's reduce-scatter too.
+        _case(4, 2, 1, "mha", suffix="-small-buckets", strategy_kwargs={"reduce_bucket_size": SMALL_BUCKET}),
+        _case(4, 2, 2, "mha", suffix="-small-buckets", strategy_kwargs={"reduce_bucket_size": SMALL_BUCKET}),
+        _case(4, 2, 2, "mqa", suffix="-small-buckets-not-contiguous",
+              strategy_kwargs={"reduce_bucket_size": SMALL_BUCKET, "contiguous_gradients": False}),
+        _case(4, 2, 3, "mha", suffix="-small-buckets", strategy_kwargs={"reduce_bucket_size": SMALL_BUCKET}),
+        # Gradient accumulation (micro-batches of 1) against one step over the same samples, clipped or not. The
+        # clipping threshold lies between the true gradient norm (0.96-1.53 here) and that norm / k: a norm k times
+        # too small would not be clipped (a threshold below both would hide the scale: clipping normalises it).
+        *[_case(4, sp, stage, attention, suffix=f"-accumulate{k}{'-clip' if clip else ''}", batch_size=1,
+                steps=STEPS if k == 2 else 2,
+                trainer_kwargs={"accumulate_grad_batches": k, **({"gradient_clip_val": 0.8} if clip else {})})
+          for sp, stage, attention, k, clip in [
+              (2, 2, "mha", 2, False), (2, 3, "mha", 2, True), (2, 2, "mqa", 4, True), (2, 3, "mha", 4, False),
+              (1, 3, "mha", 2, True), (1, 2, "mha", 4, False)]],
         # Gradient clipping must count gradients replicated over the SP group once.
         _case(4, 2, 0, "mha", suffix="-clip", trainer_kwargs={"gradient_clip_val": 0.05}),
         _case(4, 2, 2, "mqa", suffix="-clip", trainer_kwargs={"gradient_clip_val": 0.05}),
@@ -109,9 +128,11 @@ def test_parity_with_single_process_reference(case, tmp_path_factory):
 def check_parity(case: dict, ranks: list[dict]) -> None:
     """Every rank's records and the final weights of one training case against the single-process reference."""
     sp = case["sp"]
+    accumulate = case.get("trainer_kwargs", {}).get("accumulate_grad_batches", 1)
+    batch_size = case["batch_size"]
     # Routing: the same samples on every rank of an SP group, different samples on different DP groups.
-    steps = []
-    for step in range(STEPS):
+    steps = []  # per micro-batch (= per record), per DP rank: its samples
+    for step in range(case["steps"] * accumulate):
         by_dp = {}
         for rank in ranks:
             by_dp.setdefault(rank["data_parallel_rank"], []).append(rank["records"][step]["sample_index"])
@@ -130,17 +151,22 @@ def check_parity(case: dict, ranks: list[dict]) -> None:
         for step, record in enumerate(rank["records"]):
             full = collate([dataset[i] for i in record["sample_index"]])
             extra = padded - case["seq_len"]
-            input_ids = torch.cat([full["input_ids"], torch.zeros(BATCH_SIZE, extra, dtype=torch.long)], 1)
-            labels = torch.cat([full["labels"][:, 1:], torch.full((BATCH_SIZE, extra + 1), -100)], 1)
+            input_ids = torch.cat([full["input_ids"], torch.zeros(batch_size, extra, dtype=torch.long)], 1)
+            labels = torch.cat([full["labels"][:, 1:], torch.full((batch_size, extra + 1), -100)], 1)
             sp_rank = rank["sequence_parallel_rank"]
             assert torch.equal(record["input_ids"], order.shard(input_ids, sp_rank, dim=1))
             assert torch.equal(record["labels"], order.shard(labels, sp_rank, dim=1))
             # Global positions at every SP size (SP 1 included: one rule for all).
-            assert torch.equal(record["position_ids"], order.positions(padded, sp_rank).expand(BATCH_SIZE, -1))
+            assert torch.equal(record["position_ids"], order.positions(padded, sp_rank).expand(batch_size, -1))
 
+
+    # One reference step per optimizer step, over all the samples of its accumulation window.
+    windows = [[sum((steps[t * accumulate + j][dp] for j in range(accumulate)), []) for dp in range(len(steps[0]))]
+               for t in range(case["steps"])]
     clip = case.get("trainer_kwargs", {}).get("gradient_clip_val")
-    reference = reference_training(case["kv_heads"], case["seq_len"], steps, gradient_clip_val=clip,
-                                   kind=case.get("model", "llama"), replica_loss=REFERENCE_LOSSES[case.get("step", "batch")])
+    reference = reference_training(case["kv_heads"], case["seq_len"], windows, gradient_clip_val=clip,
+                                   kind=case.get("model", "llama"), micro_batches=accumulate,
+                                   replica_loss=REFERENCE_LOSSES[case.get("step", "batch")])
 
     # Every returned loss: the whole-sequence loss of this rank's DP replica, the same on every SP rank.
     for rank in ranks:

@@ -141,6 +141,8 @@ def build(case):
         for attention in module.model.modules():
             if isinstance(attention, lightning_ulysses.UlyssesAttention):
                 attention.backend = "flash_attention_2"
+    elif kind == "zero3_without_reduce_scatter":
+        strategy_kwargs["reduce_scatter"] = False
     return module, lightning_ulysses.UlyssesDeepSpeedStrategy(stage=case.get("stage", 3), **strategy_kwargs), data
 
 

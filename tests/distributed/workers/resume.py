@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import lightning as L
@@ -66,18 +67,42 @@ class SaveAtStep(L.Callback):
 
 
 class SigtermInStep(L.Callback):
-    """What a scheduler's SIGTERM looks like to a rank: it arrives while a step runs. With `ranks` a subset: a
-    scheduler that signals only the launching process, or ranks skewed in time when the signal lands."""
+    """What a scheduler's SIGTERM (or SLURM's requeue signal) looks like to a rank: it arrives while a step runs.
+    With `ranks` a subset: a scheduler that signals only the launching process, or ranks skewed in time when the
+    signal lands."""
 
-    def __init__(self, batch_idx: int, ranks: list):
-        self.batch_idx, self.ranks = batch_idx, ranks
+    def __init__(self, batch_idx: int, ranks: list, signum: int = signal.SIGTERM):
+        self.batch_idx, self.ranks, self.signum = batch_idx, ranks, signum
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == self.batch_idx and trainer.global_rank in self.ranks:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), self.signum)
+
+
+@contextmanager
+def slurm_job(world_size: int):
+    """What `srun --ntasks <world_size>` on one node adds to a rank's environment (Lightning then picks its
+    SLURMEnvironment, auto-requeue on); removed again afterwards, for the next case of the same process."""
+    rank = os.environ["RANK"]
+    variables = dict(SLURM_NTASKS=str(world_size), SLURM_PROCID=rank, SLURM_LOCALID=rank, SLURM_NODEID="0",
+                     SLURM_NNODES="1", SLURM_NTASKS_PER_NODE=str(world_size), SLURM_JOB_ID="4244",
+                     SLURM_JOB_NAME="ulysses-test", SLURM_NODELIST="127.0.0.1")
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name in variables:
+            del os.environ[name]
 
 
 def run(case: dict, workdir: Path, world_size: int) -> dict:
+    if case.get("slurm"):
+        with slurm_job(world_size):
+            return train(case, workdir, world_size)
+    return train(case, workdir, world_size)
+
+
+def train(case: dict, workdir: Path, world_size: int) -> dict:
     torch.manual_seed(0)
     module = ResumableLM(num_key_value_heads=2, lr=0.2)
     initial = {name: p.detach().clone() for name, p in module.model.named_parameters()}
@@ -91,7 +116,8 @@ def run(case: dict, workdir: Path, world_size: int) -> dict:
     if case.get("save_at_step"):
         callbacks.append(SaveAtStep(case["save_at_step"], workdir / case["name"] / "callback.ckpt"))
     if case.get("sigterm_in_batch") is not None:
-        callbacks.append(SigtermInStep(case["sigterm_in_batch"], case.get("sigterm_ranks", list(range(world_size)))))
+        callbacks.append(SigtermInStep(case["sigterm_in_batch"], case.get("sigterm_ranks", list(range(world_size))),
+                                       getattr(signal, case.get("signal", "SIGTERM"))))
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, max_steps=case["steps"], precision="32-true",
         accumulate_grad_batches=case.get("accumulate", 1), logger=False,
@@ -123,6 +149,7 @@ def run(case: dict, workdir: Path, world_size: int) -> dict:
         "error": error,
         "global_step": trainer.global_step,
         "current_epoch": trainer.current_epoch,
+        "cluster_environment": type(trainer.strategy.cluster_environment).__name__,
     }
 
 

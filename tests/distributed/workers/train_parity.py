@@ -62,7 +62,8 @@ def run_case(case: dict, world_size: int) -> dict:
     )
     batch_size = case["batch_size"]
     dataset_type = DATASETS[case.get("data", "uneven")]
-    dataset = dataset_type(batch_size * case["steps"] * (world_size // case["sp"]), case["seq_len"],
+    accumulate = case.get("trainer_kwargs", {}).get("accumulate_grad_batches", 1)
+    dataset = dataset_type(batch_size * case["steps"] * accumulate * (world_size // case["sp"]), case["seq_len"],
                            **case.get("dataset_kwargs", {}))
     trainer.fit(module, DataLoader(dataset, batch_size=batch_size, collate_fn=collate))
     weights = module.final_weights
