@@ -268,8 +268,9 @@ def check_long_sliding_window(groups, results):
     reference_loss = reference(**batch).loss
     reference_loss.backward()
     model = tiny_hf("mistral", sliding_window=16)
-    prepared = prepare_hf_model(model, group, SequenceParallelCausalLMLoss(group, gradient_scale=1.0))
-    loss = model(**SequenceSharder(sp, groups.sequence_parallel_rank)(batch)).loss
+    slot = BatchRowsSlot()  # where the sharder's shifted labels are recognised by the loss
+    prepared = prepare_hf_model(model, group, SequenceParallelCausalLMLoss(group, 1.0, batch_rows=slot))
+    loss = model(**SequenceSharder(sp, groups.sequence_parallel_rank, batch_rows=slot)(batch)).loss
     loss.backward()
     results["mistral_window_loss"] = abs(loss.item() - reference_loss.item())
     results["mistral_window_grad_relative"] = summed_gradient_error(model, reference, group)
@@ -290,8 +291,9 @@ def check_router_loss(groups, results, swap: bool = True):
             expected.loss.backward()
             model = tiny_hf(family, seed=3, **config)
             bystander = tiny_hf(family, seed=3, **config)  # same family, same process, never prepared
-            prepared = prepare_hf_model(model, group, SequenceParallelCausalLMLoss(group, gradient_scale=1.0))
-            sharder = SequenceSharder(sp, groups.sequence_parallel_rank)
+            slot = BatchRowsSlot()  # where the sharder's shifted labels are recognised by the loss
+            prepared = prepare_hf_model(model, group, SequenceParallelCausalLMLoss(group, 1.0, batch_rows=slot))
+            sharder = SequenceSharder(sp, groups.sequence_parallel_rank, batch_rows=slot)
             undo = (exact_router_loss(model, SequenceParallelRouterLoss(group, 1.0, sharder_padding(lambda: sharder)))
                     if swap else lambda: None)
             output = model(**sharder(batch))
