@@ -242,13 +242,18 @@ def find_token_mixers(model: torch.nn.Module) -> list[str]:
     ones only: a Mamba mixer's convolution is not listed again)."""
     found: list[str] = []
 
+    def by_name(module: torch.nn.Module) -> bool:  # (MambaForCausalLM names a model, not a layer)
+        return not isinstance(module, PreTrainedModel) and bool(_TOKEN_MIXER_NAMES.search(type(module).__name__))
+
     def visit(module: torch.nn.Module, path: str) -> None:
-        named = not isinstance(module, PreTrainedModel) and _TOKEN_MIXER_NAMES.search(type(module).__name__)
-        if isinstance(module, torch.nn.Conv1d) or named:  # (MambaForCausalLM names a model, not a layer)
+        children = [(f"{path}.{name}" if path else name, child) for name, child in module.named_children()]
+        # A block named like a mixer (MambaBlock) that holds the mixer itself (MambaMixer) is named by the latter.
+        if isinstance(module, torch.nn.Conv1d) or by_name(module) and not any(
+                by_name(m) for _, child in children for m in child.modules()):
             found.append(f"{path or '<model>'} ({type(module).__name__})")
             return
-        for name, child in module.named_children():
-            visit(child, f"{path}.{name}" if path else name)
+        for child_path, child in children:
+            visit(child, child_path)
 
     visit(model, "")
     return found
@@ -286,7 +291,7 @@ def _reject_token_mixing_outside_attention(model: PreTrainedModel) -> None:
     for path, module in model.named_modules():
         # Llama-4's NoPE layers scale queries by a temperature of the position they compute as `arange` over the
         # tokens they hold: under SP, each shard's positions would restart at 0.
-        if getattr(module, "attn_temperature_tuning", False) and getattr(module, "use_rope", True) is False:
+        if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
             raise NotImplementedError(
                 f"{name}'s {path} ({type(module).__name__}) tunes its attention temperature by positions it numbers"
                 " from 0 on every sequence shard, so under sequence parallelism each rank would scale its queries"
