@@ -242,8 +242,9 @@ def find_token_mixers(model: torch.nn.Module) -> list[str]:
     ones only: a Mamba mixer's convolution is not listed again)."""
     found: list[str] = []
 
-    def by_name(module: torch.nn.Module) -> bool:  # (MambaForCausalLM names a model, not a layer)
-        return not isinstance(module, PreTrainedModel) and bool(_TOKEN_MIXER_NAMES.search(type(module).__name__))
+    def by_name(module: torch.nn.Module) -> bool:  # (MambaForCausalLM names a model, MambaRMSNorm a norm)
+        name = type(module).__name__
+        return not isinstance(module, PreTrainedModel) and "Norm" not in name and bool(_TOKEN_MIXER_NAMES.search(name))
 
     def visit(module: torch.nn.Module, path: str) -> None:
         children = [(f"{path}.{name}" if path else name, child) for name, child in module.named_children()]

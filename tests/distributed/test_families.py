@@ -51,7 +51,7 @@ FAMILIES = {
     "qwen3_next": {}, "qwen3_5_text": {}, "qwen3_5_moe_text": {},
     "lfm2": {"layer_types": ["conv", "full_attention"]},
     "falcon_h1": {}, "granitemoehybrid": {"mamba_n_heads": 8}, "nemotron_h": {}, "jamba": {"attn_layer_period": 2,
-    "attn_layer_offset": 1}, "bamba": {}, "minimax": {}, "zamba2": {}, "olmo_hybrid": {},
+    "attn_layer_offset": 1}, "bamba": {"mamba_n_heads": 8}, "minimax": {}, "zamba2": {"layers_block_type": ["mamba", "hybrid"], "mamba_headdim": 8, "n_mamba_heads": 8}, "olmo_hybrid": {},
     "mamba": {}, "mamba2": {"num_heads": 8, "n_groups": 1}, "recurrent_gemma": {}, "rwkv": {},
     "llama4_text": {"no_rope_layers": [1, 0]},  # layer 1 without RoPE: the NoPE temperature tuning is active
 }
