@@ -473,7 +473,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             self._use_ring_size(resolve_ring_size(head_counts, size, self._requested_ring_size))
             groups = self.parallel_groups
         for model in hf_models:  # all checks first: a failure leaves no model half-prepared
-            validate_hf_model(model, groups.ulysses_size)
+            validate_hf_model(model, groups.ulysses_size, groups.ring_size)
             if size > 1:
                 validate_router_loss(model)
         loss = self.loss_function

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import re
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -277,17 +278,137 @@ def find_hf_models(root: torch.nn.Module) -> list[PreTrainedModel]:
     return found
 
 
-def validate_hf_model(model: PreTrainedModel, sequence_parallel_size: int) -> str:
-    """Check that `model` can run Ulysses attention at this SP size; returns its attention backend."""
+# Layer kinds of `config.layer_types` whose token mixing (if any) is attention through transformers' attention interface
+# (what the "ulysses" key replaces). Every other kind (linear attention, Mamba, short convolutions, kinds added
+# after this list was written) mixes tokens some other way and is refused.
+# MLP kinds ("mlp", "moe", "dense", "sparse") appear in the same lists of some families and mix no tokens.
+_ATTENTION_LAYER_TYPES = frozenset({"attention", "full_attention", "sliding_attention", "chunked_attention",
+                                    "mlp", "moe", "dense", "sparse"})
+# Class names of the token mixers transformers' hybrid and recurrent families use instead of (or beside) attention:
+# Mamba/Mamba2 mixers, Gated DeltaNet and Kimi's delta attention, LFM2's short convolution, MiniMax's lightning
+# attention, RG-LRU, RWKV time mixing, xLSTM cells. Those holding a causal `nn.Conv1d` are found without their name.
+_TOKEN_MIXER_NAMES = re.compile(
+    r"Mamba|Mixer|DeltaNet|DeltaAttention|ShortConv|LightningAttention|Rglru|RecurrentBlock|Rwkv|[xm]LSTM"
+)
+_TOKEN_MIXER_ADVICE = (
+    "Under sequence parallelism every rank holds a slice of the sequence, and only attention that dispatches through"
+    " transformers' attention interface is exchanged between the slices: this layer would run over each rank's"
+    " slice as if it were the whole sequence (silently wrong losses and gradients). Train this model without"
+    " sequence parallelism (sequence_parallel_size=1), or use a model whose layers all mix tokens by attention."
+)
+
+
+def find_token_mixers(model: torch.nn.Module) -> list[str]:
+    """Layers of `model` that mix tokens without transformers' attention interface, as "path (Class)" (outermost
+    ones only: a Mamba mixer's convolution is not listed again)."""
+    found: list[str] = []
+
+    def by_name(module: torch.nn.Module) -> bool:  # (MambaForCausalLM names a model, MambaRMSNorm a norm)
+        name = type(module).__name__
+        return not isinstance(module, PreTrainedModel) and "Norm" not in name and bool(_TOKEN_MIXER_NAMES.search(name))
+
+    def visit(module: torch.nn.Module, path: str) -> None:
+        children = [(f"{path}.{name}" if path else name, child) for name, child in module.named_children()]
+        # A block named like a mixer (MambaBlock) that holds the mixer itself (MambaMixer) is named by the latter.
+        if isinstance(module, torch.nn.Conv1d) or by_name(module) and not any(
+                by_name(m) for _, child in children for m in child.modules()):
+            found.append(f"{path or '<model>'} ({type(module).__name__})")
+            return
+        for child_path, child in children:
+            visit(child, child_path)
+
+    visit(model, "")
+    return found
+
+
+def _configs_of(model: PreTrainedModel) -> list[Any]:
+    """The model's config and every sub-config (text, vision, ...), each once."""
+    configs, pending, seen = [], [model.config], set()
+    while pending:
+        config = pending.pop()
+        if id(config) in seen:
+            continue
+        seen.add(id(config))
+        configs.append(config)
+        pending += [getattr(config, key) for key in getattr(config, "sub_configs", {}) if getattr(config, key, None)]
+    return configs
+
+
+def _reject_token_mixing_outside_attention(model: PreTrainedModel) -> None:
+    """Refuse (before any collective) models with layers the Ulysses exchange does not reach."""
+    name = type(model).__name__
+    mixers = find_token_mixers(model)
+    if mixers:
+        listed = ", ".join(mixers[:3]) + (f" and {len(mixers) - 3} more" if len(mixers) > 3 else "")
+        raise NotImplementedError(f"{name} mixes tokens outside attention in {listed}. {_TOKEN_MIXER_ADVICE}")
+    for config in _configs_of(model):  # kinds whose modules have names this check does not know yet
+        layer_types = getattr(config, "layer_types", None) or []
+        unknown = [(i, kind) for i, kind in enumerate(layer_types) if kind not in _ATTENTION_LAYER_TYPES]
+        if unknown:
+            listed = ", ".join(f"layer {i} is {kind!r}" for i, kind in unknown[:3])
+            raise NotImplementedError(
+                f"{name} has layers that are not attention ({listed} in config.layer_types), so they mix tokens"
+                f" some other way. {_TOKEN_MIXER_ADVICE}"
+            )
+    for path, module in model.named_modules():
+        # Llama-4's NoPE layers scale queries by a temperature of the position they compute as `arange` over the
+        # tokens they hold: under SP, each shard's positions would restart at 0.
+        if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+            raise NotImplementedError(
+                f"{name}'s {path} ({type(module).__name__}) tunes its attention temperature by positions it numbers"
+                " from 0 on every sequence shard, so under sequence parallelism each rank would scale its queries"
+                " as if its shard started the sequence. Build the model with attn_temperature_tuning=False in its"
+                " (text) config, or train it without sequence parallelism (sequence_parallel_size=1)."
+            )
+
+
+def _unswitchable_submodel(model: PreTrainedModel) -> Optional[PreTrainedModel]:
+    """transformers only logs a warning when it cannot switch a model's attention (its source heuristic
+    `_can_set_attn_implementation`: attention classes that do not dispatch through the interface, classes defined
+    in `__main__`, sources `inspect` cannot read), and the model keeps its own attention on each shard."""
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and not type(module)._can_set_attn_implementation():
+            return module
+    return None
+
+
+def _reject_unswitchable(model: PreTrainedModel) -> None:
+    module = _unswitchable_submodel(model)
+    if module is not None:
+        raise ValueError(_unswitchable_message(model, module))
+
+
+def _unswitchable_message(model: PreTrainedModel, module: torch.nn.Module) -> str:
+    where = "" if module is model else f" (its sub-model {type(module).__name__})"
+    return (
+        f"transformers cannot switch the attention of {type(model).__name__}{where}: its attention does not dispatch"
+        " through transformers' AttentionInterface (or its class is defined where transformers cannot read its source,"
+        " e.g. a notebook's __main__), so lightning_ulysses cannot swap in the sequence-parallel exchange and the"
+        " model would attend within each rank's shard only. Define the model class in an importable module, or wrap"
+        " its attention in lightning_ulysses.UlyssesAttention."
+    )
+
+
+def validate_hf_model(model: PreTrainedModel, sequence_parallel_size: int, ring_size: int = 1) -> str:
+    """Check that `model` can run Ulysses attention at this SP size (`sequence_parallel_size` ranks splitting heads,
+    times `ring_size` in a ring); returns its attention backend.
+
+    Everything here reads the model and its config only (no communication), so a refusal happens on every rank
+    alike before any collective."""
     backend = model.config._attn_implementation
-    if sequence_parallel_size > 1 and backend not in BACKENDS:
+    sharded = sequence_parallel_size * ring_size > 1
+    if sharded:
+        # First: for a Mamba or RWKV model "build it with sdpa" (below) would be no advice at all.
+        _reject_token_mixing_outside_attention(model)
+    if sharded and backend not in BACKENDS:
         raise ValueError(
             f"{type(model).__name__} uses attn_implementation={backend!r}, which sequence parallelism cannot wrap"
             f" (supported: {', '.join(BACKENDS)}). Load or build the model with"
             " attn_implementation='sdpa' (e.g. AutoModelForCausalLM.from_config(cfg, attn_implementation='sdpa'))."
         )
-    if sequence_parallel_size > 1:
+    if sharded:
         check_backend(backend)  # installed and usable here, checked before any collective
+        _reject_unswitchable(model)
     validate_head_counts(*hf_head_counts(model), sequence_parallel_size)
     return backend
 
@@ -297,6 +418,18 @@ def hf_head_counts(model: PreTrainedModel) -> tuple[int, int]:
     text_config = model.config.get_text_config()
     num_heads = text_config.num_attention_heads
     return num_heads, getattr(text_config, "num_key_value_heads", None) or num_heads
+
+
+def _unswitched_module(model: PreTrainedModel, private_configs: dict[int, Any]) -> Optional[torch.nn.Module]:
+    """The first sub-model, or module holding one of our private configs, that still uses another attention after
+    `set_attn_implementation` (which only warns when it cannot switch); None when the switch took everywhere."""
+    ours = {id(config) for config in private_configs.values()}
+    for module in model.modules():
+        config = module.__dict__.get("config")
+        if (isinstance(module, PreTrainedModel) or id(config) in ours) and \
+                getattr(config, "_attn_implementation", ULYSSES_ATTENTION) != ULYSSES_ATTENTION:
+            return module
+    return None
 
 
 def prepare_hf_model(
@@ -316,7 +449,7 @@ def prepare_hf_model(
     """
     group = ProcessGroupHandle(sequence_parallel_group)
     ring = ProcessGroupHandle(ring_group)
-    backend = validate_hf_model(model, group.world_size)
+    backend = validate_hf_model(model, group.world_size, ring.world_size)
     if model.config._attn_implementation == ULYSSES_ATTENTION:
         raise RuntimeError(f"{type(model).__name__} is already prepared for sequence parallelism: restore() it first.")
     prepared = PreparedHFModel(model=model, backend=backend)
@@ -325,8 +458,10 @@ def prepare_hf_model(
         prepared.loss_swapped = True
         model.loss_function = loss_function
     sharded = group.world_size > 1 or ring.world_size > 1
-    if not sharded and backend not in BACKENDS:
-        return prepared  # SP 1 with a backend we do not wrap (eager): the model keeps its own attention, exactly
+    if not sharded and (backend not in BACKENDS or _unswitchable_submodel(model) is not None):
+        # SP 1 with a backend we do not wrap (eager) or a model transformers cannot switch (Falcon): the model keeps
+        # its own attention, exactly as unprepared (packed rows then follow transformers' own rules).
+        return prepared
     # Switched at SP 1 too: one attention for every SP size, so packed rows (position_ids restarting per document)
     # keep their documents apart at SP 1 exactly as at SP 8. Hugging Face's own sdpa path detects packing only
     # without an attention mask and without a KV cache, which its default `use_cache=True` creates even in training.
@@ -347,6 +482,10 @@ def prepare_hf_model(
             f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface, so"
             " lightning_ulysses cannot swap it. Wrap its attention in lightning_ulysses.UlyssesAttention."
         ) from error
+    unswitched = _unswitched_module(model, memo)
+    if unswitched is not None:
+        prepared.restore()
+        raise ValueError(_unswitchable_message(model, unswitched))
     binding = _Binding(group=group, backend=backend, ring=ring, batch_rows=batch_rows, head_groups=head_groups)
     for module in model.modules():
         module.__dict__[_BINDING_ATTRIBUTE] = binding

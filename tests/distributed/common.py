@@ -51,6 +51,10 @@ def tiny_gpt(num_key_value_heads: int, seed: int = 0, num_layers: int = 2, **con
 
 
 def build_model(kind: str, num_key_value_heads: int, reference: bool = False):
+    if kind.startswith("family:"):  # a tiny model of a transformers family (tests/distributed/families.py)
+        from tests.distributed.families import tiny_model
+
+        return tiny_model(kind.removeprefix("family:"))  # its own head counts (GQA 4:2 where it has GQA)
     if kind == "gpt":
         return tiny_gpt(num_key_value_heads)
     model = tiny_llama(num_key_value_heads, attn_implementation="eager" if reference else "sdpa")

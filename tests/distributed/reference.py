@@ -60,15 +60,21 @@ def reference_training(
 
 
 def assert_weights_match(weights: dict, reference: dict) -> None:
-    """Weights after the SGD steps equal the reference's within 1e-4 of the size of its update."""
+    """Weights after the SGD steps equal the reference's within 1e-4 of the size of its update.
+
+    An update is measured against at least 1e-6 of the largest one: some gradients are zero analytically (a key
+    projection's bias under softmax, which shifts all scores of a query alike: OPT, BioGPT, ...), and their
+    "update" is rounding noise (~1e-11) that no two summation orders reproduce.
+    """
+    updates = {name: (final - reference["initial"][name]).norm() for name, final in reference["final"].items()}
+    floor = 1e-6 * max(updates.values())
     for name, final in reference["final"].items():
         if name not in reference.get("trainable", reference["final"]):  # frozen (LoRA's base): never moves
             assert torch.equal(weights[name], final), f"{name} is frozen but changed"
             continue
-        update = (final - reference["initial"][name]).norm()
         error = (weights[name] - final).norm()
-        assert update > 0, name
-        assert error <= 1e-4 * update, f"{name}: error {error:.3e} vs update {update:.3e}"
+        assert updates[name] > 0, name
+        assert error <= 1e-4 * max(updates[name], floor), f"{name}: error {error:.3e} vs update {updates[name]:.3e}"
 
 
 def assert_training_matches(ranks: list[dict], reference: dict) -> None:

@@ -1,0 +1,47 @@
+"""Tiny random causal LMs of every family the installed transformers can build, for the model-family matrix.
+
+One generic recipe (`tiny_config`) shrinks a family's default config: only the settings the family has are
+changed, every dropout is zeroed and layer patterns keep one layer of each kind the family mixes.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+VOCAB = 96
+SEQ_LEN = 24  # cut into 2 or 4 shards; longer than no sliding window (they are set to 64)
+
+_SMALL = dict(
+    vocab_size=VOCAB, hidden_size=32, n_embd=32, d_model=32, intermediate_size=64, ffn_dim=64, n_inner=64,
+    num_hidden_layers=2, n_layer=2, num_layers=2, num_attention_heads=4, n_head=4, num_key_value_heads=2,
+    head_dim=8, max_position_embeddings=64, n_positions=64, sliding_window=64, attention_chunk_size=64,
+    num_experts=4, num_local_experts=4, n_routed_experts=4, moe_num_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=32, shared_expert_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+    q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1,
+    rotary_dim=4, use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
+
+
+def tiny_config(model_type: str, **overrides):
+    default = AutoConfig.for_model(model_type)
+    settings = {key: value for key, value in _SMALL.items()  # derived read-only settings (properties) stay derived
+                if hasattr(default, key) and not isinstance(getattr(type(default), key, None), property)}
+    for key, value in default.to_dict().items():
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key or key == "layerdrop"):
+            settings[key] = 0.0
+    layer_types = getattr(default, "layer_types", None)
+    derived = "layer_types" in getattr(default, "attribute_map", {}) or isinstance(
+        getattr(type(default), "layer_types", None), property)  # computed from another setting: left to it
+    if isinstance(layer_types, list) and layer_types and not derived:
+        kinds = list(dict.fromkeys(layer_types))  # one layer of each kind, at least two layers
+        settings["layer_types"] = (kinds * 2)[: max(2, len(kinds))]
+        settings["num_hidden_layers"] = len(settings["layer_types"])
+    settings.update(overrides)
+    return AutoConfig.for_model(model_type, **settings)
+
+
+def tiny_model(model_type: str, attn_implementation: str = "sdpa", seed: int = 0, **overrides):
+    config = tiny_config(model_type, **overrides)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).float()
