@@ -36,3 +36,31 @@ def test_no_valid_target_gives_zero_not_nan():
     loss = sequence_parallel_cross_entropy(logits, torch.full((1, 4), -100))
     loss.backward()
     assert loss.item() == 0.0 and not logits.grad.isnan().any()
+
+
+def test_the_swapped_loss_is_hugging_faces_for_whatever_labels_reach_it_at_sp_1():
+    """Every batch form at SP 1 gives plain Hugging Face's loss: the sharder's shifted labels are recognised, any
+    other labels (input_ids, labels built in the step, a tuple batch the sharder passes through) are shifted."""
+    from lightning_ulysses.attention.rows import BatchRowsSlot
+    from lightning_ulysses.loss import SequenceParallelCausalLMLoss
+    from lightning_ulysses.sharding import SequenceSharder
+
+    plain = tiny_llama(2)
+    batch = collate([UnevenlyMaskedTokens(8, 16)[i] for i in range(2)])
+    input_ids, labels = batch["input_ids"], batch["labels"]
+    expected = {"labels": plain(input_ids=input_ids, labels=labels).loss,
+                "input_ids": plain(input_ids=input_ids, labels=input_ids).loss}
+    slot = BatchRowsSlot()
+    model = tiny_llama(2)
+    model.loss_function = SequenceParallelCausalLMLoss(None, 1.0, batch_rows=slot)
+    sharder = SequenceSharder(1, 0, batch_rows=slot)
+    shard = sharder({"input_ids": input_ids, "labels": labels})
+    assert torch.allclose(model(**shard).loss, expected["labels"], atol=1e-6)
+    assert torch.allclose(model(input_ids=shard["input_ids"], labels=shard["input_ids"]).loss, expected["input_ids"],
+                          atol=1e-6)
+    built = labels.clone()  # labels a step builds itself: unshifted, as Hugging Face takes them
+    assert torch.allclose(model(input_ids=shard["input_ids"], labels=built).loss, expected["labels"], atol=1e-6)
+    assert torch.allclose(model(input_ids=input_ids, labels=labels, shift_labels=shard["labels"]).loss,
+                          expected["labels"], atol=1e-6)  # Hugging Face's own argument for shifted labels
+    assert sharder((input_ids, labels)) == (input_ids, labels) and slot.rows is None  # a tuple: nothing published
+    assert torch.allclose(model(input_ids=input_ids, labels=labels).loss, expected["labels"], atol=1e-6)

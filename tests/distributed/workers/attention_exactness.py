@@ -243,7 +243,7 @@ def check_mask_refusals(groups, results):
     sp, group = groups.sequence_parallel_world_size, groups.sequence_parallel_group
     cases = {
         "phimoe_window": ("phimoe", {"sliding_window": 4}),  # the window lives in the mask only
-        "llama4_chunks": ("llama4", {"attention_chunk_size": 4, "no_rope_layers": [1, 0]}),
+        "llama4_chunks": ("llama4", {"attention_chunk_size": 4, "no_rope_layers": [1, 0], "attn_temperature_tuning": False}),
         "gemma3_overlay": ("gemma3", {"use_bidirectional_attention": True, "sliding_window": 64}),
     }
     for name, (family, config) in cases.items():

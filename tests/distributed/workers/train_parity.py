@@ -56,7 +56,7 @@ def run_case(case: dict, world_size: int) -> dict:
         sequence_parallel_size=case["sp"], stage=case["stage"], **case.get("strategy_kwargs", {})
     )
     trainer = L.Trainer(
-        accelerator="cpu", devices=case.get("devices", world_size), num_nodes=case.get("num_nodes", 1), strategy=strategy, max_steps=case["steps"], precision="32-true",
+        accelerator="cpu", devices=case.get("devices", world_size), num_nodes=case.get("num_nodes", 1), strategy=strategy, max_steps=case["steps"], precision=case.get("precision", "32-true"),
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[CaptureWeights(), CountAttentionRuns()], **case.get("trainer_kwargs", {}),
     )
