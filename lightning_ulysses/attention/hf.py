@@ -171,7 +171,7 @@ def _shard_padding_mask(*args, attention_mask=None, mask_function=None, config=N
             if decode is not None or q_length != kv_length:  # decoding from a KV cache
                 return own_mask()
             try:
-                reject_unsupported_pattern(mask_function, q_length, model_name)
+                reject_unsupported_pattern(mask_function, q_length, model_name, getattr(config, "layer_types", None))
             except NotImplementedError:
                 return own_mask()
             return attention_mask
@@ -182,7 +182,7 @@ def _shard_padding_mask(*args, attention_mask=None, mask_function=None, config=N
             row_length = decode.prompt_length
         else:  # each rank's cache: its prompt shard, then every generated token, this one included
             row_length = decode.prompt_length + kv_length + kv_offset - decode.shard_length
-        reject_unsupported_pattern(mask_function, row_length, model_name)
+        reject_unsupported_pattern(mask_function, row_length, model_name, getattr(config, "layer_types", None))
     return attention_mask
 
 

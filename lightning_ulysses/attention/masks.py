@@ -98,10 +98,19 @@ def read_mask_function(mask_function: Callable) -> MaskPattern:
     return MaskPattern(tuple(windows), tuple(chunks), "; ".join(unsupported) or None)
 
 
-def reject_unsupported_pattern(mask_function: Callable, row_length: int, model_name: str) -> None:
+def reject_unsupported_pattern(mask_function: Callable, row_length: int, model_name: str,
+                               layer_types: Optional[list] = None) -> None:
     """Raise unless `mask_function` is exactly causal (with padding and packed documents) over rows of
-    `row_length` tokens (the whole row: this shard's length × the SP size)."""
+    `row_length` tokens (the whole row: this shard's length × the SP size).
+
+    `layer_types` (the config's): models build their sliding-window (chunked) mask even when no layer is of the
+    "sliding_attention" ("chunked_attention") kind — Qwen2-MoE without `use_sliding_window` builds one of window 0 —
+    and a mask no layer reads changes nothing."""
     pattern = read_mask_function(mask_function)
+    if pattern.unsupported is None and layer_types is not None:
+        windows = pattern.sliding_windows if "sliding_attention" in layer_types else ()
+        chunks = pattern.chunk_sizes if "chunked_attention" in layer_types else ()
+        pattern = MaskPattern(windows, chunks)
     if pattern.unsupported is not None:
         raise NotImplementedError(
             f"{model_name} builds its attention mask with {pattern.unsupported}, which Ulysses attention does not"

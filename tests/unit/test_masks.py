@@ -12,7 +12,7 @@ from transformers import LlamaConfig
 from transformers import masking_utils as hf_masks
 
 from lightning_ulysses.attention import hf
-from lightning_ulysses.attention.masks import read_mask_function
+from lightning_ulysses.attention.masks import read_mask_function, reject_unsupported_pattern
 
 LOCAL, SP = 8, 2  # the whole row: 16 tokens
 
@@ -109,3 +109,11 @@ def test_window_kwarg_follows_the_same_rule():
     with pytest.raises(NotImplementedError, match="sliding window of 15 tokens, shorter than its rows of 16"):
         hf._reject_unsupported(module, None, {"sliding_window": 15}, 16)
     hf._reject_unsupported(module, None, {"sliding_window": 16}, 16)
+
+
+def test_a_window_mask_no_layer_reads_changes_nothing():
+    # Qwen2-MoE without use_sliding_window builds a sliding mask of window 0 that no layer uses.
+    window = hf_masks.and_masks(hf_masks.causal_mask_function, hf_masks.sliding_window_overlay(0))
+    reject_unsupported_pattern(window, 16, "Qwen2MoeForCausalLM", layer_types=["full_attention"] * 2)
+    with pytest.raises(NotImplementedError, match="sliding window of 0 tokens"):
+        reject_unsupported_pattern(window, 16, "Qwen2MoeForCausalLM", layer_types=["sliding_attention", "full_attention"])
