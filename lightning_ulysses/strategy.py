@@ -37,7 +37,13 @@ from lightning_ulysses import checkpoint as checkpoints
 from lightning_ulysses import preflight
 from lightning_ulysses.attention.backends import check_sdpa_kernel_priority, sdpa_priority
 from lightning_ulysses.attention.core import UlyssesAttention, check_overlap_head_groups, resolve_ring_size
-from lightning_ulysses.attention.hf import find_hf_models, hf_head_counts, prepare_hf_model, validate_hf_model
+from lightning_ulysses.attention.hf import (
+    find_hf_models,
+    hf_head_counts,
+    prepare_hf_model,
+    validate_hf_model,
+    watch_positions,
+)
 from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.faults import RankWatchdog, is_peer_failure
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, check_ring_size, check_sequence_parallel_size
@@ -499,9 +505,13 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             attention.bind_head_groups(self.overlap_head_groups)
             self._restore_callbacks += [functools.partial(attention.bind_batch_rows, None),
                                         functools.partial(attention.bind_head_groups, None)]
-        self._restore_callbacks += [
-            swap_loss_function(host, loss) for host in module.modules() if isinstance(host, LossFunctionHost)
-        ]
+        hosts = [host for host in module.modules() if isinstance(host, LossFunctionHost)]
+        self._restore_callbacks += [swap_loss_function(host, loss) for host in hosts]
+        if size > 1:  # native models number a shard from 0 without the batch's positions, as HF ones do
+            self._restore_callbacks += [
+                watch_positions(host, self._batch_rows, groups.ulysses_group, groups.ring_group).remove
+                for host in hosts
+            ]
         if self.memory.changes_models:
             from lightning_ulysses.models.gpt import GPT
 

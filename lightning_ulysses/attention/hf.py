@@ -498,6 +498,14 @@ def prepare_hf_model(
     return prepared
 
 
+def watch_positions(model: torch.nn.Module, batch_rows: BatchRowsSlot, sequence_parallel_group, ring_group=None):
+    """Refuse `model`'s sharded forwards whose positions are not the batch's (see `_PositionCheck`); for models
+    other than Hugging Face's (the native GPT), which `prepare_hf_model` does not see. Returns the hook's handle."""
+    binding = _Binding(group=ProcessGroupHandle(sequence_parallel_group), backend="", ring=ProcessGroupHandle(ring_group),
+                       batch_rows=batch_rows)
+    return model.register_forward_pre_hook(_PositionCheck(model, binding), with_kwargs=True)
+
+
 class _PositionCheck:
     """Refuses a sharded forward whose positions are not the batch's global ones (a forward pre-hook).
 
@@ -507,7 +515,7 @@ class _PositionCheck:
     before it is refused. Raised in the model's forward, before its first all-to-all, on every rank alike.
     """
 
-    def __init__(self, model: PreTrainedModel, binding: _Binding) -> None:
+    def __init__(self, model: torch.nn.Module, binding: _Binding) -> None:
         self.binding = binding
         self.name = type(model).__name__
         self.signature = inspect.signature(model.forward)

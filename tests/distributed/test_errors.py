@@ -21,6 +21,7 @@ CASES = {
     "tuple_batch": ({"stage": 1}, "TypeError", ["must be a dict with at least 'input_ids'", "got list"]),
     "whole_row_documents": ({"stage": 0}, "ValueError", ["batch['cu_seq_lens_q'] describes packed documents of the whole row", "position_ids restarting at 0"]),
     "positions_forgotten": ({"stage": 2}, "ValueError", ["LlamaForCausalLM was called under sequence parallelism with no position_ids", "position_ids=batch['position_ids']"]),
+    "positions_forgotten_native_gpt": ({"stage": 3}, "ValueError", ["GPT was called under sequence parallelism with no position_ids"]),
     "positions_not_global": ({"stage": 3}, "ValueError", ["with position_ids that are not the batch's", "model(**batch)"]),
     "ranks_fed_different_samples": ({"stage": 2}, "ValueError", ["ranks [0, 1] of one sequence-parallel group were given different batches", "strategy.data_parallel_rank"]),
     # In the model's forward (its mask function), before the first all-to-all, under ZeRO-3's parameter hooks.

@@ -131,6 +131,8 @@ def build(case):
         data = DataLoader(FlashKwargsRows(8, 16), batch_size=2, collate_fn=collate)
     elif kind == "positions_forgotten":
         module = ForgetsPositions(num_key_value_heads=4)
+    elif kind == "positions_forgotten_native_gpt":
+        module = ForgetsPositions(num_key_value_heads=4, kind="gpt")
     elif kind == "positions_not_global":
         module = OwnPositions(num_key_value_heads=4)
     elif kind == "ranks_fed_different_samples":
