@@ -22,6 +22,7 @@ import torch.distributed as dist
 from lightning_ulysses import SequenceSharder, prepare_hf_model
 from lightning_ulysses.attention.hf import validate_hf_model
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
+from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.loss import SequenceParallelCausalLMLoss
 from tests.distributed.families import SEQ_LEN, VOCAB, tiny_model
 
@@ -81,11 +82,12 @@ def run_family(family: dict, sp_groups: dict) -> dict:
         group, model = groups.sequence_parallel_group, copy.deepcopy(pristine)
         try:
             validate_hf_model(model, sp)  # what the strategy checks first, for every model, before any collective
-            prepare_hf_model(model, group, SequenceParallelCausalLMLoss(group, gradient_scale=1.0))
+            slot = BatchRowsSlot()  # as the strategy: the sharder publishes each batch's rows to the attention and loss
+            prepare_hf_model(model, group, SequenceParallelCausalLMLoss(group, 1.0, batch_rows=slot), batch_rows=slot)
         except (ValueError, NotImplementedError) as error:
             outcomes[sp] = {"status": "refused", "why": str(error)}
             continue
-        loss = model(**SequenceSharder(sp, groups.sequence_parallel_rank)(batch)).loss
+        loss = model(**SequenceSharder(sp, groups.sequence_parallel_rank, batch_rows=slot)(batch)).loss
         loss.backward()
         outcomes[sp] = {"status": "ran", "loss_error": abs(loss.item() - reference_loss.item()),
                         "grad_error": relative_gradient_error(model, reference, group)}
