@@ -162,17 +162,20 @@ def _pad(batch: dict, extra: int, pad_token_id: int) -> dict:
 
 
 def batch_fingerprint(batch: Any) -> torch.Tensor:
-    """A few int64 numbers that differ, with overwhelming likelihood, between two different full-length batches:
-    shape plus plain and position-weighted sums of each sequence key. Every rank of an SP group must cut the
-    same batch; comparing fingerprints (one tiny all-gather) catches ranks fed different samples."""
+    """A fixed number of int64s that differ, with overwhelming likelihood, between two different full-length batches:
+    the shape, then for each sequence key whether it is present and its plain and position-weighted sums. Every rank
+    of an SP group must cut the same batch; comparing fingerprints (one tiny all-gather) catches ranks fed different
+    samples. The length never depends on the batch, so ranks can compare without agreeing on a size first."""
     if not isinstance(batch, Mapping) or "input_ids" not in batch:
-        return torch.zeros(1, dtype=torch.long)
+        return torch.zeros(2 + 3 * len(SEQUENCE_KEYS), dtype=torch.long)
     input_ids = batch["input_ids"]
-    numbers = [torch.tensor(list(input_ids.shape), dtype=torch.long, device=input_ids.device)]
+    numbers = [torch.tensor(list(input_ids.shape[:2]), dtype=torch.long, device=input_ids.device)]
     for key in SEQUENCE_KEYS:
         value = batch.get(key)
         if isinstance(value, torch.Tensor) and value.dim() == 2:
             value = value.long()
             weights = torch.arange(1, value.size(1) + 1, device=value.device)
-            numbers.append(torch.stack([value.sum(), (value * weights).sum()]))
+            numbers.append(torch.stack([torch.ones_like(value.sum()), value.sum(), (value * weights).sum()]))
+        else:
+            numbers.append(torch.zeros(3, dtype=torch.long, device=input_ids.device))
     return torch.cat(numbers)

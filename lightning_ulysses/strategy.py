@@ -871,14 +871,10 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             return
         self._batches_checked[stage] = checked + 1
         fingerprint = batch_fingerprint(batch).to(self.root_device)
-        size = torch.tensor([fingerprint.numel()], device=self.root_device)
-        sizes = [torch.empty_like(size) for _ in range(groups.sequence_parallel_world_size)]
-        torch.distributed.all_gather(sizes, size, group=groups.sequence_parallel_group)
-        if len({int(s) for s in sizes}) == 1:
-            gathered = [torch.empty_like(fingerprint) for _ in range(groups.sequence_parallel_world_size)]
-            torch.distributed.all_gather(gathered, fingerprint, group=groups.sequence_parallel_group)
-            if all(torch.equal(g, gathered[0]) for g in gathered):
-                return
+        gathered = [torch.empty_like(fingerprint) for _ in range(groups.sequence_parallel_world_size)]
+        torch.distributed.all_gather(gathered, fingerprint, group=groups.sequence_parallel_group)
+        if all(torch.equal(g, gathered[0]) for g in gathered):
+            return
         ranks = next(g for g in groups.layout.sequence_parallel_groups() if self.global_rank in g)
         raise ValueError(
             f"The ranks {ranks} of one sequence-parallel group were given different batches (stage {stage}, batch"

@@ -28,6 +28,11 @@ from lightning_ulysses.attention.documents import DocumentMask
 from lightning_ulysses.views import view_key
 
 
+def _is_view(tensor: torch.Tensor | None, key: tuple | None) -> bool:
+    """Whether `tensor` is the published shard whose `view_key` is `key` (or an unmodified alias of it)."""
+    return tensor is not None and key is not None and view_key(tensor) == key
+
+
 class BatchRows:
     """The whole (length-padded) rows of one batch, published by the sharder that cut it.
 
@@ -49,9 +54,8 @@ class BatchRows:
         # Kept alive, so that their storages cannot be reused by another tensor while the batch is current.
         self._shards = (shard_position_ids, shard_input_ids, shard_labels)
         self.shard_position_ids = shard_position_ids
-        self._shard_view = None if shard_position_ids is None else view_key(shard_position_ids)
-        self._input_view = None if shard_input_ids is None else view_key(shard_input_ids)
-        self._labels_view = None if shard_labels is None else view_key(shard_labels)
+        self._shard_view, self._input_view, self._labels_view = (
+            None if shard is None else view_key(shard) for shard in self._shards)
         self._shard_padding_mask_shape = None if shard_padding_mask is None else shard_padding_mask.shape
         self._shard_shape = None if shard_input_ids is None else tuple(shard_input_ids.shape)
         self.unpadded_length = unpadded_length
@@ -59,15 +63,15 @@ class BatchRows:
 
     def produced_labels(self, labels: torch.Tensor | None) -> bool:
         """Whether `labels` are the batch's labels as the sharder shifted and cut them (or an unmodified alias)."""
-        return labels is not None and self._labels_view is not None and view_key(labels) == self._labels_view
+        return _is_view(labels, self._labels_view)
 
     def holds_input_ids(self, input_ids: torch.Tensor | None) -> bool:
         """Whether `input_ids` are this batch's token shard as the sharder cut it (or an unmodified alias)."""
-        return input_ids is not None and self._input_view is not None and view_key(input_ids) == self._input_view
+        return _is_view(input_ids, self._input_view)
 
     def holds_position_ids(self, position_ids: torch.Tensor | None) -> bool:
         """Whether `position_ids` are this batch's position shard as the sharder cut it (or an unmodified alias)."""
-        return position_ids is not None and self._shard_view is not None and view_key(position_ids) == self._shard_view
+        return _is_view(position_ids, self._shard_view)
 
     def unpadded_length_of(self, shard: torch.Tensor) -> int | None:
         """The batch's unpadded row length when `shard` has the shape of its shards (a tensor of this batch)."""
