@@ -474,7 +474,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             )
         if size > 1:
             # Identical on every rank (same model, same arguments), so the sub-groups are created in step.
-            head_counts = [hf_head_counts(model) for model in hf_models]
+            head_counts = [counts for counts in map(hf_head_counts, hf_models) if counts is not None]
             head_counts += [(m.num_heads, m.num_key_value_heads) for m in native if m.num_heads is not None]
             self._use_ring_size(resolve_ring_size(head_counts, size, self._requested_ring_size))
             groups = self.parallel_groups

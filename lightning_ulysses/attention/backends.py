@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from lightning_ulysses.attention.documents import DocumentMask
+from lightning_ulysses.attention.documents import AttentionPattern, DocumentMask, allowed_mask, mask_mod
 
 BACKENDS = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 _FLASH_MODULES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
@@ -63,21 +63,27 @@ def local_attention(
     is_causal: bool = True,
     scale: Optional[float] = None,
     dropout_p: float = 0.0,
+    pattern: Optional[AttentionPattern] = None,
 ) -> torch.Tensor:
-    """Attention over whole rows within `documents` (None: one unpadded sequence per row); `[b, s, h, d]` out."""
+    """Attention over whole rows within `documents` (None: one unpadded sequence per row), narrowed by `pattern`
+    (sliding windows, chunks); `[b, s, h, d]` out."""
+    pattern = pattern or None
     if backend == "sdpa":
-        return _sdpa(query, key, value, documents, is_causal, scale, dropout_p)
+        return _sdpa(query, key, value, documents, is_causal, scale, dropout_p, pattern)
     if backend in _FLASH_MODULES:
-        return _flash(query, key, value, backend, documents, is_causal, scale, dropout_p)
+        return _flash(query, key, value, backend, documents, is_causal, scale, dropout_p, pattern)
     if backend == "flex_attention":
-        return _flex(query, key, value, documents, is_causal, scale, dropout_p)
+        return _flex(query, key, value, documents, is_causal, scale, dropout_p, pattern)
     check_backend(backend)  # raises the fix-naming error
     raise AssertionError(backend)
 
 
-def _sdpa(query, key, value, documents, is_causal, scale, dropout_p):
+def _sdpa(query, key, value, documents, is_causal, scale, dropout_p, pattern=None):
     # Left-padding queries get an empty row: SDPA (torch >= 2.5) returns zeros there, with finite gradients.
-    mask = None if documents is None else documents.dense_mask(is_causal)
+    if pattern is not None:  # a dense mask, as transformers' own sdpa mask for windows and chunks
+        mask = allowed_mask(query.size(0), query.size(2), documents, is_causal, pattern, query.device)
+    else:
+        mask = None if documents is None else documents.dense_mask(is_causal)
     output = F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal and mask is None, scale=scale,
         enable_gqa=key.size(1) != query.size(1),
@@ -85,8 +91,13 @@ def _sdpa(query, key, value, documents, is_causal, scale, dropout_p):
     return output.transpose(1, 2)
 
 
-def _flash(query, key, value, backend, documents, is_causal, scale, dropout_p):
+def _flash(query, key, value, backend, documents, is_causal, scale, dropout_p, pattern=None):
     # Written against flash_attn 2.x and FA3's flash_attn_interface; not exercised by the CPU test suite.
+    if pattern is not None and pattern.chunk_size is not None:
+        raise NotImplementedError(
+            f"{backend} has no chunked attention (Llama-4's attention_chunk_size) under sequence parallelism here:"
+            " use attn_implementation='sdpa' or 'flex_attention' for this model."
+        )
     dtype = query.dtype
     if dtype not in (torch.float16, torch.bfloat16):
         if not torch.is_autocast_enabled(query.device.type):
@@ -97,6 +108,9 @@ def _flash(query, key, value, backend, documents, is_causal, scale, dropout_p):
         query, key, value = (t.to(torch.get_autocast_dtype(query.device.type)) for t in (query, key, value))
     kernels = importlib.import_module(_FLASH_MODULES[backend])
     options = {"softmax_scale": scale, "causal": is_causal}
+    if pattern is not None and pattern.sliding_window is not None:
+        # kv > q - window: the window_size (left, right) of the kernels, as transformers' flash path passes it
+        options["window_size"] = (pattern.sliding_window - 1, pattern.sliding_window - 1)
     if dropout_p:
         if backend == "flash_attention_3":
             raise ValueError("flash_attention_3 has no attention dropout: set the model's attention dropout to 0.")
@@ -127,14 +141,16 @@ def _flex_functions(compiled: bool):
     return (torch.compile(flex_attention) if compiled else flex_attention), create_block_mask
 
 
-def _flex(query, key, value, documents, is_causal, scale, dropout_p):
+def _flex(query, key, value, documents, is_causal, scale, dropout_p, pattern=None):
     if dropout_p:
         raise ValueError("flex_attention has no attention dropout: set the model's attention dropout to 0.")
     flex_attention, create_block_mask = _flex_functions(query.is_cuda)
     batch, seq = query.size(0), query.size(2)
     block_mask = None
-    if documents is not None:
-        block_mask = create_block_mask(documents.mask_mod(is_causal), batch, None, seq, seq, device=query.device)
+    if documents is not None or pattern is not None:
+        rule = mask_mod(documents, is_causal, pattern, seq, query.device)
+        block_mask = create_block_mask(rule, batch if documents is not None else None, None, seq, seq,
+                                       device=query.device)
     elif is_causal:
         block_mask = create_block_mask(lambda b, h, q, k: q >= k, None, None, seq, seq, device=query.device)
     output = flex_attention(query, key, value, block_mask=block_mask, scale=scale,

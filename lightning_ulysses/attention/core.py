@@ -27,7 +27,7 @@ from torch import nn
 
 from lightning_ulysses.attention.all_to_all import all_gather_sequence, start_exchange
 from lightning_ulysses.attention.backends import BACKENDS, check_backend, local_attention
-from lightning_ulysses.attention.documents import DocumentMask
+from lightning_ulysses.attention.documents import AttentionPattern, DocumentMask
 from lightning_ulysses.attention.ring import ring_attention
 from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.layout import ShardOrder
@@ -158,6 +158,12 @@ def exchange_and_attend(query, key, value, group, attend: Callable, head_groups:
     return outputs[0] if groups == 1 else torch.cat(outputs, dim=2)
 
 
+def local_heads(num_heads: int, sequence_parallel_size: int, rank: int) -> slice:
+    """The query heads SP rank `rank` attends over after the exchange of one head group (`exchange_and_attend`)."""
+    share = num_heads // sequence_parallel_size
+    return slice(rank * share, (rank + 1) * share)
+
+
 class ProcessGroupHandle:
     """Holds a process group on a module without making the module un-copyable.
 
@@ -175,6 +181,10 @@ class ProcessGroupHandle:
     def world_size(self) -> int:
         return 1 if self.group is None else dist.get_world_size(self.group)
 
+    @property
+    def rank(self) -> int:
+        return 0 if self.group is None else dist.get_rank(self.group)
+
 
 def ulysses_attention(
     query: torch.Tensor,
@@ -190,6 +200,8 @@ def ulysses_attention(
     ring_group=None,
     batch_rows: Optional[BatchRowsSlot] = None,
     head_groups: int = 1,
+    pattern: Optional[AttentionPattern] = None,
+    local: Optional[Callable] = None,
 ) -> torch.Tensor:
     """Attention of this rank's shard: `[batch, heads, seq/P, dim]` q/k/v → `[batch, seq/P, heads, dim]`.
 
@@ -205,8 +217,19 @@ def ulysses_attention(
     the rows of these shards, nothing is gathered and the batch's one `DocumentMask` is reused.
 
     `head_groups`: pipeline the all-to-alls with the attention of head groups (`exchange_and_attend`).
+
+    `pattern`: a sliding window and/or chunks (`AttentionPattern`), applied on the whole rows after the exchange.
+    `local`: the model's own attention in place of the backend, `local(q, k, v, documents, pattern)` on whole rows of
+    this rank's heads (`[batch, heads/P, seq, dim]` → `[batch, seq, heads/P, dim]`); heads are then exchanged in one
+    group, contiguous per rank (`local_heads`).
     """
     ring = ProcessGroupHandle(ring_group).world_size > 1
+    if ring and (pattern or local is not None):
+        what = "sliding windows or chunked attention" if pattern else "the model's own attention function"
+        raise NotImplementedError(
+            f"ring attention (ring_size > 1) computes plain causal softmax attention and cannot apply {what}: use"
+            " ring_size=1 (pure Ulysses: a sequence_parallel_size the heads divide)."
+        )
     if ring and dropout_p:
         raise NotImplementedError(
             "ring attention (ring_size > 1) has no attention dropout: set the model's attention dropout to 0, or use"
@@ -224,10 +247,16 @@ def ulysses_attention(
 
         def attend(q, k, v):
             return ring_attention(q, k, v, ring_group, is_causal, scale).transpose(1, 2)
+    elif local is not None:
+
+        def attend(q, k, v):
+            return local(q, k, v, documents, pattern)
+
+        head_groups = 1
     else:
 
         def attend(q, k, v):
-            return local_attention(q, k, v, backend, documents, is_causal, scale, dropout_p)
+            return local_attention(q, k, v, backend, documents, is_causal, scale, dropout_p, pattern)
 
     if ProcessGroupHandle(group).world_size == 1:
         return attend(query, key, value)

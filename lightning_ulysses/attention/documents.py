@@ -1,4 +1,4 @@
-"""Which tokens of a whole row may attend to which: packed documents and padding.
+"""Which tokens of a whole row may attend to which: packed documents, padding, sliding windows and chunks.
 
 A row may hold several documents. A token whose `position_ids` entry does not continue the previous token's by
 one (in practice: a restart at 0) starts a new document, the rule transformers applies to packed rows
@@ -17,6 +17,60 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
+
+
+@dataclass(frozen=True)
+class AttentionPattern:
+    """Causal attention narrowed to a sliding window and/or to chunks, as transformers' overlays define them.
+
+    `sliding_window`: a query sees the keys fewer than this many tokens before it (`kv > q - window`);
+    `chunk_size`: a query sees the keys of its own chunk only, chunks counted from the row's first real token
+    (transformers' `left_padding` offset) or, in packed rows, from its document's first token (the positions
+    transformers remaps packed rows to). Both measured on the whole row.
+    """
+
+    sliding_window: Optional[int] = None
+    chunk_size: Optional[int] = None
+
+    def __bool__(self) -> bool:
+        return self.sliding_window is not None or self.chunk_size is not None
+
+    def allowed(self, seq: int, documents: Optional["DocumentMask"], device) -> torch.Tensor:
+        """`[batch or 1, seq, seq]` boolean: where the pattern lets query `q` (dim 1) see key `k` (dim 2)."""
+        index = torch.arange(seq, device=device)
+        allowed = torch.ones(1, seq, seq, dtype=torch.bool, device=device)
+        if self.sliding_window is not None:
+            allowed = allowed & ((index[:, None] - index[None, :]) < self.sliding_window)[None]
+        if self.chunk_size is not None:
+            chunks = self.chunk_ids(seq, documents, device)
+            allowed = allowed & (chunks[:, :, None] == chunks[:, None, :])
+        return allowed
+
+    def chunk_ids(self, seq: int, documents: Optional["DocumentMask"], device) -> torch.Tensor:
+        """`[batch or 1, seq]`: the chunk of every token (see the class docstring)."""
+        index = torch.arange(seq, device=device)[None]
+        if documents is not None and documents.document_ids is not None:
+            starts = torch.ones_like(documents.document_ids, dtype=torch.bool)
+            starts[:, 1:] = documents.document_ids[:, 1:] != documents.document_ids[:, :-1]
+            first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+            offsets = index - first  # each token's position within its document
+        elif documents is not None and documents.real_tokens is not None:
+            left_padding = (~documents.real_tokens).long().cumprod(dim=1).sum(dim=1, keepdim=True)
+            offsets = index - left_padding
+        else:
+            offsets = index
+        return torch.div(offsets, self.chunk_size, rounding_mode="floor")
+
+
+def allowed_mask(batch: int, seq: int, documents: Optional["DocumentMask"], is_causal: bool,
+                 pattern: Optional[AttentionPattern], device) -> torch.Tensor:
+    """`[batch, 1, seq, seq]` boolean (True = attend): documents, padding, causality and the pattern together."""
+    allowed = (documents.dense_mask(is_causal) if documents is not None else
+               torch.ones(seq, seq, dtype=torch.bool, device=device).tril()[None, None].expand(batch, 1, seq, seq)
+               if is_causal else torch.ones(batch, 1, seq, seq, dtype=torch.bool, device=device))
+    if pattern:
+        allowed = allowed & pattern.allowed(seq, documents, device)[:, None]
+    return allowed
 
 
 @dataclass(frozen=True)
@@ -95,16 +149,36 @@ class DocumentMask:
         cu_seqlens = torch.cat([offsets, total]).to(torch.int32)
         return kept, cu_seqlens, int(cu_seqlens.diff().max()) if cu_seqlens.numel() > 1 else 0
 
-    def mask_mod(self, is_causal: bool):
+    def mask_mod(self, is_causal: bool, pattern: Optional[AttentionPattern] = None):
         """The `mask_mod(batch, head, query, key)` of flex attention."""
-        document_ids, real_tokens = self.document_ids, self.real_tokens
+        return mask_mod(self, is_causal, pattern)
 
-        def allowed(batch, head, query, key):
-            result = query >= key if is_causal else query == query
-            if document_ids is not None:
-                result = result & (document_ids[batch, query] == document_ids[batch, key])
-            if real_tokens is not None:
-                result = result & real_tokens[batch, key]
-            return result
 
-        return allowed
+def mask_mod(documents: Optional[DocumentMask], is_causal: bool, pattern: Optional[AttentionPattern] = None,
+             seq: Optional[int] = None, device=None):
+    """The `mask_mod(batch, head, query, key)` of flex attention for these documents (None: one unpadded sequence
+    per row, then `seq` and `device` give the row) and pattern."""
+    document_ids = None if documents is None else documents.document_ids
+    real_tokens = None if documents is None else documents.real_tokens
+    window = pattern.sliding_window if pattern else None
+    chunks = None
+    if pattern and pattern.chunk_size is not None:
+        reference = document_ids if document_ids is not None else real_tokens
+        if reference is not None:
+            seq, device = reference.size(1), reference.device
+        chunks = pattern.chunk_ids(seq, documents, device)
+
+    def allowed(batch, head, query, key):
+        result = query >= key if is_causal else query == query
+        if document_ids is not None:
+            result = result & (document_ids[batch, query] == document_ids[batch, key])
+        if real_tokens is not None:
+            result = result & real_tokens[batch, key]
+        if window is not None:
+            result = result & (query - key < window)
+        if chunks is not None:
+            row = batch if chunks.size(0) > 1 else 0
+            result = result & (chunks[row, query] == chunks[row, key])
+        return result
+
+    return allowed

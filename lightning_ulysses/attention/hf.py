@@ -25,6 +25,7 @@ import copy
 import functools
 import inspect
 import re
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -35,10 +36,14 @@ from transformers import AttentionInterface, PreTrainedConfig, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from lightning_ulysses.adapters import adapters_for
 from lightning_ulysses.attention.backends import BACKENDS, check_backend
-from lightning_ulysses.attention.core import ProcessGroupHandle, ulysses_attention, validate_head_counts
-from lightning_ulysses.attention.masks import reject_unsupported_pattern, reject_window
+from lightning_ulysses.attention.core import ProcessGroupHandle, local_heads, ulysses_attention, validate_head_counts
+from lightning_ulysses.attention.documents import AttentionPattern, allowed_mask, mask_mod
+from lightning_ulysses.attention.mixers import MASK_MARKER, WholeRowsMixer
+from lightning_ulysses.attention.masks import attention_pattern, reject_unsupported_pattern, reject_window
 from lightning_ulysses.attention.rows import BatchRowsSlot
+from lightning_ulysses.layout import ShardOrder
 
 ULYSSES_ATTENTION = "ulysses"
 _BINDING_ATTRIBUTE = "_lightning_ulysses"
@@ -70,6 +75,9 @@ class _Binding:
     batch_rows: Optional[BatchRowsSlot] = None
     # Head groups whose all-to-alls are pipelined with their attention (core.exchange_and_attend).
     head_groups: int = 1
+    # The position_ids of the model's latest forward (`_ForwardPositions`), for attention modules whose layer does
+    # not hand them on (Llama 4): without them packed documents would not be kept apart.
+    forward_positions: Optional[torch.Tensor] = None
 
     @property
     def sharded(self) -> bool:
@@ -80,33 +88,16 @@ class _Binding:
         return self
 
 
-def _reject_unsupported(module, attention_mask, kwargs, row_length: int) -> None:
-    """Fail, the same way on every rank and before any collective, on inputs the Ulysses core would get wrong."""
-    if any(name in kwargs for name in ("cu_seq_lens_q", "cu_seq_lens_k")):
-        raise ValueError(
-            "cu_seq_lens_q/cu_seq_lens_k describe documents of the whole (unsharded) row. Under sequence parallelism"
-            " lightning_ulysses reads packed documents from position_ids restarting at 0 instead: drop the flash"
-            " kwargs from the batch (e.g. DataCollatorWithFlattening(return_flash_attn_kwargs=False))."
-        )
-    if attention_mask is not None and attention_mask.dim() != 2:
-        raise ValueError(
-            f"{type(module).__name__} got a {attention_mask.dim()}-D attention mask; under sequence parallelism only"
-            " 2-D padding masks ([batch, seq]) and packed position_ids can be cut along the sequence."
-        )
-    sliding_window = kwargs.get("sliding_window")
-    if sliding_window is not None:  # the same rule as for a window the mask function carries (attention/masks.py)
-        reject_window(type(module).__name__, "a sliding window", sliding_window, row_length)
-    for name in ("softcap", "s_aux"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"{type(module).__name__} passes {name}, which Ulysses attention does not apply yet.")
-
-
 def _unsupported(module, attention_mask, kwargs, row_length: int) -> bool:
+    """SP 1: whether these inputs ask for what the core does not apply to unsharded rows (a window shorter than the
+    row, soft-capping, sinks, another mask format), which the model's own attention then computes as unprepared."""
     try:
-        _reject_unsupported(module, attention_mask, kwargs, row_length)
-    except (ValueError, NotImplementedError):
+        _reject_unsharded_inputs(module, attention_mask, kwargs)
+    except ValueError:
         return True
-    return False
+    sliding_window = kwargs.get("sliding_window")
+    return (sliding_window is not None and sliding_window < row_length) or any(
+        kwargs.get(name) is not None for name in _OWN_ATTENTION_KWARGS)
 
 
 def _ulysses_attention_forward(module, query, key, value, attention_mask, **kwargs):
@@ -122,23 +113,172 @@ def _ulysses_attention_forward(module, query, key, value, attention_mask, **kwar
                                 or _unsupported(module, attention_mask, kwargs, row_length)):
         # SP 1: what the core does not apply (decoding from a KV cache, sliding windows, soft-capping, sinks,
         # masks built from other mask functions) runs through the model's own attention, exactly as unprepared.
-        return ALL_ATTENTION_FUNCTIONS[binding.backend](module, query, key, value, attention_mask, **kwargs)
+        return _own_attention_function(module, binding.backend)(module, query, key, value, attention_mask, **kwargs)
+    adapters = adapters_for(module)
     if binding.decode is not None and binding.decode.prefilled:
+        if adapters:
+            raise NotImplementedError(
+                f"{type(module).__name__} needs {adapters[0].name} from global positions, which decoding from a"
+                " sequence-parallel KV cache does not give it yet: generate with sequence_parallel_size=1.")
         return _decode_attention(query, key, value, binding.decode, group, kwargs.get("scaling")), None
-    _reject_unsupported(module, attention_mask, kwargs, row_length)
+    if adapters:  # positions the module counted from this shard's start (adapters/): corrected to the global ones
+        order = ShardOrder(binding.group.world_size * binding.ring.world_size, binding.ring.world_size)
+        rank = binding.ring.rank * binding.group.world_size + binding.group.rank
+        local = torch.arange(query.size(2), device=query.device)
+        global_ = order.positions(row_length, rank, device=query.device)
+        for adapter in adapters:
+            query = adapter.adjust_query(module, query, local, global_)
+    padding_mask, pattern = _unmark(attention_mask)
+    _reject_unsharded_inputs(module, padding_mask, kwargs)
+    if binding.backend in _FLASH_BACKENDS:  # flash reads its window from the kwarg (its mask is 2-D padding only)
+        pattern = AttentionPattern(kwargs.get("sliding_window"), pattern.chunk_size if pattern else None)
+    if binding.decode is not None:  # the prefill of `inference.generate`: windows are not applied while decoding
+        for size in (pattern.sliding_window, pattern.chunk_size) if pattern else ():
+            if size is not None:
+                reject_window(type(module).__name__, "a sliding window or chunked attention", size, row_length)
+        pattern = None
     is_causal = kwargs.get("is_causal")
+    is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    own = None
+    if binding.backend not in BACKENDS or any(kwargs.get(name) is not None for name in _OWN_ATTENTION_KWARGS):
+        own = _OwnAttention(module, binding, kwargs, is_causal, query.size(1))
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        position_ids = binding.forward_positions
     output = ulysses_attention(
         query, key, value, group, binding.backend,
-        position_ids=kwargs.get("position_ids"),  # global positions: packed documents are read from them
-        padding_mask=attention_mask,  # this shard's 2-D padding mask (see _shard_padding_mask)
-        is_causal=getattr(module, "is_causal", True) if is_causal is None else is_causal,
+        position_ids=position_ids,  # global positions: packed documents are read from them
+        padding_mask=padding_mask,  # this shard's 2-D padding mask (see _shard_padding_mask)
+        is_causal=is_causal,
         scale=kwargs.get("scaling"),
         dropout_p=kwargs.get("dropout", 0.0),
         ring_group=binding.ring.group,  # with a ring, ring attention replaces the backend
         batch_rows=binding.batch_rows,
         head_groups=binding.head_groups,
+        pattern=pattern or None,
+        local=own,
     )
     return output, None  # [batch, seq/P, heads, dim], the layout the model expects back
+
+
+_FLASH_BACKENDS = ("flash_attention_2", "flash_attention_3")
+# Attention arguments only the model's own attention function applies (the backends of backends.py do not):
+# Gemma 2's logit soft-capping, GPT-OSS's sinks.
+_OWN_ATTENTION_KWARGS = ("softcap", "s_aux")
+
+
+def _reject_unsharded_inputs(module, attention_mask, kwargs) -> None:
+    """Refuse (alike on every rank, before any collective) inputs that describe the whole row unsharded."""
+    if any(name in kwargs for name in ("cu_seq_lens_q", "cu_seq_lens_k")):
+        raise ValueError(
+            "cu_seq_lens_q/cu_seq_lens_k describe documents of the whole (unsharded) row. Under sequence parallelism"
+            " lightning_ulysses reads packed documents from position_ids restarting at 0 instead: drop the flash"
+            " kwargs from the batch (e.g. DataCollatorWithFlattening(return_flash_attn_kwargs=False))."
+        )
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(
+            f"{type(module).__name__} got a {attention_mask.dim()}-D attention mask; under sequence parallelism only"
+            " 2-D padding masks ([batch, seq]) and packed position_ids can be cut along the sequence."
+        )
+
+
+class _LocalHeads:
+    """The attention module as its own attention function sees it after the exchange: whole rows of heads/P heads.
+
+    Attributes that count heads are this rank's (`num_key_value_groups` after KV replication, `sinks` sliced to
+    its heads, so that their gradients land on the heads this rank attended over); everything else is the
+    module's own."""
+
+    def __init__(self, module, heads: slice, query_heads: int, key_heads: int, total_heads: int):
+        self._module = module
+        self.num_key_value_groups = query_heads // key_heads
+        sinks = getattr(module, "sinks", None)
+        if isinstance(sinks, torch.Tensor) and sinks.dim() >= 1 and sinks.size(0) == total_heads:
+            self.sinks = sinks[heads]
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+class _OwnAttention:
+    """The model's own attention function (eager, or a backend given arguments ours do not apply) on whole rows of
+    this rank's heads: `ulysses_attention(..., local=...)`.
+
+    Its mask is built from the whole rows in the format that function reads: eager adds a float mask, sdpa takes
+    a boolean one, flex a block mask, flash a 2-D padding mask (with its window from the `sliding_window` kwarg).
+    """
+
+    def __init__(self, module, binding: "_Binding", kwargs: dict, is_causal: bool, total_heads: int):
+        self.module, self.backend, self.is_causal, self.total_heads = module, binding.backend, is_causal, total_heads
+        self.function = _own_attention_function(module, binding.backend)
+        self.rank = dist.get_rank(binding.group.group) if binding.group.world_size > 1 else 0
+        self.sp = binding.group.world_size
+        heads = local_heads(total_heads, self.sp, self.rank)
+        # Positions and flash's document kwargs describe this shard, not the whole rows the function now sees.
+        self.kwargs = {name: value for name, value in kwargs.items() if name not in ("position_ids", "is_causal")}
+        s_aux = self.kwargs.get("s_aux")
+        if isinstance(s_aux, torch.Tensor) and s_aux.dim() >= 1 and s_aux.size(0) == total_heads:
+            self.kwargs["s_aux"] = s_aux[heads]
+        self.heads = heads
+
+    def __call__(self, query, key, value, documents, pattern):
+        view = _LocalHeads(self.module, self.heads, query.size(1), key.size(1), self.total_heads)
+        mask = self._mask(query, documents, pattern)
+        output, _ = self.function(view, query, key, value, mask, **self.kwargs)
+        return output
+
+    def _mask(self, query, documents, pattern):
+        batch, seq = query.size(0), query.size(2)
+        if self.backend in _FLASH_BACKENDS:
+            if (pattern and pattern.chunk_size is not None) or (documents is not None and documents.document_ids is not None):
+                raise NotImplementedError(
+                    f"{type(self.module).__name__} under sequence parallelism with {self.backend} and its own attention"
+                    " arguments (sinks or soft-capping) cannot keep packed documents or chunks apart here: use unpacked"
+                    " rows, or attn_implementation='eager'."
+                )
+            return None if documents is None else documents.real_tokens.long()
+        if self.backend == "flex_attention":
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            rule = mask_mod(documents, self.is_causal, pattern or None, seq, query.device)
+            return create_block_mask(rule, batch if documents is not None else None, None, seq, seq, device=query.device)
+        if self.backend == "sdpa" and documents is None and not pattern:
+            return None  # sdpa's causal fast path (the module's is_causal)
+        allowed = allowed_mask(batch, seq, documents, self.is_causal, pattern or None, query.device)
+        if self.backend == "sdpa":
+            return allowed
+        return torch.where(allowed, 0.0, torch.finfo(query.dtype).min).to(query.dtype)  # eager adds it
+
+
+def _own_attention_function(module, backend: str) -> Callable:
+    """The function `module` would attend with unprepared: transformers' registered one, or (eager) the
+    `eager_attention_forward` of the module's own modeling file."""
+    if backend != "eager":
+        return ALL_ATTENTION_FUNCTIONS[backend]
+    function = getattr(inspect.getmodule(type(module)), "eager_attention_forward", None)
+    if function is None:
+        raise NotImplementedError(
+            f"{type(module).__name__} uses eager attention, but its modeling module has no eager_attention_forward"
+            " for lightning_ulysses to run on whole rows: build the model with attn_implementation='sdpa'."
+        )
+    return function
+
+
+_PATTERN_ATTRIBUTE = MASK_MARKER
+
+
+def _mark(attention_mask: Optional[torch.Tensor], pattern: AttentionPattern) -> torch.Tensor:
+    """What our mask interface hands a windowed/chunked layer: an empty tensor carrying the shard's 2-D padding
+    mask and the pattern. The model passes it to exactly the layers it built that mask for (`layer_types`); a
+    layer that got it through a copy (the attribute lost) sees an empty 1-D mask and is refused, never misread."""
+    marker = torch.empty(0)
+    setattr(marker, _PATTERN_ATTRIBUTE, (attention_mask, pattern))
+    return marker
+
+
+def _unmark(attention_mask) -> tuple[Optional[torch.Tensor], Optional[AttentionPattern]]:
+    marked = getattr(attention_mask, _PATTERN_ATTRIBUTE, None) if attention_mask is not None else None
+    return (attention_mask, None) if marked is None else marked
 
 
 # The private configs of prepared models (every sub-config too) → (the config, the model's name, its binding): the
@@ -176,9 +316,12 @@ def _shard_padding_mask(*args, attention_mask=None, mask_function=None, config=N
                 return own_mask()
             return attention_mask
         if decode is None:
-            # Called with this shard's length: the whole row spans every shard of the SP group (and ring).
-            row_length = q_length * binding.group.world_size * binding.ring.world_size
-        elif not decode.prefilled:
+            # Windows and chunks cross shard boundaries: the attention applies them on whole rows after the exchange.
+            pattern = attention_pattern(mask_function, model_name)
+            if not pattern:
+                return attention_mask
+            return _mark(attention_mask, pattern)
+        if not decode.prefilled:
             row_length = decode.prompt_length
         else:  # each rank's cache: its prompt shard, then every generated token, this one included
             row_length = decode.prompt_length + kv_length + kv_offset - decode.shard_length
@@ -279,8 +422,8 @@ def find_hf_models(root: torch.nn.Module) -> list[PreTrainedModel]:
 
 
 # Layer kinds of `config.layer_types` whose token mixing (if any) is attention through transformers' attention interface
-# (what the "ulysses" key replaces). Every other kind (linear attention, Mamba, short convolutions, kinds added
-# after this list was written) mixes tokens some other way and is refused.
+# (what the "ulysses" key replaces). Layers of other kinds (linear attention, Mamba, short convolutions) must hold a
+# token mixer `token_mixer_modules` finds (run on whole rows, attention/mixers.py); a kind without one is refused.
 # MLP kinds ("mlp", "moe", "dense", "sparse") appear in the same lists of some families and mix no tokens.
 _ATTENTION_LAYER_TYPES = frozenset({"attention", "full_attention", "sliding_attention", "chunked_attention",
                                     "mlp", "moe", "dense", "sparse"})
@@ -292,33 +435,43 @@ _TOKEN_MIXER_NAMES = re.compile(
 )
 _TOKEN_MIXER_ADVICE = (
     "Under sequence parallelism every rank holds a slice of the sequence, and only attention that dispatches through"
-    " transformers' attention interface is exchanged between the slices: this layer would run over each rank's"
-    " slice as if it were the whole sequence (silently wrong losses and gradients). Train this model without"
-    " sequence parallelism (sequence_parallel_size=1), or use a model whose layers all mix tokens by attention."
+    " transformers' attention interface, or a token mixer lightning_ulysses runs on whole rows, is exchanged between"
+    " the slices: this layer would run over each rank's slice as if it were the whole sequence (silently wrong losses"
+    " and gradients). Train this model without sequence parallelism (sequence_parallel_size=1), or use a model whose"
+    " layers all mix tokens by attention."
 )
 
 
-def find_token_mixers(model: torch.nn.Module) -> list[str]:
-    """Layers of `model` that mix tokens without transformers' attention interface, as "path (Class)" (outermost
-    ones only: a Mamba mixer's convolution is not listed again)."""
-    found: list[str] = []
+def _mixer_by_name(module: torch.nn.Module) -> bool:  # (MambaForCausalLM names a model, MambaRMSNorm a norm)
+    name = type(module).__name__
+    return not isinstance(module, PreTrainedModel) and "Norm" not in name and bool(_TOKEN_MIXER_NAMES.search(name))
 
-    def by_name(module: torch.nn.Module) -> bool:  # (MambaForCausalLM names a model, MambaRMSNorm a norm)
-        name = type(module).__name__
-        return not isinstance(module, PreTrainedModel) and "Norm" not in name and bool(_TOKEN_MIXER_NAMES.search(name))
 
-    def visit(module: torch.nn.Module, path: str) -> None:
+def token_mixer_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The layers of `model` that mix tokens without transformers' attention interface, outermost ones only (a
+    Mamba mixer's convolution is not listed again): `(path, module)`. A bare `nn.Conv1d` is listed by the module
+    that calls it (its parent), the unit `WholeRowsMixer` runs on whole rows."""
+    found: list[tuple[str, torch.nn.Module]] = []
+
+    def visit(module: torch.nn.Module, path: str, parent: tuple[str, torch.nn.Module] | None) -> None:
         children = [(f"{path}.{name}" if path else name, child) for name, child in module.named_children()]
         # A block named like a mixer (MambaBlock) that holds the mixer itself (MambaMixer) is named by the latter.
-        if isinstance(module, torch.nn.Conv1d) or by_name(module) and not any(
-                by_name(m) for _, child in children for m in child.modules()):
-            found.append(f"{path or '<model>'} ({type(module).__name__})")
+        if isinstance(module, torch.nn.Conv1d) or _mixer_by_name(module) and not any(
+                _mixer_by_name(m) for _, child in children for m in child.modules()):
+            unit = parent if isinstance(module, torch.nn.Conv1d) and parent is not None else (path or "<model>", module)
+            if all(unit[1] is not other for _, other in found):
+                found.append(unit)
             return
         for child_path, child in children:
-            visit(child, child_path)
+            visit(child, child_path, (path or "<model>", module))
 
-    visit(model, "")
+    visit(model, "", None)
     return found
+
+
+def find_token_mixers(model: torch.nn.Module) -> list[str]:
+    """`token_mixer_modules` as "path (Class)"."""
+    return [f"{path} ({type(module).__name__})" for path, module in token_mixer_modules(model)]
 
 
 def _configs_of(model: PreTrainedModel) -> list[Any]:
@@ -335,32 +488,28 @@ def _configs_of(model: PreTrainedModel) -> list[Any]:
 
 
 def _reject_token_mixing_outside_attention(model: PreTrainedModel) -> None:
-    """Refuse (before any collective) models with layers the Ulysses exchange does not reach."""
+    """Refuse (before any collective) models with layers neither the Ulysses exchange nor a whole-rows mixer reaches."""
     name = type(model).__name__
-    mixers = find_token_mixers(model)
-    if mixers:
-        listed = ", ".join(mixers[:3]) + (f" and {len(mixers) - 3} more" if len(mixers) > 3 else "")
-        raise NotImplementedError(f"{name} mixes tokens outside attention in {listed}. {_TOKEN_MIXER_ADVICE}")
+    mixers = token_mixer_modules(model)
+    for path, module in mixers:
+        # A unit that also holds attention would run that attention on whole rows as if they were a shard.
+        inner = [f"{path}.{child_path}" for child_path, child in module.named_modules()
+                 if child_path and "Attention" in type(child).__name__ and not _mixer_by_name(child)]
+        if inner:
+            raise NotImplementedError(
+                f"{name} mixes tokens outside attention in {path} ({type(module).__name__}), which also holds"
+                f" attention ({inner[0]}), so it cannot run on whole rows. {_TOKEN_MIXER_ADVICE}")
+    covered = {int(match.group(1)) for path, _ in mixers for match in [re.search(r"layers\.(\d+)\.", path + ".")] if match}
     for config in _configs_of(model):  # kinds whose modules have names this check does not know yet
         layer_types = getattr(config, "layer_types", None) or []
-        unknown = [(i, kind) for i, kind in enumerate(layer_types) if kind not in _ATTENTION_LAYER_TYPES]
+        unknown = [(i, kind) for i, kind in enumerate(layer_types) if kind not in _ATTENTION_LAYER_TYPES
+                   and i not in covered]
         if unknown:
             listed = ", ".join(f"layer {i} is {kind!r}" for i, kind in unknown[:3])
             raise NotImplementedError(
                 f"{name} has layers that are not attention ({listed} in config.layer_types), so they mix tokens"
                 f" some other way. {_TOKEN_MIXER_ADVICE}"
             )
-    for path, module in model.named_modules():
-        # Llama-4's NoPE layers scale queries by a temperature of the position they compute as `arange` over the
-        # tokens they hold: under SP, each shard's positions would restart at 0.
-        if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
-            raise NotImplementedError(
-                f"{name}'s {path} ({type(module).__name__}) tunes its attention temperature by positions it numbers"
-                " from 0 on every sequence shard, so under sequence parallelism each rank would scale its queries"
-                " as if its shard started the sequence. Build the model with attn_temperature_tuning=False in its"
-                " (text) config, or train it without sequence parallelism (sequence_parallel_size=1)."
-            )
-
 
 def _unswitchable_submodel(model: PreTrainedModel) -> Optional[PreTrainedModel]:
     """transformers only logs a warning when it cannot switch a model's attention (its source heuristic
@@ -400,23 +549,35 @@ def validate_hf_model(model: PreTrainedModel, sequence_parallel_size: int, ring_
     if sharded:
         # First: for a Mamba or RWKV model "build it with sdpa" (below) would be no advice at all.
         _reject_token_mixing_outside_attention(model)
-    if sharded and backend not in BACKENDS:
+        mixers = find_token_mixers(model)
+        if ring_size > 1 and mixers:
+            raise NotImplementedError(
+                f"{type(model).__name__} has token mixers that are not attention ({mixers[0]}), which run on whole rows"
+                " under pure Ulysses only: use ring_size=1 (a sequence_parallel_size the heads divide), or train with"
+                " sequence_parallel_size=1.")
+    if sharded and backend not in (*BACKENDS, "eager"):
         raise ValueError(
             f"{type(model).__name__} uses attn_implementation={backend!r}, which sequence parallelism cannot wrap"
-            f" (supported: {', '.join(BACKENDS)}). Load or build the model with"
+            f" (supported: {', '.join(BACKENDS)}, eager). Load or build the model with"
             " attn_implementation='sdpa' (e.g. AutoModelForCausalLM.from_config(cfg, attn_implementation='sdpa'))."
         )
-    if sharded:
-        check_backend(backend)  # installed and usable here, checked before any collective
+    if sharded and hf_head_counts(model) is not None:  # (a model without attention has nothing to switch)
+        if backend != "eager":
+            check_backend(backend)  # installed and usable here, checked before any collective
         _reject_unswitchable(model)
-    validate_head_counts(*hf_head_counts(model), sequence_parallel_size)
+    head_counts = hf_head_counts(model)
+    if head_counts is not None:
+        validate_head_counts(*head_counts, sequence_parallel_size)
     return backend
 
 
-def hf_head_counts(model: PreTrainedModel) -> tuple[int, int]:
-    """(attention heads, KV heads) of a Hugging Face model."""
+def hf_head_counts(model: PreTrainedModel) -> Optional[tuple[int, int]]:
+    """(attention heads, KV heads) of a Hugging Face model; None for a model without attention (Mamba, RWKV), whose
+    token mixers run on whole rows (attention/mixers.py) at any SP size."""
     text_config = model.config.get_text_config()
-    num_heads = text_config.num_attention_heads
+    num_heads = getattr(text_config, "num_attention_heads", None)
+    if num_heads is None:
+        return None
     return num_heads, getattr(text_config, "num_key_value_heads", None) or num_heads
 
 
@@ -453,6 +614,13 @@ def prepare_hf_model(
     if model.config._attn_implementation == ULYSSES_ATTENTION:
         raise RuntimeError(f"{type(model).__name__} is already prepared for sequence parallelism: restore() it first.")
     prepared = PreparedHFModel(model=model, backend=backend)
+    if backend == "eager" and group.world_size > 1 and hf_head_counts(model) is not None:
+        heads = hf_head_counts(model)[0] // group.world_size
+        warnings.warn(
+            f"{type(model).__name__} attends with eager attention: under sequence parallelism every rank runs it on"
+            f" whole rows of its {heads} heads, materialising {heads} x seq x seq scores per layer"
+            f" ({heads * 32768 ** 2 * 4 / 2 ** 30:.0f} GiB at 32K tokens in fp32). Use sdpa, flash or flex attention"
+            " where the model supports them.", stacklevel=2)
     if loss_function is not None:
         prepared.original_loss_function = model.__dict__.get("_loss_function", _NOT_SET)
         prepared.loss_swapped = True
@@ -465,6 +633,30 @@ def prepare_hf_model(
     # Switched at SP 1 too: one attention for every SP size, so packed rows (position_ids restarting per document)
     # keep their documents apart at SP 1 exactly as at SP 8. Hugging Face's own sdpa path detects packing only
     # without an attention mask and without a KV cache, which its default `use_cache=True` creates even in training.
+    binding = _Binding(group=group, backend=backend, ring=ring, batch_rows=batch_rows, head_groups=head_groups)
+    if hf_head_counts(model) is not None:
+        _switch_attention(model, prepared, binding)
+    if "position_ids" in inspect.signature(model.forward).parameters:
+        recorder = _ForwardPositions(model, binding)
+        prepared.hooks.append(model.register_forward_pre_hook(recorder, with_kwargs=True))
+    if sharded and batch_rows is not None:
+        prepared.hooks.append(model.register_forward_pre_hook(_PositionCheck(model, binding), with_kwargs=True))
+    if sharded:
+        mixers = token_mixer_modules(model)
+        for path, module in mixers:
+            prepared.hooks += WholeRowsMixer(module, path, group.group, ring.group).attach(module)
+        if mixers:
+            kinds = sorted({type(module).__name__ for _, module in mixers})
+            warnings.warn(
+                f"{type(model).__name__}: {len(mixers)} token-mixing layers that are not attention ({', '.join(kinds)})"
+                f" run on whole rows on every one of the {group.world_size * ring.world_size} sequence-parallel ranks"
+                " (exact; their compute and activations do not shrink with the SP size, the attention layers' do).",
+                stacklevel=2)
+    return prepared
+
+
+def _switch_attention(model: PreTrainedModel, prepared: PreparedHFModel, binding: _Binding) -> None:
+    """Switch `model` to the "ulysses" attention on a private config copy, its modules bound to `binding`."""
     _register_attention()
     # Private config copy, installed on every module that referenced the shared one (or a sub-config of it).
     memo: dict[int, Any] = {}
@@ -486,16 +678,12 @@ def prepare_hf_model(
     if unswitched is not None:
         prepared.restore()
         raise ValueError(_unswitchable_message(model, unswitched))
-    binding = _Binding(group=group, backend=backend, ring=ring, batch_rows=batch_rows, head_groups=head_groups)
     for module in model.modules():
         module.__dict__[_BINDING_ATTRIBUTE] = binding
-    if sharded and batch_rows is not None:
-        prepared.hooks.append(model.register_forward_pre_hook(_PositionCheck(model, binding), with_kwargs=True))
     for private in memo.values():
         if isinstance(private, PreTrainedConfig):
             _MASK_CONFIGS[id(private)] = (weakref.ref(private), type(model).__name__, binding)
             prepared.mask_configs.append(id(private))
-    return prepared
 
 
 def watch_positions(model: torch.nn.Module, batch_rows: BatchRowsSlot, sequence_parallel_group, ring_group=None):
@@ -504,6 +692,22 @@ def watch_positions(model: torch.nn.Module, batch_rows: BatchRowsSlot, sequence_
     binding = _Binding(group=ProcessGroupHandle(sequence_parallel_group), backend="", ring=ProcessGroupHandle(ring_group),
                        batch_rows=batch_rows)
     return model.register_forward_pre_hook(_PositionCheck(model, binding), with_kwargs=True)
+
+
+class _ForwardPositions:
+    """Keeps the `position_ids` of the model's latest forward on the binding (a pre-hook). Kept after the forward:
+    layers recomputed in backward (activation checkpointing) must see the positions their forward saw."""
+
+    def __init__(self, model: torch.nn.Module, binding: _Binding) -> None:
+        self.binding = binding
+        self.signature = inspect.signature(model.forward)
+
+    def __call__(self, module, args, kwargs):
+        try:
+            self.binding.forward_positions = self.signature.bind_partial(*args, **kwargs).arguments.get("position_ids")
+        except TypeError:
+            self.binding.forward_positions = None
+        return None
 
 
 class _PositionCheck:

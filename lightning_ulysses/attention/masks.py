@@ -25,6 +25,8 @@ from typing import Callable, Optional
 
 from transformers import masking_utils as hf_masks
 
+from lightning_ulysses.attention.documents import AttentionPattern
+
 _PROBE = hf_masks.causal_mask_function
 _NO_CODE = object()
 
@@ -98,6 +100,27 @@ def read_mask_function(mask_function: Callable) -> MaskPattern:
     return MaskPattern(tuple(windows), tuple(chunks), "; ".join(unsupported) or None)
 
 
+def attention_pattern(mask_function: Callable, model_name: str) -> AttentionPattern:
+    """The sliding window and chunks `mask_function` narrows causal attention to (applied on whole rows by the
+    Ulysses core); raises for every other pattern (see `read_mask_function`)."""
+    pattern = read_mask_function(mask_function)
+    _raise_unsupported(pattern, model_name)
+    if len(set(pattern.chunk_sizes)) > 1:
+        raise NotImplementedError(f"{model_name} builds its attention mask with chunks of several sizes"
+                                  f" {sorted(set(pattern.chunk_sizes))}, which Ulysses attention does not apply.")
+    return AttentionPattern(min(pattern.sliding_windows, default=None), min(pattern.chunk_sizes, default=None))
+
+
+def _raise_unsupported(pattern: MaskPattern, model_name: str) -> None:
+    if pattern.unsupported is not None:
+        raise NotImplementedError(
+            f"{model_name} builds its attention mask with {pattern.unsupported}, which Ulysses attention does not"
+            " apply yet (it applies causal attention with padding, packed documents, sliding windows and chunks)."
+            " Switch it off in the config (e.g. use_bidirectional_attention=False), use a model without it, or"
+            " train without sequence parallelism."
+        )
+
+
 def reject_unsupported_pattern(mask_function: Callable, row_length: int, model_name: str,
                                layer_types: Optional[list] = None) -> None:
     """Raise unless `mask_function` is exactly causal (with padding and packed documents) over rows of
@@ -111,13 +134,7 @@ def reject_unsupported_pattern(mask_function: Callable, row_length: int, model_n
         windows = pattern.sliding_windows if "sliding_attention" in layer_types else ()
         chunks = pattern.chunk_sizes if "chunked_attention" in layer_types else ()
         pattern = MaskPattern(windows, chunks)
-    if pattern.unsupported is not None:
-        raise NotImplementedError(
-            f"{model_name} builds its attention mask with {pattern.unsupported}, which Ulysses attention does not"
-            " apply yet (it applies causal attention with padding and packed documents only): use a model without"
-            " it, or switch it off in the config (e.g. use_bidirectional_attention=False), or train without sequence"
-            " parallelism."
-        )
+    _raise_unsupported(pattern, model_name)
     for window in pattern.sliding_windows:
         reject_window(model_name, "a sliding window", window, row_length)
     for chunk in pattern.chunk_sizes:

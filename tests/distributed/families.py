@@ -10,16 +10,21 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 VOCAB = 96
-SEQ_LEN = 24  # cut into 2 or 4 shards; longer than no sliding window (they are set to 64)
+SEQ_LEN = 24  # cut into 2 or 4 shards of 12 or 6 tokens: sliding windows (5) and chunks (8) cross them
 
 _SMALL = dict(
     vocab_size=VOCAB, hidden_size=32, n_embd=32, d_model=32, intermediate_size=64, ffn_dim=64, n_inner=64,
     num_hidden_layers=2, n_layer=2, num_layers=2, num_attention_heads=4, n_head=4, num_key_value_heads=2,
-    head_dim=8, max_position_embeddings=64, n_positions=64, sliding_window=64, attention_chunk_size=64,
+    head_dim=8, max_position_embeddings=64, n_positions=64, sliding_window=5, attention_chunk_size=8,
     num_experts=4, num_local_experts=4, n_routed_experts=4, moe_num_experts=4, num_experts_per_tok=2,
     moe_intermediate_size=32, shared_expert_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
     q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1,
     rotary_dim=4, use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    # linear attention and state-space mixers (their defaults make CPU scans over chunks of 256 tokens)
+    linear_key_head_dim=8, linear_value_head_dim=8, mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8,
+    mamba_d_state=16, mamba_chunk_size=8, chunk_size=8, ssm_state_size=16, state_size=16, mamba_num_heads=8,
+    moe_shared_expert_intermediate_size=32, shared_intermediate_size=64, block_size=8, linear_head_dim=8,
+    adapter_rank=8,
 )
 
 

@@ -15,7 +15,7 @@ CASES = {
     "heads_not_divisible": ({"ring_size": 1}, "ValueError", ["num_attention_heads(3) is not divisible by sequence_parallel_size(2)", "Use a sequence_parallel_size in [1, 3]", "Use a ring_size in [2]"]),
     "kv_heads_incompatible": ({"ring_size": 1}, "ValueError", ["num_key_value_heads(3) and sequence_parallel_size(2) must divide one another", "Use a ring_size in [2]"]),
     "opaque_attention_on_ring": ({"ring_size": 2}, "ValueError", ["UlyssesAttention(..., causal=True)", "ring_size=1"]),
-    "eager_attention": ({}, "ValueError", ["attn_implementation='eager'", "attn_implementation='sdpa'"]),
+    "mixer_on_ring": ({"ring_size": 2}, "NotImplementedError", ["Lfm2ForCausalLM has token mixers that are not attention", "ring_size=1"]),
     "no_attention_to_wrap": ({}, "ValueError", ["no Hugging Face PreTrainedModel and no lightning_ulysses.UlyssesAttention", "UlyssesAttention(F.scaled_dot_product_attention)"]),
     "length_not_divisible": ({"stage": 2}, "ValueError", ["sequence length 15 is not divisible by sequence_parallel_size(2)", "pad_to_multiple_of=2", "sequence_padding='pad'"]),
     "tuple_batch": ({"stage": 1}, "TypeError", ["must be a dict with at least 'input_ids'", "got list"]),
@@ -25,7 +25,7 @@ CASES = {
     "positions_not_global": ({"stage": 3}, "ValueError", ["with position_ids that are not the batch's", "model(**batch)"]),
     "ranks_fed_different_samples": ({"stage": 2}, "ValueError", ["ranks [0, 1] of one sequence-parallel group were given different batches", "strategy.data_parallel_rank"]),
     # In the model's forward (its mask function), before the first all-to-all, under ZeRO-3's parameter hooks.
-    "mask_only_sliding_window": ({}, "NotImplementedError", ["Qwen2MoeForCausalLM uses a sliding window of 4 tokens, shorter than its rows of 16 tokens", "Use rows of at most 4 tokens"]),
+    "mask_only_bidirectional": ({}, "NotImplementedError", ["Gemma3ForCausalLM builds its attention mask with an overlay that lets tokens attend beyond the causal mask", "use_bidirectional_attention=False"]),
     "unknown_router_loss": ({}, "NotImplementedError", ["DogeForCausalLM computes its MoE load-balancing loss", "Set output_router_logits=False"]),
     "unavailable_backend": ({"stage": 0}, "ImportError", ["'flash_attention_2' needs the flash-attn package", "use 'sdpa'"]),
     # Its small buckets divide by DP, its oversized ones by DP × SP: refused before any group is created.

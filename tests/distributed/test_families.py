@@ -1,9 +1,12 @@
 """The model-family matrix: every causal-LM family we can build small is exact under Ulysses SP, or refused.
 
 One 4-rank launch. For each family (tests/distributed/families.py) at SP 2 and SP 4 (KV heads replicated where
-they are fewer than SP): the model is checked and prepared as the strategy does it, a batch with unevenly masked
-labels is cut by the sharder, and the loss (1e-5) and the gradients summed over the SP group (relative 1e-5) are
-compared with the same model on the full sequence in one process. A refusal must name its fix. A family that
+they are fewer than SP): the model is checked and prepared as the strategy does it; plain rows with unevenly
+masked labels, padded rows (left and right) and packed rows (documents restarting their positions) are cut by
+the sharder, and the loss (1e-5) and the gradients summed over the SP group (relative 1e-4) are compared with the
+same model on the full sequence in one process. Sliding windows (5 tokens) and chunks (8) are shorter than the
+rows (24) and cross the shards, so they are applied, not skipped; the hybrid and recurrent families run their
+Mamba / Gated-DeltaNet / convolution / RG-LRU / RWKV layers on whole rows (attention/mixers.py). A refusal must name its fix. A family that
 is neither exact nor refused fails the test: no family may train silently wrong.
 
 A few families also train through the Trainer with SGD on ZeRO-2 and ZeRO-3 at SP 2 (weights within 1e-4 of the
@@ -44,10 +47,11 @@ FAMILIES = {
     # multi-head latent attention: as many KV heads as heads
     **{name: {"num_key_value_heads": 4} for name in ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "minicpm3",
                                                        "longcat_flash", "youtu", "kimi_linear")},
-    # eager-only in transformers (no sdpa): refused, eager is not wrapped
+    # eager-only in transformers (no sdpa): Gemma 2's soft-capping and GPT-OSS's sinks run in their own eager
+    # attention on whole rows of each rank's heads; BLOOM, MPT, XGLM and GPT-Neo do not dispatch (refused)
     **{name: {} for name in ("gemma2", "gpt_oss", "bloom", "mpt", "xglm")},
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
-    # hybrid and recurrent token mixers: refused until supported
+    # hybrid and recurrent token mixers: run on whole rows
     "qwen3_next": {}, "qwen3_5_text": {}, "qwen3_5_moe_text": {},
     "lfm2": {"layer_types": ["conv", "full_attention"]},
     "falcon_h1": {}, "granitemoehybrid": {"mamba_n_heads": 8}, "nemotron_h": {}, "jamba": {"attn_layer_period": 2,
@@ -61,18 +65,45 @@ FAMILIES = {
 def outcome(tmp_path_factory):
     spec = {
         "sequence_parallel_sizes": list(SIZES),
-        "families": [{"family": name, "eval": overrides.pop("eval", False), "overrides": overrides}
+        "families": [{"family": name, "eval": overrides.pop("eval", False), "overrides": overrides,
+                      "mixers": name in MIXER_FAMILIES}
                      for name, overrides in ((name, dict(o)) for name, o in FAMILIES.items())],
         "training_cases": [
             {"name": f"{family}_zero{stage}", "model": f"family:{family}", "kv_heads": 2, "sp": 2, "stage": stage,
              "steps": 3, "batch_size": 2, "seq_len": 12}
             for family in TRAINED for stage in (2, 3)
+        ] + [
+            # the memory engine on a hybrid (whole-rows Gated DeltaNet layers recomputed in backward) and on a
+            # sliding-window family: layer checkpointing with host offload, tiled MLP
+            {"name": f"{family}_zero3_memory", "model": f"family:{family}", "kv_heads": 2, "sp": 2, "stage": 3,
+             "steps": 3, "batch_size": 2, "seq_len": 12, "strategy_kwargs": {"memory": MEMORY}}
+            for family in MEMORY_FAMILIES
         ],
     }
     return launch(WORKER, 4, spec, tmp_path_factory.mktemp("families"), timeout=600)
 
 
-TRAINED = ("opt", "gpt2", "qwen3_moe")
+# Learned positions, plain GQA, MoE; a Gated-DeltaNet hybrid; sinks + sliding windows in eager attention.
+TRAINED = ("opt", "gpt2", "qwen3_moe", "qwen3_next", "gpt_oss")
+MEMORY_FAMILIES = ("qwen3_next", "mistral")
+MEMORY = {"activation_checkpointing": True, "offload_activations": True, "tiled_mlp": True, "mlp_tile_tokens": 3}
+
+
+# Families whose token mixers that are not attention are also checked layer by layer (`mixer_errors`): one layer of
+# each kind on its shard against the same layer on the whole rows, output and input gradient.
+MIXER_FAMILIES = ("qwen3_next", "qwen3_5_text", "kimi_linear", "minimax", "lfm2", "mamba", "mamba2", "jamba",
+                  "falcon_h1", "granitemoehybrid", "nemotron_h", "bamba", "zamba2", "olmo_hybrid", "recurrent_gemma",
+                  "rwkv")
+
+
+def test_every_token_mixer_layer_is_exact_on_its_own(outcome):
+    for family in MIXER_FAMILIES:
+        for sp in SIZES:
+            errors = [rank["mixers"][family][sp] for rank in outcome]
+            assert errors[0], (family, sp, "no mixer found")
+            for path in errors[0]:
+                output, gradient = max(e[path][0] for e in errors), max(e[path][1] for e in errors)
+                assert output < 1e-5 and gradient < 1e-5, (family, sp, path, output, gradient)
 
 
 def classify(ranks: list[dict], family: str, sp: int) -> tuple[str, str]:
@@ -80,6 +111,8 @@ def classify(ranks: list[dict], family: str, sp: int) -> tuple[str, str]:
     status = {o["status"] for o in outcomes}
     assert len(status) == 1, f"{family} SP {sp}: ranks disagree {outcomes}"  # a refusal must be on every rank alike
     first = outcomes[0]
+    if first["status"] == "failed":
+        return "wrong", first["why"]
     if first["status"] == "ran":
         loss = max(o["loss_error"] for o in outcomes)
         grad = max(o["grad_error"] for o in outcomes)
@@ -103,25 +136,31 @@ def test_no_family_is_silently_wrong(outcome):
 
 
 def test_the_families_users_train_are_exact(outcome):
-    # The families the issue lists, and the reasons the others are refused (a refusal is no regression to hide).
+    # The families the issues list, and the reasons the others are refused (a refusal is no regression to hide).
     for family in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma", "gemma3_text", "phi", "phi3",
-                   "gpt2", "gpt_neox", "gptj", "opt", "biogpt", "stablelm", "starcoder2", "olmo", "olmo2", "cohere",
-                   "granite", "smollm3", "glm", "glm4", "glm4_moe", "ernie4_5", "seed_oss", "apertus",
-                   "hunyuan_v1_dense"):
+                   "gpt2", "gpt_neox", "gptj", "opt", "biogpt", "stablelm", "starcoder2", "olmo", "olmo2", "olmo3",
+                   "cohere", "cohere2", "granite", "smollm3", "glm", "glm4", "glm4_moe", "ernie4_5", "seed_oss",
+                   "apertus", "hunyuan_v1_dense", "ministral", "exaone4",
+                   # soft-capping, sinks; sliding windows shorter than the rows
+                   "gemma2", "gpt_oss",
+                   # linear attention, state-space and convolution mixers on whole rows
+                   "qwen3_next", "qwen3_5_text", "kimi_linear", "minimax", "lfm2", "mamba", "mamba2", "jamba",
+                   "falcon_h1", "granitemoehybrid", "nemotron_h", "bamba", "zamba2", "recurrent_gemma", "rwkv"):
         for sp in SIZES:
             assert classify(outcome, family, sp)[0] == "exact", (family, sp, classify(outcome, family, sp))
-    for family, reason in {"falcon": "cannot switch", "gemma2": "eager", "gpt_oss": "eager", "bloom": "eager",
-                           "qwen3_next": "GatedDeltaNet", "lfm2": "ShortConv", "jamba": "MambaMixer",
-                           "minimax": "LightningAttention", "mamba2": "Mamba", "mamba": "Mamba", "rwkv": "Rwkv", "llama4_text": "attn_temperature_tuning"}.items():
+        assert outcome[0]["families"][family][SIZES[0]]["batches"][:2] == ["plain", "padded"], family
+    for family, reason in {"falcon": "cannot switch", "bloom": "cannot switch",
+                           "llama4_text": "attn_temperature_tuning"}.items():
         for sp in SIZES:
             status, why = classify(outcome, family, sp)
             assert status == "refused" and reason in why, (family, sp, status, why)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-@pytest.mark.parametrize("family", TRAINED)
-def test_families_train_exactly_through_the_trainer(outcome, family, stage):
-    ranks = [rank["training"][f"{family}_zero{stage}"] for rank in outcome]
+@pytest.mark.parametrize("case", [f"{family}_zero{stage}" for family in TRAINED for stage in (2, 3)]
+                         + [f"{family}_zero3_memory" for family in MEMORY_FAMILIES])
+def test_families_train_exactly_through_the_trainer(outcome, case):
+    family = case.split("_zero")[0]
+    ranks = [rank["training"][case] for rank in outcome]
     steps = [[ranks[0]["records"][t]["sample_index"], ranks[2]["records"][t]["sample_index"]] for t in range(3)]
     assert_training_matches(ranks, reference_training(2, 12, steps, kind=f"family:{family}"))
 

@@ -1,4 +1,5 @@
-"""The "ulysses" mask interface refuses every pattern but causal + padding + packed documents (one process).
+"""The "ulysses" mask interface: causal + padding + packed documents, sliding windows and chunks pass (windows and
+chunks carried to the attention, which applies them on whole rows); every other pattern is refused (one process).
 
 Masks are built by transformers' own `create_*_mask` functions, as the models call them, for one shard of 8
 tokens of a row of 16 at SP 2 (the binding is a stand-in: no collective runs here).
@@ -12,6 +13,7 @@ from transformers import LlamaConfig
 from transformers import masking_utils as hf_masks
 
 from lightning_ulysses.attention import hf
+from lightning_ulysses.attention.documents import AttentionPattern, DocumentMask, allowed_mask
 from lightning_ulysses.attention.masks import read_mask_function, reject_unsupported_pattern
 
 LOCAL, SP = 8, 2  # the whole row: 16 tokens
@@ -47,28 +49,60 @@ def test_plain_causal_passes_with_padding_and_packing(config, attention_mask, po
     assert (result is None) == (not attention_mask)  # the 2-D mask, handed on as it is
 
 
-@pytest.mark.parametrize("window, refused", [(15, True), (16, False), (4096, False)])
 @pytest.mark.parametrize("position_ids", [None, PACKED])
-def test_sliding_window_is_judged_against_the_whole_row(config, window, refused, position_ids):
-    config.sliding_window = window
-    kwargs = mask_kwargs(config, position_ids=position_ids)
-    if refused:
-        with pytest.raises(NotImplementedError, match=rf"TinyModel uses a sliding window of {window} tokens, shorter"
-                                                      r" than its rows of 16 tokens.*Use rows of at most"):
-            hf_masks.create_sliding_window_causal_mask(**kwargs)
-    else:
-        hf_masks.create_sliding_window_causal_mask(**kwargs)
+@pytest.mark.parametrize("attention_mask", [False, True])
+def test_windowed_and_chunked_layers_get_their_pattern(config, attention_mask, position_ids):
+    config.sliding_window, config.attention_chunk_size = 5, 4
+    kwargs = mask_kwargs(config, attention_mask, position_ids)
+    for build, expected in ((hf_masks.create_sliding_window_causal_mask, AttentionPattern(sliding_window=5)),
+                            (hf_masks.create_chunked_causal_mask, AttentionPattern(chunk_size=4))):
+        padding, pattern = hf._unmark(build(**kwargs))
+        assert pattern == expected
+        assert (padding is None) == (not attention_mask)  # the shard's 2-D mask rides along
+    # a layer that got the marker through a copy sees an empty 1-D mask, which the attention refuses
+    marker = hf_masks.create_sliding_window_causal_mask(**kwargs)
+    with pytest.raises(ValueError, match="1-D attention mask"):
+        hf._reject_unsharded_inputs(SimpleNamespace(), hf._unmark(marker.clone())[0], {})
 
 
-@pytest.mark.parametrize("chunk, refused", [(8, True), (16, False)])
-def test_chunked_attention_is_judged_against_the_whole_row(config, chunk, refused):
-    config.attention_chunk_size = chunk
-    kwargs = mask_kwargs(config, attention_mask=True)
-    if refused:
-        with pytest.raises(NotImplementedError, match=rf"chunked attention with chunks of {chunk} tokens"):
-            hf_masks.create_chunked_causal_mask(**kwargs)
-    else:
-        hf_masks.create_chunked_causal_mask(**kwargs)
+ROW = 16
+
+
+def transformers_mask(mask_function, attention_mask=None, position_ids=None):
+    """transformers' own boolean sdpa mask of the whole row, [batch, 1, ROW, ROW]."""
+    config = LlamaConfig(hidden_size=8, num_attention_heads=2)
+    config._attn_implementation = "sdpa"
+    return hf_masks.sdpa_mask(batch_size=2, q_length=ROW, kv_length=ROW, q_offset=0, kv_offset=0,
+                              mask_function=mask_function, attention_mask=attention_mask,
+                              allow_is_causal_skip=False, config=config)
+
+
+@pytest.mark.parametrize("rows", ["plain", "left_padded", "packed"])
+@pytest.mark.parametrize("pattern", [AttentionPattern(sliding_window=5), AttentionPattern(chunk_size=6),
+                                     AttentionPattern(sliding_window=3, chunk_size=8)])
+def test_patterns_on_whole_rows_are_transformers_masks(rows, pattern):
+    """The pattern the Ulysses core applies after the exchange is the mask transformers builds for the unsharded
+    row: windows counted back from each query, chunks from the first real token (left padding) or from each
+    packed document's start."""
+    padding = position_ids = None
+    if rows == "left_padded":
+        padding = torch.ones(2, ROW, dtype=torch.long)
+        padding[0, :3] = 0
+    if rows == "packed":
+        position_ids = torch.stack([torch.cat([torch.arange(7), torch.arange(ROW - 7)]), torch.arange(ROW)])
+    function = hf_masks.causal_mask_function
+    if pattern.sliding_window is not None:
+        function = hf_masks.and_masks(function, hf_masks.sliding_window_overlay(pattern.sliding_window))
+    if pattern.chunk_size is not None:
+        left = torch.zeros(2, dtype=torch.long) if padding is None else (padding == 0).long().cumprod(1).sum(1)
+        function = hf_masks.and_masks(function, hf_masks.chunked_overlay(pattern.chunk_size, left))
+    if position_ids is not None:
+        function = hf_masks.remap_positions_for_packed_sequence(function, position_ids)
+        documents = hf_masks.find_packed_sequence_indices(position_ids)
+        function = hf_masks.and_masks(function, hf_masks.packed_sequence_mask_function(documents))
+    expected = transformers_mask(function, padding)
+    ours = allowed_mask(2, ROW, DocumentMask.from_rows(2, position_ids, padding), True, pattern, "cpu")
+    assert torch.equal(ours, expected.expand_as(ours))
 
 
 @pytest.mark.parametrize("extra", [
@@ -77,7 +111,7 @@ def test_chunked_attention_is_judged_against_the_whole_row(config, chunk, refuse
     {"and_mask_function": lambda b, h, q, kv: kv >= 0},  # a model's own restriction
 ])
 def test_overlays_are_refused_even_where_they_change_nothing(config, extra):
-    with pytest.raises(NotImplementedError, match=r"TinyModel builds its attention mask with .*use a model without"):
+    with pytest.raises(NotImplementedError, match=r"TinyModel builds its attention mask with .*use a model without it"):
         hf_masks.create_causal_mask(**mask_kwargs(config), **extra)
 
 
@@ -90,10 +124,9 @@ def test_bidirectional_is_refused(config):
 def test_masks_for_generate_of_a_hybrid_model(config):
     config.layer_types = ["full_attention", "sliding_attention"]
     config.sliding_window = 8
-    with pytest.raises(NotImplementedError, match="sliding window of 8 tokens"):
-        hf_masks.create_masks_for_generate(**mask_kwargs(config))
-    config.sliding_window = 16
-    assert set(hf_masks.create_masks_for_generate(**mask_kwargs(config))) == {"full_attention", "sliding_attention"}
+    masks = hf_masks.create_masks_for_generate(**mask_kwargs(config))
+    assert hf._unmark(masks["sliding_attention"])[1] == AttentionPattern(sliding_window=8)
+    assert masks["full_attention"] is None
 
 
 def test_pieces_read_from_the_closures():
@@ -103,12 +136,12 @@ def test_pieces_read_from_the_closures():
     assert "does not know" in read_mask_function(lambda b, h, q, kv: kv <= q).unsupported
 
 
-def test_window_kwarg_follows_the_same_rule():
-    """Mistral passes its window to the attention too: refused by the same rule, the same message."""
+def test_at_sp_1_a_window_shorter_than_the_row_runs_the_models_own_attention():
+    """SP 1: what the core does not apply to unsharded rows is left to the model's own attention function."""
     module = SimpleNamespace()
-    with pytest.raises(NotImplementedError, match="sliding window of 15 tokens, shorter than its rows of 16"):
-        hf._reject_unsupported(module, None, {"sliding_window": 15}, 16)
-    hf._reject_unsupported(module, None, {"sliding_window": 16}, 16)
+    assert hf._unsupported(module, None, {"sliding_window": 15}, 16)
+    assert not hf._unsupported(module, None, {"sliding_window": 16}, 16)
+    assert hf._unsupported(module, None, {"softcap": 30.0}, 16)
 
 
 def test_a_window_mask_no_layer_reads_changes_nothing():

@@ -22,7 +22,7 @@ from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
 from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.loss import SequenceParallelCausalLMLoss
 from lightning_ulysses.moe import SequenceParallelRouterLoss, exact_router_loss, sharder_padding
-from tests.distributed.common import summed_gradient_error, tiny_llama
+from tests.distributed.common import relative_gradient_error, summed_gradient_error, tiny_llama
 
 
 def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -238,14 +238,10 @@ def tiny_hf(family: str, seed: int = 0, **config):
 
 
 def check_mask_refusals(groups, results):
-    """Patterns transformers builds only through mask functions are refused alike on every rank, before any
-    all-to-all (a rank that went on would hang the next collective of this worker)."""
+    """Patterns transformers builds only through mask functions and Ulysses does not apply (overlays) are refused
+    alike on every rank, before any all-to-all (a rank that went on would hang the next collective of this worker)."""
     sp, group = groups.sequence_parallel_world_size, groups.sequence_parallel_group
-    cases = {
-        "phimoe_window": ("phimoe", {"sliding_window": 4}),  # the window lives in the mask only
-        "llama4_chunks": ("llama4", {"attention_chunk_size": 4, "no_rope_layers": [1, 0], "attn_temperature_tuning": False}),
-        "gemma3_overlay": ("gemma3", {"use_bidirectional_attention": True, "sliding_window": 64}),
-    }
+    cases = {"gemma3_overlay": ("gemma3", {"use_bidirectional_attention": True, "sliding_window": 64})}
     for name, (family, config) in cases.items():
         model = tiny_hf(family, **config)
         prepared = prepare_hf_model(model, group, SequenceParallelCausalLMLoss(group, gradient_scale=1.0))
@@ -259,22 +255,36 @@ def check_mask_refusals(groups, results):
             prepared.restore()
 
 
-def check_long_sliding_window(groups, results):
-    """A window no shorter than the whole row is plain causal attention: exact (Mistral also passes it on as a
-    kwarg); at SP 4 the shards are 4 tokens long, so the decision must use the whole row."""
+# Windows and chunks, from a window as long as the row (plain causal attention) to windows and chunks shorter than
+# a shard at SP 4 (4 tokens of 16): applied on whole rows after the exchange, exact.
+PATTERN_CASES = {
+    "mistral_window16": ("mistral", {"sliding_window": 16}),  # also passed on as a kwarg
+    "mistral_window3": ("mistral", {"sliding_window": 3}),
+    "phimoe_window4": ("phimoe", {"sliding_window": 4}),  # the window lives in the mask only
+    "llama4_chunks4": ("llama4", {"attention_chunk_size": 4, "no_rope_layers": [1, 0]}),  # + NoPE temperature
+}
+
+
+def check_attention_patterns(groups, results):
     sp, group = groups.sequence_parallel_world_size, groups.sequence_parallel_group
     batch = padded_batch()
-    reference = tiny_hf("mistral", sliding_window=16)
-    reference_loss = reference(**batch).loss
-    reference_loss.backward()
-    model = tiny_hf("mistral", sliding_window=16)
-    slot = BatchRowsSlot()  # where the sharder's shifted labels are recognised by the loss
-    prepared = prepare_hf_model(model, group, SequenceParallelCausalLMLoss(group, 1.0, batch_rows=slot))
-    loss = model(**SequenceSharder(sp, groups.sequence_parallel_rank, batch_rows=slot)(batch)).loss
-    loss.backward()
-    results["mistral_window_loss"] = abs(loss.item() - reference_loss.item())
-    results["mistral_window_grad_relative"] = summed_gradient_error(model, reference, group)
-    prepared.restore()
+    for name, (family, config) in PATTERN_CASES.items():
+        reference = tiny_hf(family, **config)
+        if family == "phimoe":
+            reference.eval()  # its router samples experts at random in training
+        reference_loss = reference(**batch).loss
+        reference_loss.backward()
+        model = tiny_hf(family, **config)
+        model.train(reference.training)
+        slot = BatchRowsSlot()  # where the sharder's shifted labels are recognised by the loss
+        prepared = prepare_hf_model(model, group, SequenceParallelCausalLMLoss(group, 1.0, batch_rows=slot),
+                                    batch_rows=slot)
+        loss = model(**SequenceSharder(sp, groups.sequence_parallel_rank, batch_rows=slot)(batch)).loss
+        loss.backward()
+        results[f"{name}_loss"] = abs(loss.item() - reference_loss.item())
+        # (floored: experts no token of this batch routes to have no gradient at all)
+        results[f"{name}_grad_relative"] = relative_gradient_error(model, reference, group)
+        prepared.restore()
 
 
 def check_router_loss(groups, results, swap: bool = True):
@@ -322,7 +332,7 @@ def main():
         check_hf_model(groups, results)
         if sp == 2:
             check_mask_refusals(groups, results)
-        check_long_sliding_window(groups, results)
+        check_attention_patterns(groups, results)
         check_router_loss(groups, results, swap=spec.get("swap_router_loss", True))
         output[sp] = results
     torch.save(output, Path(sys.argv[2]) / f"result_{dist.get_rank()}.pt")

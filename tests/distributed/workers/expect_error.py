@@ -11,6 +11,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests.distributed.families import tiny_model
+
 import lightning_ulysses
 from tests.distributed.common import CausalLM, UnevenlyMaskedTokens, collate
 
@@ -39,17 +41,17 @@ def llama_module(num_heads: int, num_key_value_heads: int, attn_implementation: 
 
 
 def moe_module(kind: str) -> CausalLM:
-    """Qwen2-MoE whose first layer's sliding window (4 < rows of 16) lives in its mask only; Doge, whose MoE
-    load-balancing loss is not transformers' shared implementation, asking for it."""
+    """Gemma 3 in bidirectional mode (an overlay in its mask function only); Doge, whose MoE load-balancing loss is
+    not transformers' shared implementation, asking for it."""
     import transformers
 
     shape = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=4, num_experts=4, num_experts_per_tok=2, attn_implementation="sdpa")
     module = CausalLM(num_key_value_heads=1)
-    if kind == "mask_only_sliding_window":
-        module.model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
-            **shape, moe_intermediate_size=16, shared_expert_intermediate_size=16, use_sliding_window=True,
-            sliding_window=4, max_window_layers=2))
+    if kind == "mask_only_bidirectional":
+        dense = {key: value for key, value in shape.items() if key not in ("num_experts", "num_experts_per_tok")}
+        module.model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            **dense, head_dim=8, use_bidirectional_attention=True))
     else:
         module.model = transformers.DogeForCausalLM(transformers.DogeConfig(**shape, is_moe=True,
                                                                             output_router_logits=True))
@@ -114,9 +116,10 @@ def build(case):
         module = llama_module(num_heads=3, num_key_value_heads=3)
     elif kind == "kv_heads_incompatible":
         module = llama_module(num_heads=6, num_key_value_heads=3)
-    elif kind == "eager_attention":
-        module = llama_module(num_heads=4, num_key_value_heads=4, attn_implementation="eager")
-    elif kind in ("mask_only_sliding_window", "unknown_router_loss"):
+    elif kind == "mixer_on_ring":
+        module = CausalLM(num_key_value_heads=1)
+        module.model = tiny_model("lfm2", layer_types=["conv", "full_attention"])
+    elif kind in ("mask_only_bidirectional", "unknown_router_loss"):
         module = moe_module(kind)
     elif kind == "no_attention_to_wrap":
         module = PlainModule()

@@ -1,14 +1,16 @@
 """Worker: the model-family matrix. Every family is prepared as the strategy prepares it and run on shards.
 
 For each SP size and family: a tiny random model switched by `prepare_hf_model` (the strategy's
-`SequenceParallelCausalLMLoss`), a batch cut by `SequenceSharder` with unevenly masked labels, one forward and
-backward; compared with the same model unprepared on the full sequence in this process (fp32): the loss, and the
+`SequenceParallelCausalLMLoss`), batches cut by `SequenceSharder` (unevenly masked labels, padded rows, packed
+rows: `family_batches`), one forward and backward each; compared with the same model unprepared on the full sequence in this process (fp32): the loss, and the
 gradients summed over the SP group. A family refused by the checks is recorded with the refusal's message; one
 that cannot be built small here is recorded as untested with the reason. Then a few families train through the
 Trainer (train_parity's cases) on ZeRO-2 and ZeRO-3.
 """
 
 import copy
+import inspect
+import os
 import json
 import logging
 import sys
@@ -20,36 +22,33 @@ import torch
 import torch.distributed as dist
 
 from lightning_ulysses import SequenceSharder, prepare_hf_model
-from lightning_ulysses.attention.hf import validate_hf_model
+from lightning_ulysses.attention.hf import token_mixer_modules, validate_hf_model
+from lightning_ulysses.attention.mixers import WholeRowsMixer
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
 from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.loss import SequenceParallelCausalLMLoss
+from tests.distributed.common import relative_gradient_error
 from tests.distributed.families import SEQ_LEN, VOCAB, tiny_model
 
 
-def family_batch() -> dict:
+def family_batches() -> dict[str, dict]:
+    """The rows every family runs: plain (labels masked unevenly), padded (row 0 on the left, row 1 on the right,
+    so that windows and chunks are counted from the first real token) and packed (documents restarting their
+    position_ids inside the rows, crossing shard boundaries)."""
     generator = torch.Generator().manual_seed(5)
     input_ids = torch.randint(3, VOCAB, (2, SEQ_LEN), generator=generator)
     labels = input_ids.clone()
     labels[0, : SEQ_LEN // 2] = -100  # row 0: no target at all in its first half (a whole shard at SP 2 and 4)
     labels[1, torch.rand(SEQ_LEN, generator=generator) < 0.3] = -100
-    return {"input_ids": input_ids, "labels": labels}
-
-
-def relative_gradient_error(model, reference, group) -> float:
-    """Largest gap between the gradients summed over the SP group and the reference's, relative to each tensor's
-    largest reference gradient, floored at 1e-6 of the model's largest: a gradient that is zero analytically
-    (a key projection's bias under softmax, which shifts every score of a query alike) comes out as ~1e-11 of
-    rounding noise, and noise measured against noise says nothing (it read as "OPT is 50% off")."""
-    named = dict(reference.named_parameters())
-    floor = 1e-6 * max(p.grad.abs().max().item() for p in reference.parameters() if p.grad is not None)
-    worst = 0.0
-    for name, mine in model.named_parameters():
-        full = named[name].grad if named[name].grad is not None else torch.zeros_like(mine)
-        grad = torch.zeros_like(mine) if mine.grad is None else mine.grad.clone()
-        dist.all_reduce(grad, group=group)
-        worst = max(worst, (grad - full).abs().max().item() / max(full.abs().max().item(), floor))
-    return worst
+    mask = torch.ones(2, SEQ_LEN, dtype=torch.long)
+    mask[0, :3], mask[1, -5:] = 0, 0
+    position_ids = torch.cat([torch.cat([torch.arange(10), torch.arange(SEQ_LEN - 10)])[None],
+                              torch.cat([torch.arange(7), torch.arange(SEQ_LEN - 7)])[None]])
+    return {
+        "plain": {"input_ids": input_ids, "labels": labels},
+        "padded": {"input_ids": input_ids, "attention_mask": mask, "labels": input_ids.masked_fill(mask == 0, -100)},
+        "packed": {"input_ids": input_ids, "position_ids": position_ids, "labels": input_ids},
+    }
 
 
 def build(family: dict):
@@ -65,33 +64,93 @@ def build(family: dict):
 
 
 def run_family(family: dict, sp_groups: dict) -> dict:
-    """{sp: outcome} for one family; the model is built once and copied for every SP size."""
-    batch = family_batch()
+    """{sp: outcome} for one family: the worst errors over the batches it takes; the model is built once."""
     try:
-        reference, _ = build(family)
-        if family.get("eval"):
-            reference.eval()  # a router that samples in training (PhiMoE's Gumbel draws) has no exact reference
-        pristine = copy.deepcopy(reference)
-        reference_loss = reference(**batch).loss
-        reference_loss.backward()
+        pristine, _ = build(family)
     except Exception as error:  # the same on every rank: no collective has run for this family
         why = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:160]}"
         return {sp: {"status": "untested", "why": why} for sp in sp_groups}
-    outcomes = {}
-    for sp, groups in sp_groups.items():
-        group, model = groups.sequence_parallel_group, copy.deepcopy(pristine)
-        try:
-            validate_hf_model(model, sp)  # what the strategy checks first, for every model, before any collective
-            slot = BatchRowsSlot()  # as the strategy: the sharder publishes each batch's rows to the attention and loss
-            prepare_hf_model(model, group, SequenceParallelCausalLMLoss(group, 1.0, batch_rows=slot), batch_rows=slot)
-        except (ValueError, NotImplementedError) as error:
-            outcomes[sp] = {"status": "refused", "why": str(error)}
-            continue
-        loss = model(**SequenceSharder(sp, groups.sequence_parallel_rank, batch_rows=slot)(batch)).loss
-        loss.backward()
-        outcomes[sp] = {"status": "ran", "loss_error": abs(loss.item() - reference_loss.item()),
-                        "grad_error": relative_gradient_error(model, reference, group)}
+    batches = family_batches()
+    if os.environ.get("FAMILY_BATCHES"):  # (debugging: a subset of the batch kinds)
+        batches = {kind: batches[kind] for kind in os.environ["FAMILY_BATCHES"].split(",")}
+    if "position_ids" not in inspect.signature(pristine.forward).parameters:
+        del batches["packed"]  # (Mamba, RWKV: no positions to pack by)
+    outcomes = {sp: {"status": "ran", "loss_error": 0.0, "grad_error": 0.0, "batches": []} for sp in sp_groups}
+    for kind, batch in batches.items():
+        reference = copy.deepcopy(pristine)
+        if family.get("eval"):
+            reference.eval()  # a router that samples in training (PhiMoE's Gumbel draws) has no exact reference
+        reference_loss = reference(**batch).loss
+        reference_loss.backward()
+        for sp, groups in sp_groups.items():
+            if outcomes[sp]["status"] != "ran":
+                continue
+            group, model = groups.sequence_parallel_group, copy.deepcopy(pristine)
+            if family.get("eval"):
+                model.eval()
+            try:
+                validate_hf_model(model, sp)  # what the strategy checks first, for every model, before any collective
+                slot = BatchRowsSlot()  # as the strategy: the sharder publishes each batch's rows to attention and loss
+                prepare_hf_model(model, group, SequenceParallelCausalLMLoss(group, 1.0, batch_rows=slot), batch_rows=slot)
+            except (ValueError, NotImplementedError) as error:
+                outcomes[sp] = {"status": "refused", "why": str(error)}
+                continue
+            try:
+                loss = model(**SequenceSharder(sp, groups.sequence_parallel_rank, batch_rows=slot)(batch)).loss
+                loss.backward()
+            except Exception as error:  # a failure in training is no refusal: the test reports it
+                outcomes[sp] = {"status": "failed", "why": f"{kind} rows: {type(error).__name__}: {error}"[:300]}
+                continue
+            outcome = outcomes[sp]
+            outcome["batches"].append(kind)
+            outcome["loss_error"] = max(outcome["loss_error"], abs(loss.item() - reference_loss.item()))
+            outcome["grad_error"] = max(outcome["grad_error"], relative_gradient_error(model, reference, group))
     return outcomes
+
+
+def mixer_errors(pristine, sp_groups: dict) -> dict:
+    """{sp: {path: (output error, input-gradient error)}} for the first token mixer of each kind: one layer run on
+    its shard (`WholeRowsMixer`) against the same layer on the whole rows, output and input gradient."""
+    kinds, results = {}, {}
+    for path, module in token_mixer_modules(pristine):
+        kinds.setdefault(type(module).__name__, (path, module))
+    for sp, groups in sp_groups.items():
+        group, rank = groups.sequence_parallel_group, groups.sequence_parallel_rank
+        results[sp] = {}
+        for path, module in kinds.values():
+            generator = torch.Generator().manual_seed(11)
+            hidden = torch.randn(2, SEQ_LEN, pristine.config.get_text_config().hidden_size, generator=generator)
+            weights = torch.randn(2, SEQ_LEN, 1, generator=generator)
+            whole = hidden.clone().requires_grad_(True)
+            reference = copy.deepcopy(module)
+            expected = _first(reference(whole, **_call_kwargs(reference, whole)))
+            (expected * weights[..., :1]).sum().backward()
+            mine = copy.deepcopy(module)
+            handles = WholeRowsMixer(mine, path, group).attach(mine)
+            cut = slice(rank * SEQ_LEN // sp, (rank + 1) * SEQ_LEN // sp)
+            shard = hidden[:, cut].clone().requires_grad_(True)
+            output = _first(mine(shard, **_call_kwargs(mine, shard, cut)))
+            (output * weights[:, cut, :1]).sum().backward()
+            for handle in handles:
+                handle.remove()
+            results[sp][path] = ((output - expected[:, cut]).abs().max().item(),
+                                 (shard.grad - whole.grad[:, cut]).abs().max().item())
+    return results
+
+
+def _call_kwargs(module, hidden, cut=slice(None)) -> dict:
+    parameters = inspect.signature(module.forward).parameters
+    kwargs = {}
+    if "position_ids" in parameters:
+        kwargs["position_ids"] = torch.arange(SEQ_LEN)[None, cut].expand(hidden.size(0), -1)
+    for name in ("attention_mask", "position_embeddings"):
+        if name in parameters and parameters[name].default is inspect.Parameter.empty:
+            kwargs[name] = None
+    return kwargs
+
+
+def _first(output):
+    return output[0] if isinstance(output, tuple) else output
 
 
 def main():
@@ -108,7 +167,12 @@ def main():
     for family in spec["families"]:
         start = time.monotonic()
         output["families"][family["family"]] = run_family(family, sp_groups)
+        if family.get("mixers"):
+            output.setdefault("mixers", {})[family["family"]] = mixer_errors(build(family)[0], sp_groups)
         output["seconds"][family["family"]] = time.monotonic() - start
+        if dist.get_rank() == 0:  # progress in the launch's log
+            print(f"{family['family']}: {output['families'][family['family']]} ({output['seconds'][family['family']]:.1f} s)",
+                  file=sys.stderr, flush=True)
     if spec.get("training_cases"):
         from tests.distributed.workers.train_parity import run_case
 
