@@ -15,6 +15,12 @@ too, packed documents stay apart under SP where the unsharded transformers model
 With a ring (hybrid Ulysses × ring, `prepare_hf_model(..., ring_group=...)`) the same function runs ring
 attention in place of the backend (see `core.ulysses_attention` for what the ring refuses).
 
+Beyond plain causal attention: sliding windows and chunks reach the attention through our mask interface (a
+marker carrying the pattern, applied on whole rows by the core); eager attention and arguments only the model's own
+attention function applies (soft-capping, sinks) run that function on whole rows of each rank's heads
+(`_OwnAttention`); token mixers that are not attention run on whole rows (attention/mixers.py); per-family
+corrections of positions a module counts itself live in `lightning_ulysses/adapters/`.
+
 We do not use DeepSpeed's `UlyssesSPAttentionHF`: it registers process-wide, fixes the batch size at
 construction, can be set up once per process and drops padding masks.
 """

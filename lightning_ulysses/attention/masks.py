@@ -1,12 +1,15 @@
-"""Which attention pattern a Hugging Face mask function asks for, and refusing those Ulysses attention lacks.
+"""Which attention pattern a Hugging Face mask function asks for: windows and chunks for the Ulysses core to apply
+on whole rows (`attention_pattern`), every other pattern refused.
 
 transformers builds some attention patterns only through the `mask_function` it hands the mask interface
 (`masking_utils.create_causal_mask` and its siblings): the sliding windows of PhiMoE and of Qwen2-MoE's sliding
 layers (their attention gets no `sliding_window` kwarg), Llama-4's chunked attention, and the `or_mask_function` /
 `and_mask_function` / `block_sequence_ids` overlays (Gemma 3's bidirectional image tokens and bidirectional mode).
-Our mask interface hands the attention the 2-D padding mask only, and the Ulysses core applies causal attention,
-padding and packed documents (read from the global `position_ids`). So every other pattern is refused here,
-unless it is exactly causal at this row length: a window or chunk at least as long as the whole row.
+Our mask interface hands the attention the 2-D padding mask (with the window or chunk size the function asks for,
+`hf._mark`), and the Ulysses core applies causal attention, padding, packed documents (read from the global
+`position_ids`), windows and chunks on whole rows after the exchange. Every other pattern is refused here. (At
+SP 1, and while decoding from a sequence-parallel KV cache, `reject_unsupported_pattern` decides instead: what is
+not exactly causal at that row length runs through the model's own attention, or is refused while decoding.)
 
 The function is read by its structure, not by probing it: transformers composes it from closures of a few
 factories (`and_masks`, `or_masks`, `sliding_window_overlay`, ...), each recognised by its code object, with the

@@ -284,7 +284,9 @@ class _LayerCall:
         """Run the layer again on `hidden` exactly as in forward (same random draws, replayed attention)."""
         args = [hidden if i == 0 else a for i, a in enumerate(self.other_arguments)]
         if with_grad:
-            args = [a.detach().requires_grad_(needs) if torch.is_tensor(a) else a
+            # Only what needs a gradient is cut from the forward's graph; the rest (masks, positions) is passed on as
+            # the very objects the forward got: the "ulysses" mask interface's window marker lives on its object.
+            args = [a.detach().requires_grad_(needs) if torch.is_tensor(a) and (needs or a.requires_grad) else a
                     for a, needs in zip(args, self.requires_grad)]
         cpu_rng, cuda_rngs = self.rng
         replay = self.attention.replaying() if self.attention is not None else contextlib.nullcontext()
