@@ -145,8 +145,8 @@ def test_the_families_users_train_are_exact(outcome):
                    "gpt2", "gpt_neox", "gptj", "opt", "biogpt", "stablelm", "starcoder2", "olmo", "olmo2", "olmo3",
                    "cohere", "cohere2", "granite", "smollm3", "glm", "glm4", "glm4_moe", "ernie4_5", "seed_oss",
                    "apertus", "hunyuan_v1_dense", "ministral", "exaone4",
-                   # soft-capping, sinks; sliding windows shorter than the rows
-                   "gemma2", "gpt_oss",
+                   # soft-capping, sinks; sliding windows shorter than the rows; chunks and the NoPE temperature
+                   "gemma2", "gpt_oss", "llama4_text",
                    # linear attention, state-space and convolution mixers on whole rows
                    "qwen3_next", "qwen3_5_text", "kimi_linear", "minimax", "lfm2", "mamba", "mamba2", "jamba",
                    "falcon_h1", "granitemoehybrid", "nemotron_h", "bamba", "zamba2", "recurrent_gemma", "rwkv"):
@@ -155,8 +155,7 @@ def test_the_families_users_train_are_exact(outcome):
         assert outcome[0]["families"][family][SIZES[0]]["batches"][:2] == ["plain", "padded"], family
     for family in ("llama", "mistral", "gemma3_text", "qwen3", "llama4_text", "gemma2"):  # packed rows compared too
         assert outcome[0]["families"][family][SIZES[0]]["batches"] == ["plain", "padded", "packed"], family
-    for family, reason in {"falcon": "cannot switch", "bloom": "cannot switch",
-                           "llama4_text": "attn_temperature_tuning"}.items():
+    for family, reason in {"falcon": "cannot switch", "bloom": "cannot switch"}.items():
         for sp in SIZES:
             status, why = classify(outcome, family, sp)
             assert status == "refused" and reason in why, (family, sp, status, why)
