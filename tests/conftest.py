@@ -1,5 +1,23 @@
 import os
 from pathlib import Path
 
+import torch
+
 # DeepSpeed JIT-builds a shared-memory comm op on first use: keep its cache in the project's ignored folders.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"))
+
+# What runs in this process (unit tests, the single-process references) works on tiny tensors: one intra-op thread,
+# like every launched rank (OMP_NUM_THREADS=1). Two threads gain nothing on such ops and, whenever the other core
+# is busy, spin at every barrier: a 3-step reference that takes 0.2 s took 10-20 s that way. Only this process:
+# subprocesses (notebook kernel, recipes) keep their own environment.
+torch.set_num_threads(1)
+
+
+def pytest_collection_finish(session):
+    """Tell the shared launches (tests/distributed/pool.py) which test modules have selected tests: a launch runs
+    the jobs of those only."""
+    import sys
+
+    pool = sys.modules.get("tests.distributed.pool")
+    if pool is not None:
+        pool.POOL.selected_modules = {item.module.__name__ for item in session.items if item.module is not None}

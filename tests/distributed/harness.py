@@ -101,9 +101,38 @@ def run_ranks(script: Path, world_size: int, spec: dict, workdir: Path, timeout:
 
 def launch(script: Path, world_size: int, spec: dict, workdir: Path, timeout: float = 300) -> list[dict]:
     """Run `script` on `world_size` ranks with `spec` (JSON) and return what each rank saved to `result_<rank>.pt`."""
+    _run_or_raise(script, world_size, spec, workdir, timeout)
+    return [torch.load(workdir / f"result_{rank}.pt") for rank in range(world_size)]
+
+
+def _run_or_raise(script: Path, world_size: int, spec: dict, workdir: Path, timeout: float) -> None:
     outcome = run_ranks(script, world_size, spec, workdir, timeout)
     if outcome.failure:
-        tails = [f"--- rank {rank} (exit {code}) ---\n{text[-4000:]}"
+        tails = [f"--- rank {rank} (exit {code}){_last_part(text)} ---\n{text[-4000:]}"
                  for rank, (code, text) in enumerate(zip(outcome.returncodes, outcome.logs))]
         raise DistributedLaunchError(f"{outcome.failure}\n" + "\n".join(tails))
-    return [torch.load(workdir / f"result_{rank}.pt") for rank in range(world_size)]
+
+
+def _last_part(log: str) -> str:
+    """`, in part <name>` for a rank of a launch_parts launch: the part it was running when it ended."""
+    started = [line for line in log.splitlines() if line.startswith("parts: === ")]
+    return f", in part {started[-1].removeprefix('parts: === ').removesuffix(' ===')}" if started else ""
+
+
+PARTS_WORKER = ROOT / "tests" / "distributed" / "workers" / "parts.py"
+
+
+def launch_parts(world_size: int, parts: dict[str, tuple[Path, dict, float]], workdir: Path) -> dict[str, list[dict]]:
+    """Several workers' jobs in ONE launch: each rank runs `parts[name] = (script, spec, timeout)` one after the
+    other in the same process (workers/parts.py), each as if launched alone, with `workdir / name` as its workdir.
+    Returns, per part, what each rank saved there. A part running past its own timeout ends its rank (with every
+    thread's stack in the log), which ends the launch."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    listed = []
+    for name, (script, spec, timeout) in parts.items():
+        (workdir / name).mkdir(exist_ok=True)
+        (workdir / name / "spec.json").write_text(json.dumps(spec))
+        listed.append({"name": name, "script": str(script), "timeout": timeout})
+    total = sum(timeout for _, _, timeout in parts.values()) + 60
+    _run_or_raise(PARTS_WORKER, world_size, {"parts": listed}, workdir, timeout=total)
+    return {name: [torch.load(workdir / name / f"result_{rank}.pt") for rank in range(world_size)] for name in parts}

@@ -6,14 +6,16 @@ an HF model with a left-padded and a right-padded row.
 
 import pytest
 
-from tests.distributed.harness import ROOT, launch
+from tests.distributed.harness import ROOT
+from tests.distributed.pool import shared
 
 WORKER = ROOT / "tests" / "distributed" / "workers" / "attention_exactness.py"
+JOB = shared(4, "attention", WORKER, {"sequence_parallel_sizes": [2, 4]})  # in the shared 4-rank launch (pool.py)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return launch(WORKER, 4, {"sequence_parallel_sizes": [2, 4]}, tmp_path_factory.mktemp("attention"))
+    return JOB.ranks(tmp_path_factory)
 
 
 @pytest.mark.parametrize("sp", [2, 4])

@@ -10,16 +10,18 @@ every layer, with the same loss and gradients; the strategy's training steps tak
 
 import pytest
 
-from tests.distributed.harness import ROOT, launch
+from tests.distributed.harness import ROOT
+from tests.distributed.pool import shared
 from tests.distributed.workers.batch_rows import NUM_LAYERS, ROW_KINDS
 
 WORKER = ROOT / "tests" / "distributed" / "workers" / "batch_rows.py"
 LAYOUTS = {"sp2_ring1": (2, 1), "sp4_ring1": (4, 1), "sp4_ring2": (4, 2)}
+JOB = shared(4, "batch_rows", WORKER, {"layouts": list(LAYOUTS.values())})  # in the shared 4-rank launch (pool.py)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return launch(WORKER, 4, {"layouts": list(LAYOUTS.values())}, tmp_path_factory.mktemp("batch_rows"))
+    return JOB.ranks(tmp_path_factory)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.harness import launch
+from tests.distributed.pool import shared
 
 WORKERS = Path(__file__).parent / "workers"
 WORLD_SIZE = 4
@@ -55,12 +55,13 @@ CASES = [
 ]
 
 
+# In the shared 4-rank launch (pool.py). 20 runs: slow on a busy machine.
+JOB = shared(WORLD_SIZE, "checkpoints", WORKERS / "resume.py", {"cases": CASES}, timeout=900)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("checkpoints")
-    spec = {"world_size": WORLD_SIZE, "cases": CASES}
-    results = launch(WORKERS / "resume.py", WORLD_SIZE, spec, workdir, timeout=900)  # 20 runs: slow on a busy machine
-    return results, workdir
+    return JOB.ranks(tmp_path_factory), JOB.workdir(tmp_path_factory)
 
 
 def steps(results, name):
@@ -194,9 +195,9 @@ def test_export_writes_a_state_dict_and_a_pretrained_model_with_identical_output
         assert torch.equal(exported(tokens).logits, expected(tokens).logits)
 
 
-# A SIGTERM inside a gradient-accumulation window (world 2, SP 2, 6 batches of 2 per epoch, 2 batches per step),
-# and a SIGTERM that reaches only one rank while it is inside a batch. Under SLURM (auto-requeue), its requeue
-# signal SIGUSR1 reaching one rank inside a window.
+# A SIGTERM inside a gradient-accumulation window (world 2, SP 2, 6 batches of 2 per epoch, 2 batches per step).
+# Under SLURM (auto-requeue), its requeue signal SIGUSR1 reaching one rank inside a window. A SIGTERM that reaches
+# only one rank (rank 0, then rank 1) while it is inside a batch.
 ACCUMULATION_CASES = [
     {"name": "accumulate", "sp": 2, "batch_size": 2, "steps": 3, "accumulate": 2},
     {"name": "accumulate_sigterm", "sp": 2, "batch_size": 2, "steps": 3, "accumulate": 2, "sigterm_in_batch": 2},
@@ -206,13 +207,16 @@ ACCUMULATION_CASES = [
      "signal": "SIGUSR1", "sigterm_ranks": [1], "slurm": True},
     {"name": "accumulate_sigusr1_resumed", "sp": 2, "batch_size": 2, "steps": 3, "accumulate": 2, "resume": "hpc",
      "root": "accumulate_sigusr1", "slurm": True},
+    *[{"name": f"one_rank_{rank}", "sp": 2, "batch_size": 2, "steps": 4, "sigterm_in_batch": 1, "sigterm_ranks": [rank]}
+      for rank in (0, 1)],
 ]
+# In the shared 2-rank launch (pool.py).
+SIGNAL_JOB = shared(2, "signals", WORKERS / "resume.py", {"cases": ACCUMULATION_CASES})
 
 
 @pytest.fixture(scope="module")
 def accumulation_runs(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("accumulation")
-    return launch(WORKERS / "resume.py", 2, {"world_size": 2, "cases": ACCUMULATION_CASES}, workdir)
+    return SIGNAL_JOB.ranks(tmp_path_factory)
 
 
 def test_sigterm_inside_an_accumulation_window_resumes_exactly(accumulation_runs):
@@ -245,10 +249,9 @@ def test_slurm_requeue_signal_to_one_rank_saves_on_every_rank_at_the_step_bounda
 
 
 @pytest.mark.parametrize("signalled_rank", [0, 1])
-def test_sigterm_reaching_one_rank_inside_a_batch_saves_on_every_rank(tmp_path, signalled_rank):
-    case = {"name": "one_rank", "sp": 2, "batch_size": 2, "steps": 4, "sigterm_in_batch": 1,
-            "sigterm_ranks": [signalled_rank]}
-    results = launch(WORKERS / "resume.py", 2, {"world_size": 2, "cases": [case]}, tmp_path, timeout=120)
-    assert all(rank["one_rank"]["exited_cleanly"] for rank in results)
-    assert {rank["one_rank"]["global_step"] for rank in results} == {2}
-    assert (tmp_path / "one_rank" / "hpc_ckpt_1.ckpt" / "ulysses.json").exists()
+def test_sigterm_reaching_one_rank_inside_a_batch_saves_on_every_rank(accumulation_runs, tmp_path_factory,
+                                                                      signalled_rank):
+    name = f"one_rank_{signalled_rank}"
+    assert all(rank[name]["exited_cleanly"] for rank in accumulation_runs)
+    assert {rank[name]["global_step"] for rank in accumulation_runs} == {2}
+    assert (SIGNAL_JOB.workdir(tmp_path_factory) / name / "hpc_ckpt_1.ckpt" / "ulysses.json").exists()

@@ -5,7 +5,8 @@ All cases run in one 2-rank launch; the harness kills the launch (and fails the 
 
 import pytest
 
-from tests.distributed.harness import ROOT, launch
+from tests.distributed.harness import ROOT
+from tests.distributed.pool import shared
 
 WORKER = ROOT / "tests" / "distributed" / "workers" / "expect_error.py"
 
@@ -31,12 +32,14 @@ CASES = {
     # Its small buckets divide by DP, its oversized ones by DP × SP: refused before any group is created.
     "zero3_without_reduce_scatter": ({"stage": 3}, "ValueError", ["reduce_scatter=False cannot train exactly at sequence_parallel_size=2", "Leave reduce_scatter on"]),
 }
+# In the shared 2-rank launch (pool.py).
+JOB = shared(2, "errors", WORKER, {"cases": [{"kind": kind, **options} for kind, (options, _, _) in CASES.items()]},
+             timeout=480)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    cases = [{"kind": kind, **options} for kind, (options, _, _) in CASES.items()]
-    return launch(WORKER, 2, {"world_size": 2, "cases": cases}, tmp_path_factory.mktemp("errors"), timeout=480)
+    return JOB.ranks(tmp_path_factory)
 
 
 @pytest.mark.parametrize("kind", list(CASES))

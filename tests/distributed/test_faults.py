@@ -3,6 +3,7 @@ checkpoint ever loads."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -83,13 +84,28 @@ RAISED = {
 }
 
 
-@pytest.mark.parametrize("launcher", list(RAISED))
-def test_a_rank_that_raises_ends_every_other_rank_naming_it(tmp_path, launcher):
-    variables, processes, ranks, spec, expected = RAISED[launcher]
+def _raising_run(workdir: Path, launcher: str):
+    variables, processes, _, spec, _ = RAISED[launcher]
     # Found only by its silence, the victim would keep the others waiting for 600 s: the launch would time out.
-    outcome = run_ranks(WORKER, processes, dict(spec, kill="raise", sp=2, heartbeat_timeout=600), tmp_path,
-                        timeout=300, stop_on_first_failure=False,
-                        **({"launcher_variables": variables} if variables else {}))
+    return run_ranks(WORKER, processes, dict(spec, kill="raise", sp=2, heartbeat_timeout=600), workdir,
+                     timeout=300, stop_on_first_failure=False,
+                     **({"launcher_variables": variables} if variables else {}))
+
+
+@pytest.fixture(scope="module")
+def raising_runs(tmp_path_factory):
+    """The three launches at once (each its own job, rendezvous and port): none of them waits on a clock, and
+    side by side they keep both cores busy through each other's start-up and teardown."""
+    with ThreadPoolExecutor(len(RAISED)) as pool:
+        runs = {launcher: pool.submit(_raising_run, tmp_path_factory.mktemp(f"raise_{launcher}"), launcher)
+                for launcher in RAISED}
+        return {launcher: run.result() for launcher, run in runs.items()}
+
+
+@pytest.mark.parametrize("launcher", list(RAISED))
+def test_a_rank_that_raises_ends_every_other_rank_naming_it(raising_runs, launcher):
+    _, processes, ranks, spec, expected = RAISED[launcher]
+    outcome = raising_runs[launcher]
     assert outcome.failure != "timeout", outcome.logs
     log = "\n".join(outcome.logs)
     host, pid = next(line.split()[1:] for line in log.splitlines() if line.startswith("victim "))

@@ -7,15 +7,17 @@ import pytest
 import torch
 
 from tests.distributed.common import tiny_llama
-from tests.distributed.harness import ROOT, launch
+from tests.distributed.harness import ROOT
+from tests.distributed.pool import shared
 from tests.distributed.workers.generation import NEW_TOKENS, prompts
 
 WORKER = ROOT / "tests" / "distributed" / "workers" / "generation.py"
+JOB = shared(4, "generation", WORKER, {"sequence_parallel_sizes": [2, 4]})  # in the shared 4-rank launch (pool.py)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return launch(WORKER, 4, {"sequence_parallel_sizes": [2, 4]}, tmp_path_factory.mktemp("generation"))
+    return JOB.ranks(tmp_path_factory)
 
 
 def greedy(kv_heads: int) -> torch.Tensor:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.harness import ROOT, launch
+from tests.distributed.harness import ROOT
+from tests.distributed.pool import shared
 from tests.distributed.reference import assert_training_matches, reference_training
 
 WORKER = ROOT / "tests" / "distributed" / "workers" / "train_parity.py"
@@ -45,14 +46,11 @@ CASES = [
     _case("zero3-sp2-gpt-stretch-kept-attention", 2, 3, model="gpt", memory=SPARSE_FEATURES),
 ]
 CASES[-1]["strategy_kwargs"]["sdpa_kernel_priority"] = ["math", "flash"]  # accepted on CPU (where torch ignores it)
-_results: list = []
+JOB = shared(WORLD, "memory_parity", WORKER, {"cases": CASES})  # in the shared 4-rank launch (pool.py)
 
 
 def _ranks(case, tmp_path_factory):
-    if not _results:
-        workdir = tmp_path_factory.mktemp("memory_parity")
-        _results.append(launch(WORKER, WORLD, {"world_size": WORLD, "cases": CASES}, workdir))
-    return [result[case["name"]] for result in _results[0]]
+    return [result[case["name"]] for result in JOB.ranks(tmp_path_factory)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])

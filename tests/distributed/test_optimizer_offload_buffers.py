@@ -13,18 +13,21 @@ from lightning_ulysses.planner import (
     optimizer_sub_groups,
     plan_memory,
 )
-from tests.distributed.harness import launch
+from tests.distributed.pool import shared
 
 WORKER = Path(__file__).parent / "workers" / "optimizer_offload.py"
 CONFIG = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
           "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}
+SUB_GROUP_SIZE = 1000
+# In the shared 2-rank launch (pool.py).
+JOB = shared(2, "optimizer_offload", WORKER, {"config": CONFIG, "sub_group_size": SUB_GROUP_SIZE, "ratio": 1.0})
 
 
-def test_host_buffers_of_offloaded_optimizer_match_the_planner(tmp_path):
+def test_host_buffers_of_offloaded_optimizer_match_the_planner(tmp_path_factory):
     from transformers import LlamaConfig
 
-    sub_group_size = 1000
-    results = launch(WORKER, 2, {"config": CONFIG, "sub_group_size": sub_group_size, "ratio": 1.0}, tmp_path)
+    sub_group_size = SUB_GROUP_SIZE
+    results = JOB.ranks(tmp_path_factory)
     shape = ModelShape.from_hf_config(LlamaConfig(**CONFIG))
     setup = TrainingSetup(seq_len=16, data_parallel_size=2, offload_optimizer=1.0, sub_group_size=sub_group_size,
                           compute_bytes=4, offload_pin_memory=False, host_process_bytes=0)

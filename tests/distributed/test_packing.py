@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from tests.distributed.common import collate
-from tests.distributed.harness import ROOT, launch
+from tests.distributed.harness import ROOT
 from tests.distributed.packed import PackedDocuments, document_spans, per_document_forward
+from tests.distributed.pool import shared
 from tests.distributed.reference import assert_training_matches, reference_training
 
 WORKER = ROOT / "tests" / "distributed" / "workers" / "packed_sequences.py"
@@ -30,12 +31,13 @@ STRATEGY_CASES = [
 ]
 STRATEGY_CASES = [dict(case, data="packed", steps=STEPS, batch_size=BATCH_SIZE, seq_len=SEQ_LEN, lr=LR)
                   for case in STRATEGY_CASES]
+# In the shared 4-rank launch (pool.py).
+JOB = shared(WORLD_SIZE, "packing", WORKER, {"strategy_cases": STRATEGY_CASES, "sequence_parallel_sizes": [2, 4]})
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    spec = {"world_size": WORLD_SIZE, "strategy_cases": STRATEGY_CASES, "sequence_parallel_sizes": [2, 4]}
-    return launch(WORKER, WORLD_SIZE, spec, tmp_path_factory.mktemp("packing"))
+    return JOB.ranks(tmp_path_factory)
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])

@@ -13,7 +13,8 @@ import torch
 
 from lightning_ulysses.layout import ShardOrder
 from tests.distributed.common import NUM_HEADS, UnevenlyMaskedTokens, build_model, built_labels, collate
-from tests.distributed.harness import ROOT, launch
+from tests.distributed.harness import ROOT
+from tests.distributed.pool import shared
 from tests.distributed.reference import assert_weights_match, reference_training
 
 WORKER = ROOT / "tests" / "distributed" / "workers" / "train_parity.py"
@@ -109,15 +110,13 @@ REFERENCE_LOSSES = {
 }
 
 CASES = _matrix()
-_results: dict[int, list[dict]] = {}
+# One job per world size, each in the shared launch of that world size (pool.py).
+JOBS = {world: shared(world, "parity", WORKER, {"cases": [case for case in CASES if case["world_size"] == world]})
+        for world in sorted({case["world_size"] for case in CASES})}
 
 
 def _results_for(world_size: int, tmp_path_factory) -> list[dict]:
-    if world_size not in _results:
-        cases = [case for case in CASES if case["world_size"] == world_size]
-        workdir = tmp_path_factory.mktemp(f"parity_world{world_size}")
-        _results[world_size] = launch(WORKER, world_size, {"world_size": world_size, "cases": cases}, workdir)
-    return _results[world_size]
+    return JOBS[world_size].ranks(tmp_path_factory)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])

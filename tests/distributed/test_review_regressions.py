@@ -2,14 +2,16 @@
 
 import pytest
 
-from tests.distributed.harness import ROOT, launch
+from tests.distributed.harness import ROOT
+from tests.distributed.pool import shared
 
 WORKER = ROOT / "tests" / "distributed" / "workers" / "review_regressions.py"
+JOB = shared(2, "review_regressions", WORKER, {})  # in the shared 2-rank launch (pool.py)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return launch(WORKER, 2, {}, tmp_path_factory.mktemp("review"))
+    return JOB.ranks(tmp_path_factory)
 
 
 @pytest.mark.parametrize("sequence_parallel_in_evaluation", [True, False])

@@ -8,16 +8,18 @@ right-padded row; packed rows refused (HF and native) on every rank; every gathe
 import pytest
 
 from lightning_ulysses.layout import ShardOrder
-from tests.distributed.harness import ROOT, launch
+from tests.distributed.harness import ROOT
+from tests.distributed.pool import shared
 from tests.distributed.workers.ring_attention import ATTENTION_CASES, SEQ_LEN
 
 WORKER = ROOT / "tests" / "distributed" / "workers" / "ring_attention.py"
 LAYOUTS = {"sp4_ring2": (4, 2), "sp4_ring4": (4, 4), "sp2_ring2": (2, 2)}
+JOB = shared(4, "ring_attention", WORKER, {"layouts": list(LAYOUTS.values())})  # in the shared 4-rank launch
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return launch(WORKER, 4, {"layouts": list(LAYOUTS.values())}, tmp_path_factory.mktemp("ring"))
+    return JOB.ranks(tmp_path_factory)
 
 
 def _ranks(results, layout):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -48,21 +50,55 @@ def test_every_group_option_composes_and_instantiates(group, option):
     _instantiate_everything(_compose([f"{group}={option}", *REQUIRED.get(option, [])]))
 
 
-def _recipe(*overrides: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def _env() -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
-    return subprocess.run([sys.executable, str(ROOT / "recipes" / "train.py"), *overrides], env=env, cwd=ROOT,
+    return env
+
+
+def _recipe(*overrides: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "recipes" / "train.py"), *overrides], env=_env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("experiment_overrides, billions, layout", [
+PLANS = [
     (["experiment=gpt3_176b_32k"], 175.0, "dp(4) × sp(8) = world_size(32)"),
     (["experiment=gpt3_176b_32k", "model=bloom_176b"], 176.0, "dp(4) × sp(8) = world_size(32)"),
     (["experiment=gpt3_176b_32k", "strategy.sequence_parallel_size=16", "trainer.num_nodes=8"], 175.0,
      "dp(4) × sp(16) = world_size(64)"),
-])
-def test_plan_without_hardware(experiment_overrides, billions, layout, tmp_path):
-    result = _recipe(*experiment_overrides, "plan=true", f"hydra.run.dir={tmp_path}")
+]
+ONE_GPU_PLAN = ["experiment=llama8b_360k_one_gpu", "plan=true"]
+BAD_OVERRIDES = [
+    (["strategy.sequence_parallel_size=3"], "sp(3) does not divide world_size(2)"),
+    (["model.model.hidden_size=48", "model.model.num_heads=6", "model.model.num_key_value_heads=3"],
+     "num_key_value_heads(3) and sequence_parallel_size(2) must divide one another"),
+    (["strategy.sequence_padding=error", "data.seq_len=127"], "data.seq_len=127 is not divisible"),
+    (["model=gpt_huge"], "Could not find 'model/gpt_huge'"),
+]
+
+
+@pytest.fixture(scope="module")
+def in_one_process(tmp_path_factory):
+    """The command lines that start no rank (plans, refused overrides), run one after the other in ONE process
+    (run_recipes.py: each exactly as `python recipes/train.py <overrides>`, its own stdout, stderr and exit status),
+    so that the interpreter and its imports start once. Keyed by the overrides, without hydra.run.dir."""
+    outdir = tmp_path_factory.mktemp("recipes_in_one_process")
+    runs = [[*overrides, "plan=true"] for overrides, _, _ in PLANS] + [ONE_GPU_PLAN]
+    runs += [overrides for overrides, _ in BAD_OVERRIDES]
+    (outdir / "runs.json").write_text(json.dumps(
+        [[*overrides, f"hydra.run.dir={tmp_path_factory.mktemp('run')}"] for overrides in runs]))
+    driver = subprocess.run([sys.executable, str(Path(__file__).parent / "run_recipes.py"), str(outdir / "runs.json"),
+                             str(outdir)], env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=60 * len(runs))
+    assert driver.returncode == 0, driver.stdout[-3000:] + driver.stderr[-3000:]
+    codes = json.loads((outdir / "results.json").read_text())
+    return {tuple(overrides): SimpleNamespace(returncode=code["returncode"], stdout=(outdir / f"{i}.out").read_text(),
+                                              stderr=(outdir / f"{i}.err").read_text())
+            for i, (overrides, code) in enumerate(zip(runs, codes))}
+
+
+@pytest.mark.parametrize("experiment_overrides, billions, layout", PLANS)
+def test_plan_without_hardware(in_one_process, experiment_overrides, billions, layout):
+    result = in_one_process[(*experiment_overrides, "plan=true")]
     assert result.returncode == 0, result.stderr
     count = float(re.search(r"([\d.]+)B parameters", result.stdout).group(1))
     assert abs(count - billions) / billions < 0.01, result.stdout
@@ -70,10 +106,10 @@ def test_plan_without_hardware(experiment_overrides, billions, layout, tmp_path)
     assert "optimizer" in result.stdout and "(100% offloaded to CPU)" in result.stdout
 
 
-def test_one_gpu_360k_plan_fits_the_h200_machine(tmp_path):
+def test_one_gpu_360k_plan_fits_the_h200_machine(in_one_process):
     """The measured one-GPU configuration: 45% of the optimizer on the host through config_overrides (split by
     sub-group count), sparser checkpoints; the planner must find it within one H200 (139 GiB) and its host RAM."""
-    result = _recipe("experiment=llama8b_360k_one_gpu", "plan=true", f"hydra.run.dir={tmp_path}")
+    result = in_one_process[tuple(ONE_GPU_PLAN)]
     assert result.returncode == 0, result.stderr
     assert "360448 tokens" in result.stdout and "(45% offloaded to CPU)" in result.stdout, result.stdout
     gpu = float(re.search(r"memory/GPU:\s+([\d.]+) GiB", result.stdout).group(1))
@@ -82,15 +118,9 @@ def test_one_gpu_360k_plan_fits_the_h200_machine(tmp_path):
     assert "checkpoint_interval=4" in result.stdout
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["strategy.sequence_parallel_size=3"], "sp(3) does not divide world_size(2)"),
-    (["model.model.hidden_size=48", "model.model.num_heads=6", "model.model.num_key_value_heads=3"],
-     "num_key_value_heads(3) and sequence_parallel_size(2) must divide one another"),
-    (["strategy.sequence_padding=error", "data.seq_len=127"], "data.seq_len=127 is not divisible"),
-    (["model=gpt_huge"], "Could not find 'model/gpt_huge'"),
-])
-def test_bad_overrides_fail_before_training(overrides, message, tmp_path):
-    result = _recipe(*overrides, f"hydra.run.dir={tmp_path}")
+@pytest.mark.parametrize("overrides, message", BAD_OVERRIDES)
+def test_bad_overrides_fail_before_training(in_one_process, overrides, message):
+    result = in_one_process[tuple(overrides)]
     assert result.returncode != 0
     assert message in result.stdout + result.stderr
     assert "Trainer.fit" not in result.stdout + result.stderr

@@ -320,7 +320,8 @@ def check_router_loss(groups, results, swap: bool = True):
 
 def main():
     spec = json.loads(Path(sys.argv[1]).read_text())
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():  # a part of a shared launch (workers/parts.py) may find it set up
+        dist.init_process_group("gloo")
     output = {}
     for sp in spec["sequence_parallel_sizes"]:
         groups = SequenceParallelGroups.build(ParallelLayout(dist.get_world_size(), sp))
@@ -336,7 +337,6 @@ def main():
         check_router_loss(groups, results, swap=spec.get("swap_router_loss", True))
         output[sp] = results
     torch.save(output, Path(sys.argv[2]) / f"result_{dist.get_rank()}.pt")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ def prompts() -> torch.Tensor:
 
 def main():
     spec = json.loads(Path(sys.argv[1]).read_text())
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():  # a part of a shared launch (workers/parts.py) may find it set up
+        dist.init_process_group("gloo")
     output = {}
     for sp in spec["sequence_parallel_sizes"]:
         for kv_heads in (4, 1):
@@ -27,7 +28,6 @@ def main():
             output[(sp, kv_heads)] = served.generate(prompts(), NEW_TOKENS)
             served.restore()
     torch.save(output, Path(sys.argv[2]) / f"result_{dist.get_rank()}.pt")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

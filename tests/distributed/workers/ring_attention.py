@@ -148,7 +148,8 @@ def check_gathers(groups, results):
 
 def main():
     spec = json.loads(Path(sys.argv[1]).read_text())
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():  # a part of a shared launch (workers/parts.py) may find it set up
+        dist.init_process_group("gloo")
     base = {}
     output = {}
     for sp, ring in spec["layouts"]:
@@ -162,7 +163,6 @@ def main():
         check_gathers(groups, results)
         output[f"sp{sp}_ring{ring}"] = results
     torch.save(output, Path(sys.argv[2]) / f"result_{dist.get_rank()}.pt")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
