@@ -406,7 +406,6 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     on_test_start = on_predict_start = on_validation_start
     on_test_end = on_predict_end = on_validation_end
 
-
     # -- DeepSpeed engine -----------------------------------------------------------------------------------------
     # Lightning's two `deepspeed.initialize` call sites, re-stated with the arguments Lightning passes (2.6) plus
     # two: our `mpu` (without it ZeRO reduces and partitions as if every rank held different data) and the device
