@@ -6,7 +6,8 @@ it calls the accessor here. Each entry says why no public API serves. All were c
 or re-signs any of them (re-check the reason given here before changing an accessor to follow it).
 
 Overridden private methods are listed in `OVERRIDDEN`: Lightning calls them by name, so a rename would silently
-stop calling ours (the test checks that each still exists with the same parameters).
+stop calling ours (the test checks that each still exists with the same parameters). Lightning methods whose body
+the strategy re-states are listed in `MIRRORED` with a digest of their source, so any change to them shows.
 """
 
 from __future__ import annotations
