@@ -20,6 +20,10 @@ loads unchanged at another split of the same number of ranks; only the data posi
 (`ResumableSampler`). A different number of ranks is refused before anything is loaded (the shards are cut per
 rank); `export` still recovers the weights from such a checkpoint.
 
+`StrategyCheckpoints` is the strategy's side of all this (its checkpoint hooks delegate to it): the staged save
+and its barriers, the loop state rewritten to the data position, the resume state kept from load to the first
+batch, and evaluation loads of ZeRO-3 checkpoints (which DeepSpeed cannot load into an engine without optimizer).
+
 Command line: `python -m lightning_ulysses checkpoint {inspect,export} ...` (see `main`).
 """
 
@@ -32,10 +36,14 @@ import shutil
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
-from torch.utils.data import Sampler
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.utils.data import DataLoader, Sampler
+
+from lightning_ulysses import _lightning_private as lightning_private
 
 MANIFEST = "ulysses.json"
 FORMAT_VERSION = 1
@@ -168,10 +176,9 @@ def _fsync_directory(directory: Path) -> None:
 
 # -- random number generators ------------------------------------------------------------------------------------
 def save_rng_state(directory: Path, rank: int) -> None:
-    from lightning.fabric.utilities.seed import _collect_rng_states
-
     (directory / "rng").mkdir(exist_ok=True)
-    torch.save(_collect_rng_states(include_cuda=torch.cuda.is_available()), directory / "rng" / f"rank_{rank}.pt")
+    states = lightning_private.collect_rng_states(include_cuda=torch.cuda.is_available())
+    torch.save(states, directory / "rng" / f"rank_{rank}.pt")
 
 
 def load_rng_state(directory: Path, rank: int) -> Optional[dict[str, Any]]:
@@ -180,9 +187,7 @@ def load_rng_state(directory: Path, rank: int) -> Optional[dict[str, Any]]:
 
 
 def restore_rng_state(states: Mapping[str, Any]) -> None:
-    from lightning.fabric.utilities.seed import _set_rng_states
-
-    _set_rng_states(dict(states))
+    lightning_private.set_rng_states(dict(states))
 
 
 # -- data position -------------------------------------------------------------------------------------------------
@@ -298,6 +303,211 @@ def _is_tied(model, key: str) -> bool:
 def save_hf_configs(directory: Path, configs: Mapping[str, Any]) -> None:
     for name, config in configs.items():
         config.save_pretrained(directory / "hf" / name)
+
+
+# -- the strategy's side: atomic saves, exact resumes, evaluation loads of ZeRO-3 checkpoints -----------------------
+@dataclass
+class PendingResume:
+    """What a loaded checkpoint still has to restore once training starts."""
+
+    epoch_samples_consumed: int
+    global_batch_size: Optional[int]
+    rng_state: Optional[dict[str, Any]]
+
+
+class StrategyCheckpoints:
+    """The checkpoint protocol behind `UlyssesDeepSpeedStrategy`'s `save_checkpoint`, `load_checkpoint`,
+    `load_model_state_dict`, `process_dataloader` and `on_train_batch_start`, and the resume state between them.
+
+    `strategy` is the `UlyssesDeepSpeedStrategy` (its ranks, groups, config and trainer); the parent
+    `DeepSpeedStrategy`'s own save and load are passed in by the hooks as `write` and `load`.
+    """
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        self.resume: Optional[PendingResume] = None
+        self.data_epoch: Optional[int] = None  # the epoch the last training batch came from (see `resumable_loops`)
+        self._load_consolidated_weights = False  # see `load`
+
+    @property
+    def trainer(self):
+        return self.strategy.lightning_module.trainer
+
+    # -- save -------------------------------------------------------------------------------------------------------
+    def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any],
+             write: Callable[[dict[str, Any], Any, Optional[Any]], None], hf_model_configs: Mapping[str, Any]) -> None:
+        """Atomic: every rank writes into `<path>.partial`; rank 0 renames it to `<path>` once all have finished."""
+        strategy = self.strategy
+        path = Path(strategy.broadcast(str(filepath)))
+        if strategy.is_global_zero:
+            prepare_staging(path)
+        strategy.barrier("lightning_ulysses.checkpoint.staging")
+        staging = staging_path(path)
+        if "loops" in checkpoint:
+            checkpoint = {**checkpoint, "loops": self.resumable_loops(checkpoint["loops"])}
+        write(checkpoint, staging, storage_options)
+        save_rng_state(staging, strategy.global_rank)
+        if strategy.is_global_zero:
+            save_hf_configs(staging, hf_model_configs)
+        strategy.barrier("lightning_ulysses.checkpoint.written")
+        if strategy.is_global_zero:
+            commit(path, self.manifest(hf_model_configs))
+        strategy.barrier("lightning_ulysses.checkpoint.committed")
+
+    def manifest(self, hf_model_configs: Mapping[str, Any]) -> CheckpointManifest:
+        groups = self.strategy.parallel_groups
+        return CheckpointManifest(
+            world_size=self.strategy.world_size,
+            sequence_parallel_size=groups.sequence_parallel_world_size,
+            data_parallel_size=groups.data_parallel_world_size,
+            zero_stage=self.strategy.config["zero_optimization"]["stage"],
+            epoch_samples_consumed=self.epoch_samples_consumed(),
+            global_batch_size=self.global_batch_size(),
+            hf_models=tuple(hf_model_configs),
+        )
+
+    def global_batch_size(self) -> Optional[int]:
+        batch_size = getattr(self.trainer.train_dataloader, "batch_size", None)
+        return None if batch_size is None else batch_size * self.strategy.parallel_groups.data_parallel_world_size
+
+    def epoch_position(self) -> tuple[int, bool]:
+        """Batches of the current epoch trained on so far, and whether that epoch's data is used up."""
+        done, is_last_batch = lightning_private.epoch_batch_progress(self.trainer)
+        return done, is_last_batch or done >= self.trainer.num_training_batches
+
+    def epoch_samples_consumed(self) -> int:
+        """Samples of the current epoch trained on so far, over all DP ranks (0 between epochs)."""
+        done, used_up = self.epoch_position()
+        if used_up or not done:
+            return 0
+        global_batch = self.global_batch_size()
+        if global_batch is None:  # a custom batch sampler: positions cannot be counted in samples
+            return -1
+        return done * global_batch
+
+    def resumable_loops(self, loops: dict[str, Any]) -> dict[str, Any]:
+        """Lightning's loop state as the uninterrupted run had it at this data position, so that a resume continues
+        on the same epoch's sampler permutation with the same epoch counters.
+
+        Lightning counts an epoch as processed (and, after `fit`, completed) as soon as its epoch loop ends, also
+        when `max_steps` ends it inside the epoch; a resume then sets the sampler to the next epoch and calls the
+        rest of the old one's batches part of it. And a checkpoint whose epoch ran to its end resumes with the
+        batch counter at the end of that epoch: with `max_steps` (which makes Lightning treat every resume as a
+        restart) it trains one batch of the next epoch and ends that epoch there. Both are rewritten to the
+        state between the same two steps of an uninterrupted run: the epoch in progress, or the next one not yet
+        begun. A save inside a batch hook (ModelCheckpoint every n steps, a callback) comes before Lightning counts
+        the epoch and resumes correctly as it is; in mid-epoch its epoch counters are written out consistently
+        too (after some of Lightning's own restarts, `ready` lags `processed` by one)."""
+        fit = loops.get("fit_loop")
+        epoch = self.data_epoch
+        if fit is None or epoch is None:  # nothing trained since this process started (or loaded) the run
+            return loops
+        epochs_key, batches_key = lightning_private.FIT_LOOP_EPOCH_PROGRESS, lightning_private.FIT_LOOP_BATCH_PROGRESS
+        counters = lightning_private.PROGRESS_COUNTERS
+        done, used_up = self.epoch_position()
+        counted = fit[epochs_key]["current"]["processed"] > epoch  # Lightning has counted the data's epoch
+        if used_up and counted:
+            epochs = dict.fromkeys(counters, epoch + 1)
+            batches = {**fit[batches_key], "is_last_batch": False, "current": dict.fromkeys(counters, 0)}
+        elif done and not used_up:
+            epochs = {"ready": epoch + 1, "started": epoch + 1, "processed": epoch, "completed": epoch}
+            batches = fit[batches_key]
+        else:
+            return loops
+        fit = {**fit, epochs_key: {"total": dict(epochs), "current": dict(epochs)}, batches_key: batches}
+        return {**loops, "fit_loop": fit}
+
+    # -- load -------------------------------------------------------------------------------------------------------
+    def load(self, checkpoint_path: Any, load: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
+        """Refuse interrupted saves and other world sizes, keep what a resume must restore later, and load
+        (`load`: the parent's `load_checkpoint`), or consolidate ZeRO-3 shards for an evaluation."""
+        strategy = self.strategy
+        fitting = self.trainer.state.fn == TrainerFn.FITTING
+        manifest = None
+        if os.path.isdir(checkpoint_path) or not os.path.exists(checkpoint_path):
+            path = resolve_checkpoint(Path(checkpoint_path))  # refuses interrupted saves
+            manifest = read_manifest(path)
+            if manifest is not None and manifest.world_size != strategy.world_size:
+                raise ValueError(
+                    f"{path} was written by {manifest.world_size} ranks (SP {manifest.sequence_parallel_size} × DP"
+                    f" {manifest.data_parallel_size}) and this run has {strategy.world_size}: ZeRO shards are cut per"
+                    f" rank. Resume with {manifest.world_size} ranks (any SP × DP split works), or export the weights"
+                    f" with `python -m lightning_ulysses checkpoint export {path} <folder>` and start a new run from"
+                    " them."
+                )
+            checkpoint_path = str(path)
+        if fitting and manifest is not None:
+            same_layout = manifest.sequence_parallel_size == strategy.sequence_parallel_world_size
+            self.resume = PendingResume(
+                epoch_samples_consumed=manifest.epoch_samples_consumed,
+                global_batch_size=manifest.global_batch_size,
+                # Each rank's generators continue where they were; at another split ranks play other roles.
+                rng_state=load_rng_state(Path(checkpoint_path), strategy.global_rank) if same_layout else None,
+            )
+        if fitting or not strategy.zero_stage_3 or strategy.load_full_weights or not os.path.isdir(checkpoint_path):
+            return load(checkpoint_path)
+        return self._load_consolidated(Path(checkpoint_path))
+
+    def _load_consolidated(self, path: Path) -> dict[str, Any]:
+        """validate/test/predict(ckpt_path=<ZeRO-3 checkpoint>): DeepSpeed 0.19 cannot load a ZeRO-3 checkpoint
+        into an engine without optimizer (it calls `_restore_from_bit16_weights` on `DeepSpeedZeRoOffload`).
+        Consolidate the fp32 weights from the shards instead; `load_model_state_dict` then lets Lightning's
+        full-weights path copy them into the partitioned parameters, module by module."""
+        # Lightning's own entries (epoch, callbacks, ...) are saved as DeepSpeed client state in every model-state file.
+        states = path / deepspeed_tag(path) / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+        checkpoint = torch.load(states, map_location="cpu", weights_only=False)
+        # Only global rank 0 reads the weights (`_restore_zero_state` copies them in from rank 0 alone): one full
+        # fp32 copy of the model in host memory, not one per rank.
+        checkpoint["state_dict"] = consolidated_state_dict(path) if self.strategy.is_global_zero else {}
+        self._load_consolidated_weights = True
+        return checkpoint
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool) -> bool:
+        """Copy consolidated weights (see `_load_consolidated`) in; False: not ours, the parent's hook loads."""
+        if not self._load_consolidated_weights:
+            return False
+        self._load_consolidated_weights = False
+        self.strategy.model_to_device()
+        lightning_private.restore_zero_state(self.strategy, checkpoint, strict)
+        return True
+
+    # -- resume -----------------------------------------------------------------------------------------------------
+    def process_dataloader(self, dataloader: object) -> object:
+        """After a resume in the middle of an epoch, skip the samples that epoch already trained on; at an epoch
+        boundary, restore the random generators here."""
+        resume = self.resume
+        if resume is None or self.trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        if resume.epoch_samples_consumed == 0:
+            # Between an epoch's last step and the next one, the uninterrupted run drew from the global generator
+            # for the new epoch's data loader iterator (its base seed); Lightning creates that iterator right after
+            # this call, so the generators continue from here, not from the first batch.
+            if resume.rng_state is not None:
+                restore_rng_state(resume.rng_state)
+                resume.rng_state = None
+            return dataloader
+        if resume.epoch_samples_consumed < 0 or not isinstance(dataloader, DataLoader) or dataloader.sampler is None:
+            rank_zero_warn("The checkpoint's position inside its epoch cannot be restored for this dataloader (a"
+                           " custom batch sampler or an iterable dataset): the epoch's data restarts from its beginning.")
+            return dataloader
+        data_parallel_size = self.strategy.parallel_groups.data_parallel_world_size
+        sampler = ResumableSampler(dataloader.sampler, data_parallel_size)
+        global_batch = None if dataloader.batch_size is None else dataloader.batch_size * data_parallel_size
+        # Raises before any collective (every rank has the same manifest and loader) if the position cannot continue.
+        sampler.skip_once(resume.epoch_samples_consumed, resume.global_batch_size, global_batch)
+        resume.epoch_samples_consumed = 0
+        return lightning_private.update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
+
+    def on_train_batch_start(self) -> None:
+        # Mid-epoch, restored here, not at load: the dataloader and anything between load and the first step would
+        # otherwise consume random numbers the uninterrupted run did not (at an epoch boundary: process_dataloader).
+        if self.resume is not None:
+            if self.resume.rng_state is not None:
+                restore_rng_state(self.resume.rng_state)
+            self.resume = None
+        # Lightning set the sampler's epoch from this counter when the epoch began; it stays until the epoch loop
+        # ends (a checkpoint needs it after that, see `resumable_loops`).
+        self.data_epoch = lightning_private.epochs_processed(self.trainer)
 
 
 # -- command line ------------------------------------------------------------------------------------------------

@@ -18,21 +18,35 @@ rank whose own main thread reports a failure within `_GRACE` seconds of seeing a
 
 A rank that finishes normally marks itself finished first, so ranks leaving at slightly different times after
 `fit` (or after a SIGTERM checkpoint) are not reported.
+
+A scheduler's SIGTERM (and SLURM's requeue signal) is the orderly kind of ending: `SchedulerSignals` makes every
+rank save one checkpoint together at an optimizer-step boundary, requeue the job under SLURM and exit.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
+import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_ulysses import _lightning_private as lightning_private
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 log = logging.getLogger(__name__)
 
@@ -234,3 +248,109 @@ def is_peer_failure(exception: BaseException) -> bool:
     if isinstance(exception, dist.DistError):
         return True
     return isinstance(exception, RuntimeError) and any(m in str(exception).lower() for m in _PEER_FAILURE_MARKERS)
+
+
+def start_watchdog(environment: Any, rank: int, world_size: int, timeout: Optional[float]) -> Optional[RankWatchdog]:
+    """A started `RankWatchdog` on the job's rendezvous store, or None (turned off, one rank, store unreachable)."""
+    if timeout is None or world_size == 1:
+        return None
+    watchdog = RankWatchdog(environment.main_address, environment.main_port, rank, world_size, timeout)
+    try:
+        watchdog.start()
+    except Exception as error:  # a launcher whose store we cannot reach: train anyway, without the watchdog
+        rank_zero_warn(f"lightning_ulysses: the rank watchdog could not reach the rendezvous store at"
+                       f" {environment.main_address}:{environment.main_port} ({error}); a killed rank will"
+                       " leave the others waiting for the collective timeout.")
+        return None
+    return watchdog
+
+
+def on_rank_exception(watchdog: Optional[RankWatchdog], exception: BaseException) -> None:
+    """What a rank that is leaving by `exception` tells the others (the strategy's `on_exception`)."""
+    if watchdog is None:
+        return
+    if is_peer_failure(exception):
+        # gloo/NCCL only say "connection closed by peer": let the watchdog name the rank (it exits if it can).
+        watchdog.wait_for_lost_peer()
+    elif isinstance(exception, Exception):
+        # This rank leaves while the others may wait for it inside a collective (an OOM on one DP group, a
+        # save failing on rank 0 only): tell them, so they exit at once naming it.
+        watchdog.report_failure(exception)
+
+
+# -- a scheduler's signals ------------------------------------------------------------------------------------------
+class SchedulerSignals:
+    """SIGTERM (and SLURM's requeue signal) turned into one checkpoint that every rank saves together.
+
+    Lightning's SIGTERM handler broadcasts from rank 0 *inside the signal handler*, i.e. wherever the main thread
+    happens to be: with a scheduler's signal arriving mid-step, that broadcast pairs with another rank's
+    all-to-all or reduce-scatter (a hang, or silently wrong data). `install` replaces it by one that only records
+    the signal privately; `agree` turns it into Lightning's flag on every rank at once. (Lightning's end-of-batch
+    check reads each rank's own flag, so a flag set directly in the handler would stop only the ranks the signal
+    reached.)
+
+    SLURM's auto-requeue signal (SIGUSR1 unless `SLURMEnvironment(requeue_signal=...)` says otherwise) is worse:
+    Lightning's handler saves a whole checkpoint inside the handler, its collectives paired with whatever the
+    other ranks are doing. It takes the same route: recorded, agreed, then saved by every rank at the same
+    optimizer-step boundary, the job requeued and every rank exits (`save_and_requeue`); the requeued job resumes
+    with `ckpt_path="hpc"`.
+    """
+
+    def __init__(self) -> None:
+        self.pending = False  # a signal this rank received, not yet agreed on (see `agree`)
+
+    def install(self, trainer: "pl.Trainer", environment: Any) -> None:
+        """Once Lightning has registered its handlers (they exist from `on_train_start` on)."""
+        self.pending = False
+        if threading.current_thread() is not threading.main_thread():
+            return
+        # Lightning's handlers that collect (broadcast, save) inside the handler; the others keep running.
+        replaced = lightning_private.collective_signal_handlers(trainer)
+        signals = [signal.SIGTERM]
+        if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
+            signals.append(environment.requeue_signal)
+        for signum in signals:
+            handlers = lightning_private.composed_signal_handlers(signum)
+            if signum != signal.SIGTERM and not any(getattr(h, "__func__", None) in replaced for h in handlers or []):
+                continue  # the user's own requeue handler, which Lightning left in place: not ours to change
+            signal.signal(signum, functools.partial(self._record, handlers or [], replaced))
+
+    def _record(self, handlers: list, replaced: tuple, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        rank_zero_info(f"lightning_ulysses: {name} received; saving at the next optimizer-step boundary.")
+        self.pending = True
+        # Lightning's own non-collective handlers (SLURM's SIGTERM "bypass") and the user's handlers keep running.
+        for handler in handlers:
+            if getattr(handler, "__func__", None) not in replaced and callable(handler):
+                handler(signum, frame)
+
+    def agree(self, trainer: "pl.Trainer", world_size: int, device: torch.device) -> None:
+        """Whether any rank got a signal, agreed by all ranks at the same batch (one all-reduce; call it at every
+        training batch start), and handed to Lightning's end-of-batch check on every rank together only at an
+        optimizer-step boundary: a checkpoint holds no gradients accumulated inside a window, so saving there
+        would lose them on resume."""
+        pending = self.pending
+        if world_size > 1:
+            flag = torch.tensor([int(pending)], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            pending = bool(flag.item())
+        self.pending = pending
+        if pending and not lightning_private.should_accumulate(trainer):
+            lightning_private.flag_sigterm(trainer)
+
+    @staticmethod
+    def save_and_requeue(trainer: "pl.Trainer", environment: Any, is_global_zero: bool) -> None:
+        """On every rank together (Lightning raises `SIGTERMException` at the same step boundary everywhere, since
+        `agree` set every rank's flag in the same batch): save `hpc_ckpt_<n>.ckpt` and, under SLURM with
+        auto-requeue, requeue the job."""
+        path = lightning_private.hpc_save_path(trainer)
+        trainer.save_checkpoint(path)
+        rank_zero_info(f"lightning_ulysses: saved {path} on a scheduler's signal. Resume with trainer.fit(...,"
+                       " ckpt_path='hpc').")
+        if isinstance(environment, SLURMEnvironment) and environment.auto_requeue and is_global_zero:
+            job_id = os.environ.get("SLURM_ARRAY_JOB_ID")
+            job_id = f"{job_id}_{os.environ['SLURM_ARRAY_TASK_ID']}" if job_id else os.environ["SLURM_JOB_ID"]
+            try:
+                subprocess.call(["scontrol", "requeue", job_id])
+            except FileNotFoundError:  # saved anyway; the job just is not requeued
+                rank_zero_warn(f"lightning_ulysses: `scontrol` not found; SLURM job {job_id} was not requeued.")

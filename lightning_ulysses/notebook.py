@@ -26,10 +26,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.fabric.plugins.environments import LightningEnvironment
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
+
+from lightning_ulysses import _lightning_private as lightning_private
 
 _RUN_AS_SCRIPT = (
     "run the training as a script, where every rank is a fresh process: Trainer(strategy='ulysses') in"
@@ -71,7 +72,7 @@ def check_parent_can_fork() -> None:
         )
 
 
-class UlyssesForkLauncher(_MultiProcessingLauncher):
+class UlyssesForkLauncher(lightning_private.MultiProcessingLauncher):
     """Lightning's fork launcher with the checks, port handling and ZeRO-3 weight return described above."""
 
     def __init__(self, strategy: "pl.strategies.ParallelStrategy") -> None:
@@ -81,13 +82,13 @@ class UlyssesForkLauncher(_MultiProcessingLauncher):
     @override
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
         check_parent_can_fork()
-        environment = self._strategy.cluster_environment
+        environment = lightning_private.launcher_strategy(self).cluster_environment
         user_port = os.environ.get("MASTER_PORT")
         if user_port is None and type(environment) is LightningEnvironment:
             # LightningEnvironment caches the port it picked; the base launcher exports it as MASTER_PORT for the
             # children. Forget it so this launch (a re-launch of the same Trainer, e.g. validate after fit) picks a
             # free port again instead of the one the last launch's rank 0 was bound to.
-            environment._main_port = -1
+            lightning_private.forget_main_port(environment)
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         finally:
@@ -114,7 +115,7 @@ class UlyssesForkLauncher(_MultiProcessingLauncher):
         super()._wrapping_function(process_idx, *args, **kwargs)
 
     @override
-    def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Optional[_WorkerOutput]:
+    def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Optional[lightning_private.WorkerOutput]:
         # Rank 0's state dict goes back to the parent, whose LightningModule loads it (after fit only).
         if trainer.state.fn != TrainerFn.FITTING:
             return super()._collect_rank_zero_results(trainer, results)
@@ -127,7 +128,7 @@ class UlyssesForkLauncher(_MultiProcessingLauncher):
                 " weights, not DeepSpeed's fp32 master weights (those stay in the optimizer of the forked ranks)."
                 " To keep them, save a checkpoint during fit (e.g. a ModelCheckpoint callback)."
             )
-        if not getattr(self._strategy, "zero_stage_3", False):
+        if not getattr(lightning_private.launcher_strategy(self), "zero_stage_3", False):
             return super()._collect_rank_zero_results(trainer, results)
         # Under ZeRO-3 each rank holds only a partition of every parameter (the parameter itself is an empty
         # placeholder, which the parent could not load): gather the full parameters first. This is a collective;

@@ -19,7 +19,7 @@ import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -63,6 +63,28 @@ class PlannedRun:
     parameter_numels: Optional[tuple[int, ...]] = None
     zero_stage: Optional[int] = None
     offload_pin_memory: bool = True
+
+    @classmethod
+    def of_strategy(cls, strategy: Any) -> "PlannedRun":
+        """The run a set-up `UlyssesDeepSpeedStrategy` is about to train: its layout, its DeepSpeed config's ZeRO
+        and offload sections, and the LightningModule's parameters (ZeRO-3's full sizes, `ds_numel`, when they are
+        already partitioned)."""
+        zero = strategy.config.get("zero_optimization", {})
+        optimizer_offload = zero.get("offload_optimizer") or {}
+        offloaded = lambda section: section.get("device") in ("cpu", "nvme")  # noqa: E731
+        parameters = list(strategy.lightning_module.parameters())
+        return cls(
+            sequence_parallel_size=strategy.sequence_parallel_world_size, local_world_size=strategy.num_processes,
+            world_size=strategy.world_size, local_rank=strategy.local_rank, num_nodes=strategy.num_nodes,
+            num_parameters=sum(getattr(p, "ds_numel", p.numel()) for p in parameters),
+            parameter_numels=tuple(getattr(p, "ds_numel", p.numel()) for p in parameters if p.requires_grad),
+            zero_stage=zero.get("stage"),
+            offload_optimizer=offloaded(optimizer_offload), offload_parameters=offloaded(zero.get("offload_param") or {}),
+            offload_ratio=optimizer_offload.get("ratio"), offload_pin_memory=optimizer_offload.get("pin_memory", True),
+            sub_group_size=zero.get("sub_group_size") if zero.get("stage") == 3 else None,
+            precision=str(strategy.precision_plugin.precision),
+            grad_accum_dtype=strategy.config.get("data_types", {}).get("grad_accum_dtype"),
+        )
 
 
 def check(run: PlannedRun, environ: Mapping[str, str] = os.environ) -> list[Finding]:

@@ -13,7 +13,7 @@ from lightning_ulysses.attention.core import validate_head_counts
 from lightning_ulysses.layout import ParallelLayout
 from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.planner import ModelShape, TrainingSetup, plan_memory
-from lightning_ulysses.strategy import _split_ulysses_block
+from lightning_ulysses.deepspeed_config import split_ulysses_block
 
 _RUNTIME_ENVIRONMENT = {
     "pytorch_cuda_alloc_conf": "PYTORCH_CUDA_ALLOC_CONF",
@@ -50,7 +50,7 @@ def check_recipe(cfg: DictConfig, spec: Any) -> ParallelLayout:
     world = _world_size(cfg.trainer)
     size = cfg.strategy.get("sequence_parallel_size")
     if size is None and isinstance(cfg.strategy.get("config"), DictConfig):  # a DeepSpeed-Ulysses "ulysses" block
-        _, size = _split_ulysses_block(OmegaConf.to_container(cfg.strategy.config))
+        _, size = split_ulysses_block(OmegaConf.to_container(cfg.strategy.config))
     size = size or int(cfg.trainer.get("devices", 1))
     layout = ParallelLayout(world_size=world, sequence_parallel_size=size)
     validate_head_counts(*_heads(spec), size)

@@ -10,7 +10,9 @@ tile would deadlock here. One launch of 4 ranks runs every case.
 from __future__ import annotations
 
 import pytest
+import torch
 
+from lightning_ulysses.attention.backends import check_sdpa_kernel_priority, sdpa_priority
 from tests.distributed.harness import ROOT
 from tests.distributed.pool import shared
 from tests.distributed.reference import assert_training_matches, reference_training
@@ -64,6 +66,10 @@ def test_memory_features_match_plain_reference(case, tmp_path_factory):
     runs = [1 + memory.get("activation_checkpointing", False)] * 2
     runs[0] += memory.get("checkpoint_interval", 1) == 2
     assert all(rank["attention_runs"] == [STEPS * count for count in runs] for rank in ranks), ranks[0]["attention_runs"]
+    # Every run of the attention, forward and each recompute in backward, under the strategy's SDPA kernel order.
+    with sdpa_priority(check_sdpa_kernel_priority(case["strategy_kwargs"].get("sdpa_kernel_priority"))):
+        expected = [tuple(torch._C._get_sdp_priority_order())]
+    assert all(rank["sdpa_orders"] == expected for rank in ranks), (ranks[0]["sdpa_orders"], expected)
     steps, lengths = [], set()
     for step in range(STEPS):
         by_dp = {}

@@ -121,6 +121,8 @@ def test_preflight_run_carries_the_offload_layout():
 
     import torch
 
+    from lightning_ulysses.preflight import PlannedRun
+
     module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     module[0].bias.requires_grad_(False)  # frozen: not in the optimizer
     config = {"zero_optimization": {"stage": 3, "sub_group_size": 1000,
@@ -128,7 +130,7 @@ def test_preflight_run_carries_the_offload_layout():
     stub = SimpleNamespace(config=config, sequence_parallel_world_size=2, num_processes=2, world_size=4, local_rank=0,
                            num_nodes=2, lightning_module=module,
                            precision_plugin=SimpleNamespace(precision="bf16-mixed"))
-    run = UlyssesDeepSpeedStrategy._planned_run(stub)
+    run = PlannedRun.of_strategy(stub)
     assert run.parameter_numels == (12, 6, 2) and run.num_parameters == 23
     assert (run.zero_stage, run.offload_ratio, run.sub_group_size, run.offload_pin_memory) == (3, 0.5, 1000, False)
     assert run.offload_optimizer and not run.offload_parameters

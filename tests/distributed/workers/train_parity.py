@@ -32,17 +32,22 @@ class CaptureWeights(L.Callback):
 
 class CountAttentionRuns(L.Callback):
     """How often each decoder layer's attention module ran in training: forward, plus each recompute of the layer
-    under activation checkpointing (the layer's own module hooks fire only in forward)."""
+    under activation checkpointing (the layer's own module hooks fire only in forward); and the SDPA kernel orders
+    in force at those runs (a recompute runs inside the strategy's `backward`)."""
 
     def on_train_start(self, trainer, pl_module):
-        pl_module.attention_runs, self.handles = [], []
+        pl_module.attention_runs, pl_module.sdpa_orders, self.handles = [], set(), []
+
+        def ran(index):
+            pl_module.attention_runs[index] += 1
+            pl_module.sdpa_orders.add(tuple(torch._C._get_sdp_priority_order()))
+
         for name, module in pl_module.model.named_modules():
             # Llama's `self_attn`, the GPT's `attention` (not the Ulysses core inside it, `attention.attention`)
             if name.endswith((".self_attn", ".attention")) and not name.endswith(".attention.attention"):
                 index = len(pl_module.attention_runs)
                 pl_module.attention_runs.append(0)
-                self.handles.append(module.register_forward_hook(
-                    lambda *_, index=index: pl_module.attention_runs.__setitem__(index, pl_module.attention_runs[index] + 1)))
+                self.handles.append(module.register_forward_hook(lambda *_, index=index: ran(index)))
 
     def on_train_end(self, trainer, pl_module):
         for handle in self.handles:
@@ -98,6 +103,7 @@ def run_case(case: dict, world_size: int) -> dict:
         "weights_checksum": sum(w.double().abs().sum().item() for w in weights.values()),
         "wrapped_modules": module.wrapped_modules,
         "attention_runs": module.attention_runs,
+        "sdpa_orders": sorted(module.sdpa_orders),
     }
 
 
