@@ -6,8 +6,9 @@ SP group alike, before any collective.
 - `labels` are shifted *before* cutting (position t gets the target t+1), so the target of the last token of
   a shard, which lives in the next shard, is not lost. The batch's `labels` are therefore already aligned with
   the local logits under this strategy; `sequence_parallel_cross_entropy` and the swapped HF loss expect that.
-- `position_ids` are made global (`0..seq-1`) when absent and the sequence is cut: a model left to itself would
-  number each shard from 0. Given ones are cut as they are: packed rows (several documents per row, positions
+- `position_ids` are made global when absent and the sequence is cut: a model left to itself would number each
+  shard from 0. They are the ones the model would number the whole rows with: `0..seq-1` for most families, the
+  family's `PositionRule` (adapters/) for the few that count real tokens only (OPT). Given ones are cut as they are: packed rows (several documents per row, positions
   restarting at 0) keep their per-document positions, and the attention gathers them to keep documents apart.
   Whole-row document descriptions (`cu_seq_lens_q`, ... of flash-attention collators) cannot be cut and are
   rejected: positions carry the same information shard by shard.
@@ -28,6 +29,7 @@ from typing import Any, Literal
 
 import torch
 
+from lightning_ulysses.adapters import PositionRule
 from lightning_ulysses.attention.rows import BatchRows, BatchRowsSlot
 from lightning_ulysses.layout import ShardOrder
 from lightning_ulysses.loss import IGNORE_INDEX
@@ -48,6 +50,7 @@ class SequenceSharder:
         pad_token_id: int = 0,
         ring_size: int = 1,
         batch_rows: BatchRowsSlot | None = None,
+        position_rule: PositionRule | None = None,
     ):
         if sequence_padding not in ("pad", "error"):
             raise ValueError(f"sequence_padding must be 'pad' or 'error', got {sequence_padding!r}")
@@ -60,6 +63,8 @@ class SequenceSharder:
         # each row's last real token when the batch carries no attention mask.
         self.unpadded_length: int | None = None
         self.batch_rows = batch_rows
+        # How the models number a row they are given no positions for (adapters/; None: 0..seq-1, padding included).
+        self.position_rule = position_rule
 
     def __call__(self, batch: Any) -> Any:
         if self.batch_rows is not None:
@@ -90,13 +95,16 @@ class SequenceSharder:
             # right, but filling them in keeps one rule for every SP size and lets the attention recognise the
             # batch's rows (one document per row) without inspecting positions in every layer.
             input_ids = batch["input_ids"]
-            batch["position_ids"] = torch.arange(padded_len, device=input_ids.device).expand(input_ids.size(0), -1)
+            if self.position_rule is not None and "attention_mask" in batch:
+                batch["position_ids"] = self.position_rule.positions(batch["attention_mask"])
+            else:
+                batch["position_ids"] = torch.arange(padded_len, device=input_ids.device).expand(input_ids.size(0), -1)
         whole_rows = dict(batch)
         for key in SEQUENCE_KEYS:
             if key in batch:
                 batch[key] = self.order.shard(batch[key], self.sequence_parallel_rank, dim=1)
         if self.batch_rows is not None:
-            # Positions the sharder filled in are 0..seq-1: one document per row, nothing to look for in them.
+            # Positions the sharder filled in hold one document per row: nothing to look for in them.
             self.batch_rows.rows = BatchRows(
                 batch["input_ids"].size(0), whole_rows["position_ids"] if positions_given else None,
                 whole_rows.get("attention_mask"), batch["position_ids"], batch.get("attention_mask"),

@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from lightning_ulysses import _lightning_private as lightning_private
 from lightning_ulysses import faults, preflight
+from lightning_ulysses.adapters import position_rule_of
 from lightning_ulysses.attention.backends import check_sdpa_kernel_priority, sdpa_priority
 from lightning_ulysses.attention.core import UlyssesAttention, check_overlap_head_groups, resolve_ring_size
 from lightning_ulysses.attention.hf import (find_hf_models, hf_head_counts, prepare_hf_model, validate_hf_model,
@@ -322,6 +323,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
                 " attention: UlyssesAttention('sdpa') (a built-in backend; flash_attention_2/3, flex_attention too) or"
                 " UlyssesAttention(F.scaled_dot_product_attention) (your own local attention callable)."
             )
+        # Positions filled in for batches without them are the ones these models would number the rows with.
+        position_rule = position_rule_of(hf_models)
         if size > 1:
             # Identical on every rank (same model, same arguments), so the sub-groups are created in step.
             head_counts = [counts for counts in map(hf_head_counts, hf_models) if counts is not None]
@@ -332,6 +335,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             validate_hf_model(model, groups.ulysses_size, groups.ring_size)
             if size > 1:
                 validate_router_loss(model)
+        self._sharder.position_rule = position_rule
         loss = self.loss_function
         names = {id(child): name for name, child in module.named_modules()}
         prepared = [prepare_hf_model(model, groups.ulysses_group, loss, ring_group=groups.ring_group,

@@ -36,8 +36,8 @@ def _is_view(tensor: torch.Tensor | None, key: tuple | None) -> bool:
 class BatchRows:
     """The whole (length-padded) rows of one batch, published by the sharder that cut it.
 
-    `position_ids`: the whole rows, or None when they are `0..seq-1` (filled in by the sharder: one document per
-    row); `padding_mask`: the whole rows' `attention_mask` (1 = real token), or None when the batch has none;
+    `position_ids`: the whole rows, or None when the sharder filled them in (one document per row: `0..seq-1`, or
+    the family's `PositionRule`); `padding_mask`: the whole rows' `attention_mask` (1 = real token), or None when the batch has none;
     `shard_position_ids`/`shard_padding_mask`: this rank's shards of them, as the model receives them (positions
     None only when the sharder left them out); `shard_input_ids`/`shard_labels`: this rank's shards of the batch's
     tokens and of the labels the sharder shifted (None without labels); `unpadded_length`: the rows' length before

@@ -27,6 +27,38 @@ _SMALL = dict(
     adapter_rank=8,
 )
 
+# The families of MODEL_FOR_CAUSAL_LM_MAPPING built by the generic tiny recipe, plus settings that put a layer of
+# each kind a hybrid mixes into two or three layers.
+FAMILIES = {
+    # dense and MoE decoders
+    **{name: {} for name in (
+        "llama", "mistral", "ministral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mixtral", "gemma", "gemma3_text",
+        "phi", "phi3", "gpt2", "gpt_bigcode", "gpt_neox", "gptj", "codegen", "opt", "biogpt", "falcon",
+        "stablelm", "starcoder2", "olmo", "olmo2", "olmo3", "olmoe", "cohere", "cohere2", "granite", "granitemoe",
+        "smollm3", "glm", "glm4", "glm4_moe", "ernie4_5", "ernie4_5_moe", "seed_oss", "apertus",
+        "hunyuan_v1_dense", "hunyuan_v1_moe", "helium", "nemotron", "persimmon", "exaone4", "internlm3", "arcee",
+        "bitnet", "dots1", "minimax_m2", "nanochat",
+    )},
+    # differential attention subtracts two softmax maps: fp32 rounding reaches 1e-4 of some gradients at SP 4 (and
+    # 1e-12 in float64, where the model is compared)
+    "diffllama": {"float64": True},
+    "phimoe": {"eval": True},  # its router samples experts at random in training (Gumbel): compared in eval mode
+    # multi-head latent attention: as many KV heads as heads
+    **{name: {"num_key_value_heads": 4} for name in ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "minicpm3",
+                                                       "longcat_flash", "youtu", "kimi_linear")},
+    # eager-only in transformers (no sdpa): Gemma 2's soft-capping and GPT-OSS's sinks run in their own eager
+    # attention on whole rows of each rank's heads; BLOOM, MPT, XGLM and GPT-Neo do not dispatch (refused)
+    **{name: {} for name in ("gemma2", "gpt_oss", "bloom", "mpt", "xglm")},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
+    # hybrid and recurrent token mixers: run on whole rows
+    "qwen3_next": {}, "qwen3_5_text": {}, "qwen3_5_moe_text": {},
+    "lfm2": {"layer_types": ["conv", "full_attention"]},
+    "falcon_h1": {}, "granitemoehybrid": {"mamba_n_heads": 8}, "nemotron_h": {}, "jamba": {"attn_layer_period": 2,
+    "attn_layer_offset": 1}, "bamba": {"mamba_n_heads": 8}, "minimax": {}, "zamba2": {"layers_block_type": ["mamba", "hybrid"], "mamba_headdim": 8, "n_mamba_heads": 8}, "olmo_hybrid": {},
+    "mamba": {}, "mamba2": {"num_heads": 8, "n_groups": 1}, "recurrent_gemma": {}, "rwkv": {},
+    "llama4_text": {"no_rope_layers": [1, 0]},  # layer 1 without RoPE: the NoPE temperature tuning is active
+}
+
 
 def tiny_config(model_type: str, **overrides):
     default = AutoConfig.for_model(model_type)
