@@ -24,22 +24,16 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_ulysses import _lightning_private as lightning_private
-from lightning_ulysses import faults, preflight
-from lightning_ulysses.adapters import position_rule_of
+from lightning_ulysses import faults, preflight, preparation
 from lightning_ulysses.attention.backends import check_sdpa_kernel_priority, sdpa_priority
-from lightning_ulysses.attention.core import UlyssesAttention, check_overlap_head_groups, resolve_ring_size
-from lightning_ulysses.attention.hf import (find_hf_models, hf_head_counts, prepare_hf_model, validate_hf_model,
-                                            watch_positions)
+from lightning_ulysses.attention.core import check_overlap_head_groups, resolve_ring_size
 from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.batch_check import CheckBatches, SameBatchCheck
 from lightning_ulysses.checkpoint import StrategyCheckpoints
 from lightning_ulysses.deepspeed_config import deep_merge, inference_config, read_sequence_parallel_size
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, check_ring_size, check_sequence_parallel_size
-from lightning_ulysses.memory import MemoryOptions, apply_allocator_settings, apply_memory_options
-from lightning_ulysses.metrics import SequenceParallel
-from lightning_ulysses.moe import SequenceParallelRouterLoss, exact_router_loss, sharder_padding, validate_router_loss
-from lightning_ulysses.loss import (LossFunctionHost, SequenceParallelCausalLMLoss, gradient_scale_for,
-                                   swap_loss_function)
+from lightning_ulysses.memory import MemoryOptions, apply_allocator_settings
+from lightning_ulysses.loss import SequenceParallelCausalLMLoss, gradient_scale_for
 from lightning_ulysses.notebook import UlyssesForkLauncher
 from lightning_ulysses.sharding import SequencePadding, SequenceSharder
 
@@ -154,7 +148,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._sharder: Optional[SequenceSharder] = None
         # The sharder publishes each batch's whole rows here; the attention layers read them instead of gathering.
         self._batch_rows = BatchRowsSlot()
-        self._restore_callbacks: list[Callable[[], None]] = []
+        self._prepared = preparation.PreparedModule()  # the undo of the last module preparation
         self.sequence_parallel_in_evaluation = sequence_parallel_in_evaluation
         self.memory = memory
         self._unsharded_evaluation = False  # True while validate/test/predict runs with plain attention
@@ -310,73 +304,22 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         super().on_train_start()
 
     def _prepare_modules(self) -> None:
+        """The module pipeline (`preparation.py`): scan the models, settle the ring size from their heads, build the
+        runtime, check everything, then prepare everything."""
         self._restore_modules()
-        groups = self.parallel_groups
-        size = groups.sequence_parallel_world_size
-        module = self.lightning_module
-        hf_models = find_hf_models(module)
-        native = [m for m in module.modules() if isinstance(m, UlyssesAttention)]
-        if size > 1 and not hf_models and not native:
-            raise ValueError(
-                f"sequence_parallel_size={size} but {type(module).__name__} holds no Hugging Face PreTrainedModel and"
-                " no lightning_ulysses.UlyssesAttention, so nothing would exchange tokens between shards. Wrap your"
-                " attention: UlyssesAttention('sdpa') (a built-in backend; flash_attention_2/3, flex_attention too) or"
-                " UlyssesAttention(F.scaled_dot_product_attention) (your own local attention callable)."
-            )
-        # Positions filled in for batches without them are the ones these models would number the rows with.
-        position_rule = position_rule_of(hf_models)
-        if size > 1:
-            # Identical on every rank (same model, same arguments), so the sub-groups are created in step.
-            head_counts = [counts for counts in map(hf_head_counts, hf_models) if counts is not None]
-            head_counts += [(m.num_heads, m.num_key_value_heads) for m in native if m.num_heads is not None]
-            self._use_ring_size(resolve_ring_size(head_counts, size, self._requested_ring_size))
-            groups = self.parallel_groups
-        for model in hf_models:  # all checks first: a failure leaves no model half-prepared
-            validate_hf_model(model, groups.ulysses_size, groups.ring_size)
-            if size > 1:
-                validate_router_loss(model)
-        self._sharder.position_rule = position_rule
-        loss = self.loss_function
-        names = {id(child): name for name, child in module.named_modules()}
-        prepared = [prepare_hf_model(model, groups.ulysses_group, loss, ring_group=groups.ring_group,
-                                     batch_rows=self._batch_rows, head_groups=self.overlap_head_groups)
-                    for model in hf_models]
-        # The configs as the user built them (preparation swaps in a private copy with Ulysses attention).
-        self._hf_model_configs = {
-            names[id(p.model)]: p.original_configs.get(id(p.model), p.model.config) for p in prepared
-        }
-        self._restore_callbacks = [p.restore for p in prepared]
-        if loss.group is not None:  # MoE load-balancing losses of the whole sequence (moe.py)
-            router_loss = SequenceParallelRouterLoss(loss.group, loss.gradient_scale,
-                                                     sharder_padding(lambda: self._sharder))
-            self._restore_callbacks += [exact_router_loss(model, router_loss) for model in hf_models]
-        for bindable in module.modules():  # UlyssesAttention, SequenceParallel metrics, ...
-            if callable(getattr(bindable, "bind_parallel_groups", None)):
-                bindable.bind_parallel_groups(groups)
-                self._restore_callbacks.append(functools.partial(bindable.bind_parallel_groups, None))
-        for attention in native:
-            attention.bind_batch_rows(self._batch_rows)
-            attention.bind_head_groups(self.overlap_head_groups)
-            self._restore_callbacks += [functools.partial(attention.bind_batch_rows, None),
-                                        functools.partial(attention.bind_head_groups, None)]
-        hosts = [host for host in module.modules() if isinstance(host, LossFunctionHost)]
-        self._restore_callbacks += [swap_loss_function(host, loss) for host in hosts]
-        if size > 1:  # native models number a shard from 0 without the batch's positions, as HF ones do
-            self._restore_callbacks += [
-                watch_positions(host, self._batch_rows, groups.ulysses_group, groups.ring_group).remove
-                for host in hosts
-            ]
-        if self.memory.changes_models:
-            from lightning_ulysses.models.gpt import GPT
-
-            native_models = [m for m in module.modules() if isinstance(m, GPT)]
-            for model in [*hf_models, *native_models]:
-                self._restore_callbacks += apply_memory_options(model, self.memory)
+        size = self.parallel_groups.sequence_parallel_world_size
+        found = preparation.scan(self.lightning_module, size)  # raises before any collective
+        if size > 1:  # identical on every rank (same model, same arguments): the sub-groups are created in step
+            self._use_ring_size(resolve_ring_size(found.head_counts, size, self._requested_ring_size))
+        self._sharder.position_rule = found.position_rule
+        runtime = preparation.SequenceParallelRuntime(
+            self.parallel_groups, self._sharder, self._batch_rows, self.loss_function, self.memory,
+            self.overlap_head_groups)
+        self._prepared = found.prepare(runtime)
+        self._hf_model_configs = self._prepared.hf_configs
 
     def _restore_modules(self) -> None:
-        for restore in reversed(self._restore_callbacks):
-            restore()
-        self._restore_callbacks = []
+        self._prepared.restore()
 
     @override
     def teardown(self) -> None:
@@ -395,11 +338,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         if not self.sequence_parallel_in_evaluation and not self._unsharded_evaluation:
             self._restore_modules()
             self._unsharded_evaluation = True
-            # Every SP rank now evaluates the same whole rows: SP-aware metrics must still sync over DP only.
-            for metric in self.lightning_module.modules():
-                if isinstance(metric, SequenceParallel):
-                    metric.bind_parallel_groups(self.parallel_groups, whole_rows=True)
-                    self._restore_callbacks.append(functools.partial(metric.bind_parallel_groups, None))
+            self._prepared = preparation.bind_for_whole_rows(self.lightning_module, self.parallel_groups)
 
     @override
     def on_validation_end(self) -> None:

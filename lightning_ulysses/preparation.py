@@ -1,0 +1,254 @@
+"""Preparing a LightningModule for sequence parallelism: one pipeline of module adapters, one undo.
+
+Each kind of thing the strategy prepares has one `ModuleAdapter`: Hugging Face causal LMs, native
+`UlyssesAttention` layers, `LossFunctionHost` models, modules bound to the groups (SP metrics), and the memory
+engine's per-model hooks. The pipeline runs in three passes so that nothing is half-prepared:
+
+1. `scan`: every adapter finds its modules (`find`) and reports what the layout must follow (`head_counts`) and how
+   the models number rows given no positions (`PositionRule`), before any group exists — the ring size is settled
+   from the heads of the models themselves.
+2. `check`: every adapter checks its modules against the final layout; a refusal raises here, identical on every
+   rank, before any module is touched.
+3. `prepare`: every adapter changes its modules and returns the undo of each change; `PreparedModule.restore` runs
+   them in reverse.
+
+The strategy only builds the `SequenceParallelRuntime` between passes 1 and 2 and calls the pipeline; per-family
+knowledge lives in `lightning_ulysses.adapters`, never here or in the strategy.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from lightning_ulysses.adapters import PositionRule, position_rule_of
+from lightning_ulysses.attention.core import UlyssesAttention
+from lightning_ulysses.attention.hf import (find_hf_models, hf_head_counts, prepare_hf_model, validate_hf_model,
+                                            watch_positions)
+from lightning_ulysses.attention.rows import BatchRowsSlot
+from lightning_ulysses.layout import SequenceParallelGroups
+from lightning_ulysses.loss import LossFunctionHost, SequenceParallelCausalLMLoss, swap_loss_function
+from lightning_ulysses.memory import MemoryOptions, apply_memory_options
+from lightning_ulysses.metrics import SequenceParallel
+from lightning_ulysses.moe import SequenceParallelRouterLoss, exact_router_loss, sharder_padding, validate_router_loss
+from lightning_ulysses.sharding import SequenceSharder
+
+Undo = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class SequenceParallelRuntime:
+    """What one `setup` decided, handed to every adapter: the final groups (ring size included), the sharder that
+    cuts each batch, the slot it publishes the batch's whole rows into, the loss, and the options."""
+
+    groups: SequenceParallelGroups
+    sharder: SequenceSharder
+    batch_rows: BatchRowsSlot
+    loss: SequenceParallelCausalLMLoss
+    memory: MemoryOptions
+    overlap_head_groups: int = 1
+
+    @property
+    def sharded(self) -> bool:
+        return self.groups.sequence_parallel_world_size > 1
+
+
+class ModuleAdapter:
+    """One kind of module the strategy prepares. `find` returns its modules in a LightningModule; the rest take
+    what `find` returned. Defaults: nothing to report, nothing to check, nothing to change."""
+
+    exchanges_tokens = False  # whether its modules move tokens between shards (some adapter must under SP)
+
+    def find(self, root: torch.nn.Module) -> list[torch.nn.Module]:
+        return []
+
+    def head_counts(self, found: list) -> list[tuple[int, int]]:
+        return []
+
+    def position_models(self, found: list) -> list[torch.nn.Module]:
+        """The models that number positions themselves when a batch has none (their `PositionRule`)."""
+        return []
+
+    def check(self, found: list, runtime: SequenceParallelRuntime) -> None:
+        pass
+
+    def prepare(self, found: list, runtime: SequenceParallelRuntime) -> list[Undo]:
+        return []
+
+
+class HuggingFaceModels(ModuleAdapter):
+    """Causal LMs of transformers: attention switched to Ulysses, the loss swapped, MoE router losses made exact."""
+
+    exchanges_tokens = True
+
+    def __init__(self) -> None:
+        self.configs: dict[str, Any] = {}  # module path → the config as the user built it (for save_pretrained)
+
+    def find(self, root):
+        self._names = {id(child): name for name, child in root.named_modules()}
+        return find_hf_models(root)
+
+    def head_counts(self, found):
+        return [counts for counts in map(hf_head_counts, found) if counts is not None]
+
+    def position_models(self, found):
+        return found
+
+    def check(self, found, runtime):
+        groups = runtime.groups
+        for model in found:
+            validate_hf_model(model, groups.ulysses_size, groups.ring_size)
+            if runtime.sharded:
+                validate_router_loss(model)
+
+    def prepare(self, found, runtime):
+        groups = runtime.groups
+        prepared = [prepare_hf_model(model, groups.ulysses_group, runtime.loss, ring_group=groups.ring_group,
+                                     batch_rows=runtime.batch_rows, head_groups=runtime.overlap_head_groups)
+                    for model in found]
+        # The configs as the user built them (preparation swaps in a private copy with Ulysses attention).
+        self.configs = {self._names[id(p.model)]: p.original_configs.get(id(p.model), p.model.config) for p in prepared}
+        undo = [p.restore for p in prepared]
+        if runtime.loss.group is not None:  # MoE load-balancing losses of the whole sequence (moe.py)
+            router_loss = SequenceParallelRouterLoss(runtime.loss.group, runtime.loss.gradient_scale,
+                                                     sharder_padding(lambda: runtime.sharder))
+            undo += [exact_router_loss(model, router_loss) for model in found]
+        return undo
+
+
+class NativeAttention(ModuleAdapter):
+    """`UlyssesAttention` layers of the user's own models: the batch's rows and the head-group pipelining."""
+
+    exchanges_tokens = True
+
+    def find(self, root):
+        return [m for m in root.modules() if isinstance(m, UlyssesAttention)]
+
+    def head_counts(self, found):
+        return [(m.num_heads, m.num_key_value_heads) for m in found if m.num_heads is not None]
+
+    def prepare(self, found, runtime):
+        undo = []
+        for attention in found:
+            attention.bind_batch_rows(runtime.batch_rows)
+            attention.bind_head_groups(runtime.overlap_head_groups)
+            undo += [functools.partial(attention.bind_batch_rows, None),
+                     functools.partial(attention.bind_head_groups, None)]
+        return undo
+
+
+class GroupBound(ModuleAdapter):
+    """Modules that take the groups themselves (`bind_parallel_groups`: SP metrics, `UlyssesAttention`, ...)."""
+
+    def find(self, root):
+        return [m for m in root.modules() if callable(getattr(m, "bind_parallel_groups", None))]
+
+    def prepare(self, found, runtime):
+        for module in found:
+            module.bind_parallel_groups(runtime.groups)
+        return [functools.partial(module.bind_parallel_groups, None) for module in found]
+
+
+class LossHosts(ModuleAdapter):
+    """`LossFunctionHost` models (the native GPT): the SP loss, and a check that they are given the batch's
+    positions (they number a shard from 0 otherwise, as HF models do)."""
+
+    def find(self, root):
+        return [m for m in root.modules() if isinstance(m, LossFunctionHost)]
+
+    def prepare(self, found, runtime):
+        undo = [swap_loss_function(host, runtime.loss) for host in found]
+        if runtime.sharded:
+            groups = runtime.groups
+            undo += [watch_positions(host, runtime.batch_rows, groups.ulysses_group, groups.ring_group).remove
+                     for host in found]
+        return undo
+
+
+class MemoryEngine(ModuleAdapter):
+    """The memory features' per-model hooks (tiled MLP, tiled logits + loss, checkpointing, low-memory norms) on
+    every model that has layers to apply them to: HF causal LMs and the native GPT."""
+
+    def find(self, root):
+        from lightning_ulysses.models.gpt import GPT  # (the native model imports the attention, not the other way)
+
+        return [*find_hf_models(root), *(m for m in root.modules() if isinstance(m, GPT))]
+
+    def prepare(self, found, runtime):
+        if not runtime.memory.changes_models:
+            return []
+        return [undo for model in found for undo in apply_memory_options(model, runtime.memory)]
+
+
+@dataclass
+class ModuleScan:
+    """What pass 1 found: per adapter, its modules; and what the layout and the sharder must follow."""
+
+    found: list[tuple[ModuleAdapter, list]]
+    head_counts: list[tuple[int, int]]
+    position_rule: Optional[PositionRule]
+
+    def check(self, runtime: SequenceParallelRuntime) -> None:
+        for adapter, modules in self.found:
+            adapter.check(modules, runtime)
+
+    def prepare(self, runtime: SequenceParallelRuntime) -> "PreparedModule":
+        """Prepare every module (all checks first); on a failure midway, what was prepared is undone."""
+        self.check(runtime)
+        prepared = PreparedModule()
+        try:
+            for adapter, modules in self.found:
+                prepared.undo += adapter.prepare(modules, runtime)
+        except BaseException:
+            prepared.restore()
+            raise
+        prepared.hf_configs = next(a.configs for a, _ in self.found if isinstance(a, HuggingFaceModels))
+        return prepared
+
+
+@dataclass
+class PreparedModule:
+    """The undo of one preparation, and the configs `save_pretrained` needs (module path → config)."""
+
+    undo: list[Undo] = field(default_factory=list)
+    hf_configs: dict[str, Any] = field(default_factory=dict)
+
+    def restore(self) -> None:
+        for undo in reversed(self.undo):
+            undo()
+        self.undo = []
+
+
+def pipeline() -> list[ModuleAdapter]:
+    """The adapters, in the order they prepare (HF models before the modules bound to groups, the memory engine
+    last: it wraps the layers as the attention left them)."""
+    return [HuggingFaceModels(), GroupBound(), NativeAttention(), LossHosts(), MemoryEngine()]
+
+
+def scan(root: torch.nn.Module, sequence_parallel_size: int) -> ModuleScan:
+    """Pass 1, before any group or collective: find every adapter's modules; refuse a sharded module in which
+    nothing would exchange tokens between shards."""
+    found = [(adapter, adapter.find(root)) for adapter in pipeline()]
+    if sequence_parallel_size > 1 and not any(modules for adapter, modules in found if adapter.exchanges_tokens):
+        raise ValueError(
+            f"sequence_parallel_size={sequence_parallel_size} but {type(root).__name__} holds no Hugging Face"
+            " PreTrainedModel and no lightning_ulysses.UlyssesAttention, so nothing would exchange tokens between"
+            " shards. Wrap your attention: UlyssesAttention('sdpa') (a built-in backend; flash_attention_2/3,"
+            " flex_attention too) or UlyssesAttention(F.scaled_dot_product_attention) (your own local attention"
+            " callable)."
+        )
+    head_counts = [counts for adapter, modules in found for counts in adapter.head_counts(modules)]
+    position_rule = position_rule_of([m for adapter, modules in found for m in adapter.position_models(modules)])
+    return ModuleScan(found, head_counts, position_rule)
+
+
+def bind_for_whole_rows(root: torch.nn.Module, groups: SequenceParallelGroups) -> PreparedModule:
+    """Evaluation on whole rows (`sequence_parallel_in_evaluation=False`): every SP rank evaluates the same rows,
+    so SP-aware metrics sync over DP only; nothing else is prepared."""
+    metrics = [m for m in root.modules() if isinstance(m, SequenceParallel)]
+    for metric in metrics:
+        metric.bind_parallel_groups(groups, whole_rows=True)
+    return PreparedModule(undo=[functools.partial(metric.bind_parallel_groups, None) for metric in metrics])

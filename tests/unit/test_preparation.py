@@ -1,0 +1,73 @@
+"""The module pipeline (`lightning_ulysses.preparation`): scan → check → prepare, and one undo that restores.
+
+Single process, SP 1 (the pipeline's logic; the distributed tests prepare through the strategy at SP 2 and 4)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_ulysses import preparation
+from lightning_ulysses.attention.rows import BatchRowsSlot
+from lightning_ulysses.loss import SequenceParallelCausalLMLoss
+from lightning_ulysses.memory import MemoryOptions
+from lightning_ulysses.sharding import SequenceSharder
+from tests.distributed.families import tiny_model
+
+
+def _runtime(memory=None) -> preparation.SequenceParallelRuntime:
+    groups = SimpleNamespace(sequence_parallel_world_size=1, ulysses_size=1, ring_size=1, ulysses_group=None,
+                             ring_group=None)
+    slot = BatchRowsSlot()
+    return preparation.SequenceParallelRuntime(groups, SequenceSharder(1, 0, batch_rows=slot), slot,
+                                               SequenceParallelCausalLMLoss(None, 1.0, batch_rows=slot),
+                                               MemoryOptions.coerce(memory))
+
+
+class _Module(torch.nn.Module):
+    def __init__(self, *models):
+        super().__init__()
+        self.models = torch.nn.ModuleList(models)
+
+
+def _state(model) -> tuple:  # the loss function, and whether the memory engine tiled the first MLP
+    return model.loss_function, "forward" in vars(model.model.layers[0].mlp)
+
+
+def test_restore_undoes_every_adapter():
+    model = tiny_model("llama")
+    before = _state(model)
+    prepared = preparation.scan(_Module(model), 1).prepare(_runtime({"tiled_mlp": True, "mlp_tile_tokens": 4}))
+    assert _state(model)[0] is not before[0], "the HF adapter swapped the loss"
+    assert _state(model)[1], "the memory engine tiled the MLP"
+    assert set(prepared.hf_configs) == {"models.0"}
+    prepared.restore()
+    assert _state(model) == before
+
+
+def test_a_failing_adapter_undoes_the_ones_before_it(monkeypatch):
+    model = tiny_model("llama")
+    loss_before = model.loss_function
+
+    def fail(self, found, runtime):
+        raise RuntimeError("prepare failed")
+
+    monkeypatch.setattr(preparation.LossHosts, "prepare", fail)
+    found = preparation.scan(_Module(model), 1)
+    with pytest.raises(RuntimeError, match="prepare failed"):
+        found.prepare(_runtime())
+    assert model.loss_function is loss_before, "the HF model was left prepared"
+
+
+def test_a_sharded_module_without_token_exchange_is_refused():
+    with pytest.raises(ValueError, match="nothing would exchange tokens"):
+        preparation.scan(_Module(torch.nn.Linear(2, 2)), 2)
+
+
+def test_scan_reports_heads_and_the_position_rule():
+    found = preparation.scan(_Module(tiny_model("opt")), 2)
+    assert found.head_counts == [(4, 4)]
+    assert found.position_rule is not None and "opt" in found.position_rule.model_types
+    assert preparation.scan(_Module(tiny_model("llama")), 2).position_rule is None
