@@ -267,8 +267,7 @@ def ulysses_attention(
 def _whole_rows(shard: torch.Tensor, ulysses_group, ring_group) -> torch.Tensor:
     """This SP rank's `[batch, tokens]` slice of a row tensor (positions, padding mask) → the whole rows in natural
     order, identical on every rank of the SP group (so every rank takes the same masking decisions)."""
-    ring_size = ProcessGroupHandle(ring_group).world_size
-    order = ShardOrder(ProcessGroupHandle(ulysses_group).world_size * ring_size, ring_size)
+    order, _ = ShardOrder.of_groups(ulysses_group, ring_group)
     # Ulysses pieces, then ring portions: SP-rank (shard) order (SP rank = ring rank · ulysses_size + ulysses rank).
     rows = all_gather_sequence(shard, ulysses_group, seq_dim=1)
     return order.restore(all_gather_sequence(rows, ring_group, seq_dim=1), dim=1)

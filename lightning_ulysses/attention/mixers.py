@@ -62,11 +62,7 @@ class WholeRowsMixer:
         self.path, self.name = path, type(module).__name__
         self.group = group if group is not None and dist.get_world_size(group) > 1 else None
         self.ring = ring_group if ring_group is not None and dist.get_world_size(ring_group) > 1 else None
-        ulysses = 1 if self.group is None else dist.get_world_size(self.group)
-        ring = 1 if self.ring is None else dist.get_world_size(self.ring)
-        self.order = ShardOrder(ulysses * ring, ring)
-        self.rank = (0 if self.ring is None else dist.get_rank(self.ring)) * ulysses + (
-            0 if self.group is None else dist.get_rank(self.group))
+        self.order, self.rank = ShardOrder.of_groups(self.group, self.ring)
         self.signature = inspect.signature(module.forward)
         parameters = list(self.signature.parameters.values())
         self.hidden = parameters[0].name if parameters else None
