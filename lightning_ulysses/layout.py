@@ -150,14 +150,6 @@ class ParallelLayout:
             )
         check_ring_size(self.ring_size, sp)
 
-    @classmethod
-    def of_groups(cls, ulysses_group, ring_group=None) -> tuple["ShardOrder", int]:
-        """The order the sharder cut batches in for these sub-groups (`None`: a group of one), and this rank's SP
-        rank in it (ring rank · ulysses size + Ulysses rank): what every consumer of shards asks, from one place."""
-        ulysses, ring = (1 if g is None else dist.get_world_size(g) for g in (ulysses_group, ring_group))
-        ulysses_rank, ring_rank = (0 if g is None else dist.get_rank(g) for g in (ulysses_group, ring_group))
-        return cls(ulysses * ring, ring), ring_rank * ulysses + ulysses_rank
-
     @property
     def ulysses_size(self) -> int:
         return self.sequence_parallel_size // self.ring_size
