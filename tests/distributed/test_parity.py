@@ -8,6 +8,9 @@ its own Trainer and its own SP/DP groups.
 
 from __future__ import annotations
 
+import functools
+import json
+
 import pytest
 import torch
 
@@ -93,6 +96,14 @@ def _matrix():
         _case(4, 2, 3, "mqa", suffix="-bf16-mixed", precision="bf16-mixed"),
         # A PEFT LoRA model (frozen base, adapters train) against the same LoRA model in one process.
         _case(4, 2, 3, "mqa", suffix="-lora", model="lora"),
+        # Families beyond Llama (tests/distributed/families.py, their own head counts) with the features users combine:
+        # a Gated-DeltaNet hybrid (mixers on whole rows) accumulating gradients, sinks and sliding windows (GPT-OSS's
+        # own eager attention on whole rows) with labels=input_ids, a sliding-window family in bf16-mixed.
+        _case(4, 2, 3, "gqa", suffix="-qwen3_next-accumulate2", model="family:qwen3_next", batch_size=1,
+              trainer_kwargs={"accumulate_grad_batches": 2}),
+        _case(4, 2, 2, "gqa", suffix="-gpt_oss-labels_are_input_ids", model="family:gpt_oss",
+              step="labels_are_input_ids"),
+        _case(4, 2, 3, "gqa", suffix="-mistral-bf16-mixed", model="family:mistral", precision="bf16-mixed"),
         # Pipelined head groups (NUM_HEADS 4 at SP 2: two groups of 2 heads, one per rank each).
         _case(2, 2, 3, "mha", suffix="-overlap2", strategy_kwargs={"overlap_head_groups": 2}),
         _case(4, 2, 2, "mha", suffix="-gpt-overlap2", model="gpt", strategy_kwargs={"overlap_head_groups": 2}),
@@ -119,33 +130,60 @@ def _results_for(world_size: int, tmp_path_factory) -> list[dict]:
     return JOBS[world_size].ranks(tmp_path_factory)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
-def test_parity_with_single_process_reference(case, tmp_path_factory):
-    check_parity(case, [result[case["name"]] for result in _results_for(case["world_size"], tmp_path_factory)])
+CLAIMS = ("routing", "shards", "losses", "weights", "evaluation", "replicas")
 
 
-def check_parity(case: dict, ranks: list[dict]) -> None:
-    """Every rank's records and the final weights of one training case against the single-process reference."""
-    sp = case["sp"]
-    accumulate = case.get("trainer_kwargs", {}).get("accumulate_grad_batches", 1)
-    batch_size = case["batch_size"]
-    # Routing: the same samples on every rank of an SP group, different samples on different DP groups.
-    steps = []  # per micro-batch (= per record), per DP rank: its samples
-    for step in range(case["steps"] * accumulate):
+def _claims_of(case: dict) -> tuple[str, ...]:
+    return tuple(claim for claim in CLAIMS if claim != "evaluation" or case.get("validate"))
+
+
+@pytest.mark.parametrize(("case", "claim"), [(case, claim) for case in CASES for claim in _claims_of(case)],
+                         ids=[f"{case['name']}-{claim}" for case in CASES for claim in _claims_of(case)])
+def test_parity_with_single_process_reference(case, claim, tmp_path_factory):
+    """One claim of one training case against the single-process reference: the test's id names what broke."""
+    check_parity(case, [result[case["name"]] for result in _results_for(case["world_size"], tmp_path_factory)],
+                 claims=(claim,))
+
+
+def check_parity(case: dict, ranks: list[dict], claims: tuple[str, ...] | None = None) -> None:
+    """The `claims` of one training case (default: all that apply): its records and final weights against the
+    reference."""
+    steps = _routed_samples(case, ranks)  # routing is what every later claim reads its samples from
+    for claim in claims or _claims_of(case):
+        if claim != "routing":
+            _CHECKS[claim](case, ranks, steps)
+
+
+def _accumulation(case: dict) -> int:
+    return case.get("trainer_kwargs", {}).get("accumulate_grad_batches", 1)
+
+
+def _routed_samples(case: dict, ranks: list[dict]) -> list[list[list[int]]]:
+    """Routing: the same samples on every rank of an SP group, different samples on different DP groups.
+    Returns them per micro-batch (= per record), per DP rank."""
+    sp, steps = case["sp"], []
+    for step in range(case["steps"] * _accumulation(case)):
         by_dp = {}
         for rank in ranks:
             by_dp.setdefault(rank["data_parallel_rank"], []).append(rank["records"][step]["sample_index"])
         for indices in by_dp.values():
-            assert len(indices) == sp and all(i == indices[0] for i in indices)
+            assert len(indices) == sp and all(i == indices[0] for i in indices), f"routing: SP ranks differ {by_dp}"
         flat = [i for dp in sorted(by_dp) for i in by_dp[dp][0]]
-        assert len(set(flat)) == len(flat), f"DP groups saw overlapping samples at step {step}: {by_dp}"
+        assert len(set(flat)) == len(flat), f"routing: DP groups saw overlapping samples at step {step}: {by_dp}"
         steps.append([by_dp[dp][0] for dp in sorted(by_dp)])
+    return steps
 
-    # Shard contents: this rank's slice of the shifted labels, tokens and global positions (padded when needed).
-    dataset = UnevenlyMaskedTokens(10_000, case["seq_len"])
-    order = ShardOrder(sp, case.get("strategy_kwargs", {}).get("ring_size") or 1)  # zig-zag shards with a ring
-    padded = -(-case["seq_len"] // order.length_multiple) * order.length_multiple
-    shard = padded // sp
+
+def _order(case: dict) -> tuple[ShardOrder, int]:
+    """The shard order of the case (zig-zag with a ring) and the length its rows are padded to."""
+    order = ShardOrder(case["sp"], case.get("strategy_kwargs", {}).get("ring_size") or 1)
+    return order, -(-case["seq_len"] // order.length_multiple) * order.length_multiple
+
+
+def _check_shards(case: dict, ranks: list[dict], steps) -> None:
+    """Shard contents: this rank's slice of the shifted labels, tokens and global positions (padded when needed)."""
+    dataset, batch_size = UnevenlyMaskedTokens(10_000, case["seq_len"]), case["batch_size"]
+    order, padded = _order(case)
     for rank in ranks:
         for step, record in enumerate(rank["records"]):
             full = collate([dataset[i] for i in record["sample_index"]])
@@ -153,68 +191,93 @@ def check_parity(case: dict, ranks: list[dict]) -> None:
             input_ids = torch.cat([full["input_ids"], torch.zeros(batch_size, extra, dtype=torch.long)], 1)
             labels = torch.cat([full["labels"][:, 1:], torch.full((batch_size, extra + 1), -100)], 1)
             sp_rank = rank["sequence_parallel_rank"]
-            assert torch.equal(record["input_ids"], order.shard(input_ids, sp_rank, dim=1))
-            assert torch.equal(record["labels"], order.shard(labels, sp_rank, dim=1))
+            assert torch.equal(record["input_ids"], order.shard(input_ids, sp_rank, dim=1)), ("input_ids", step)
+            assert torch.equal(record["labels"], order.shard(labels, sp_rank, dim=1)), ("labels", step)
             # Global positions at every SP size (SP 1 included: one rule for all).
-            assert torch.equal(record["position_ids"], order.positions(padded, sp_rank).expand(batch_size, -1))
+            positions = order.positions(padded, sp_rank).expand(batch_size, -1)
+            assert torch.equal(record["position_ids"], positions), ("position_ids", step)
 
 
+@functools.lru_cache(maxsize=None)
+def _reference(case_json: str, windows: tuple) -> dict:
+    """The single-process reference of one case, computed once for all its claims."""
+    case = json.loads(case_json)
+    return reference_training(case["kv_heads"], case["seq_len"], [list(map(list, w)) for w in windows],
+                              gradient_clip_val=case.get("trainer_kwargs", {}).get("gradient_clip_val"),
+                              kind=case.get("model", "llama"), micro_batches=_accumulation(case),
+                              replica_loss=REFERENCE_LOSSES[case.get("step", "batch")])
+
+
+def _reference_of(case: dict, steps) -> dict:
     # One reference step per optimizer step, over all the samples of its accumulation window.
-    windows = [[sum((steps[t * accumulate + j][dp] for j in range(accumulate)), []) for dp in range(len(steps[0]))]
-               for t in range(case["steps"])]
-    clip = case.get("trainer_kwargs", {}).get("gradient_clip_val")
-    reference = reference_training(case["kv_heads"], case["seq_len"], windows, gradient_clip_val=clip,
-                                   kind=case.get("model", "llama"), micro_batches=accumulate,
-                                   replica_loss=REFERENCE_LOSSES[case.get("step", "batch")])
+    k = _accumulation(case)
+    windows = tuple(tuple(tuple(sum((steps[t * k + j][dp] for j in range(k)), [])) for dp in range(len(steps[0])))
+                    for t in range(case["steps"]))
+    return _reference(json.dumps(case, sort_keys=True), windows)
 
+
+def _check_losses(case: dict, ranks: list[dict], steps) -> None:
+    """Every returned loss: the whole-sequence loss of this rank's DP replica, the same on every SP rank (bf16-mixed:
+    within 2e-2 relative, bf16's precision; see `check_bf16_against_fp32`)."""
+    reference = _reference_of(case, steps)
+    bf16 = case.get("precision") == "bf16-mixed"
+    for rank in ranks:
+        for step, record in enumerate(rank["records"]):
+            expected = reference["losses"][step][rank["data_parallel_rank"]]
+            tolerance = 2e-2 * abs(expected) if bf16 else 1e-5
+            assert abs(record["loss"] - expected) <= tolerance, (step, rank["sequence_parallel_rank"], record["loss"],
+                                                                 expected)
+
+
+def _check_weights(case: dict, ranks: list[dict], steps) -> None:
+    """Weights after the SGD steps, relative to the size of the update (bf16: `check_bf16_against_fp32`)."""
+    reference = _reference_of(case, steps)
     if case.get("precision") == "bf16-mixed":
         check_bf16_against_fp32(ranks, reference)
         return
+    assert_weights_match(next(rank["weights"] for rank in ranks if rank["weights"] is not None), reference)
 
-    # Every returned loss: the whole-sequence loss of this rank's DP replica, the same on every SP rank.
+
+def _check_evaluation(case: dict, ranks: list[dict], steps) -> None:
+    """validate, test and predict after fit (same process, same Trainer): each batch's loss equals the trained
+    reference model's loss on it."""
+    reference = _reference_of(case, steps)
+    dataset = UnevenlyMaskedTokens(10_000, case["seq_len"])
+    _, padded = _order(case)
+    model = build_model(case.get("model", "llama"), case["kv_heads"], reference=True)
+    result = model.load_state_dict(reference["final"], strict=False)
+    assert not result.unexpected_keys and set(result.missing_keys) <= {"lm_head.weight"}  # tied to the embedding
     for rank in ranks:
-        for step, record in enumerate(rank["records"]):
-            expected = reference["losses"][step][rank["data_parallel_rank"]]
-            assert abs(record["loss"] - expected) < 1e-5, (step, rank["sequence_parallel_rank"], record["loss"], expected)
+        stages = [record["stage"] for record in rank["validation_records"]]
+        expected_stages = ["validate"] * 2 + ["test"] * 2 + ["predict"] * 2
+        if case.get("validate_from_checkpoint"):
+            expected_stages += ["validate_from_checkpoint"] * 2
+        assert stages == expected_stages
+        unsharded = not case.get("strategy_kwargs", {}).get("sequence_parallel_in_evaluation", True)
+        for record in rank["validation_records"]:
+            assert record["local_length"] == (padded if unsharded else padded // case["sp"])
+            batch = collate([dataset[i] for i in record["sample_index"]])
+            with torch.no_grad():
+                expected = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss.item()
+            assert abs(record["loss"] - expected) < 1e-5, (record["stage"], record["loss"], expected)
 
-    # Weights after the SGD steps, relative to the size of the update.
-    weights = next(rank["weights"] for rank in ranks if rank["weights"] is not None)
-    assert_weights_match(weights, reference)
 
-    # validate, test and predict after fit (same process, same Trainer): each batch's loss equals the trained
-    # reference model's loss on it.
-    if case.get("validate"):
-        model = build_model(case.get("model", "llama"), case["kv_heads"], reference=True)
-        result = model.load_state_dict(reference["final"], strict=False)
-        assert not result.unexpected_keys and set(result.missing_keys) <= {"lm_head.weight"}  # tied to the embedding
-        for rank in ranks:
-            stages = [record["stage"] for record in rank["validation_records"]]
-            expected_stages = ["validate"] * 2 + ["test"] * 2 + ["predict"] * 2
-            if case.get("validate_from_checkpoint"):
-                expected_stages += ["validate_from_checkpoint"] * 2
-            assert stages == expected_stages
-            unsharded = not case.get("strategy_kwargs", {}).get("sequence_parallel_in_evaluation", True)
-            for record in rank["validation_records"]:
-                assert record["local_length"] == (padded if unsharded else shard)
-                batch = collate([dataset[i] for i in record["sample_index"]])
-                with torch.no_grad():
-                    expected = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss.item()
-                assert abs(record["loss"] - expected) < 1e-5
-
-    # No replica drifted: every rank ends with the same weights.
+def _check_replicas(case: dict, ranks: list[dict], steps) -> None:
+    """No replica drifted: every rank ends with the same weights."""
     checksums = [rank["weights_checksum"] for rank in ranks]
-    assert max(checksums) - min(checksums) <= 1e-9 * max(checksums)
+    assert max(checksums) - min(checksums) <= 1e-9 * max(checksums), checksums
+
+
+_CHECKS = {"shards": _check_shards, "losses": _check_losses, "weights": _check_weights,
+           "evaluation": _check_evaluation, "replicas": _check_replicas}
 
 
 def check_bf16_against_fp32(ranks: list[dict], reference: dict) -> None:
-    """`bf16-mixed` against the fp32 reference. bf16 keeps 8 significant bits (relative rounding 2^-9 ≈ 2e-3 per
-    operation): losses are held to 2e-2 relative, and each weight tensor to 10% of its fp32 update plus one bf16
-    rounding step of the weight itself (DeepSpeed's bf16 module weights are rounded copies of the fp32 master). A
-    scaling bug of the kind these tests exist for (a gradient 2× or 0.5× too large) moves weights by the whole update."""
-    for rank in ranks:
-        for step, record in enumerate(rank["records"]):
-            expected = reference["losses"][step][rank["data_parallel_rank"]]
-            assert abs(record["loss"] - expected) <= 2e-2 * abs(expected), (step, record["loss"], expected)
+    """`bf16-mixed` weights against the fp32 reference. bf16 keeps 8 significant bits (relative rounding 2^-9 ≈
+    2e-3 per operation): each weight tensor is held to 10% of its fp32 update plus one bf16 rounding step of the
+    weight itself (DeepSpeed's bf16 module weights are rounded copies of the fp32 master); losses to 2e-2 relative
+    (`_check_losses`). A scaling bug of the kind these tests exist for (a gradient 2× or 0.5× too large) moves
+    weights by the whole update."""
     weights = next(rank["weights"] for rank in ranks if rank["weights"] is not None)
     for name, final in reference["final"].items():
         update = (final - reference["initial"][name]).norm()

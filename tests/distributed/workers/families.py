@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ulysses import SequenceSharder, prepare_hf_model
+from lightning_ulysses.adapters import position_rule_of
 from lightning_ulysses.attention.hf import token_mixer_modules, validate_hf_model
 from lightning_ulysses.attention.mixers import WholeRowsMixer
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
@@ -32,7 +33,7 @@ from tests.distributed.families import SEQ_LEN, VOCAB, tiny_model
 
 
 def family_batches() -> dict[str, dict]:
-    """The rows every family runs: plain (labels masked unevenly), padded (rows of 21 and 15 real tokens) and packed
+    """The rows every family runs: plain (labels masked unevenly), padded (rows of 21 and 15 real tokens, padded on the left and on the right) and packed
     (documents restarting their position_ids inside the rows, crossing shard boundaries)."""
     generator = torch.Generator().manual_seed(5)
     input_ids = torch.randint(3, VOCAB, (2, SEQ_LEN), generator=generator)
@@ -40,7 +41,8 @@ def family_batches() -> dict[str, dict]:
     labels[0, : SEQ_LEN // 2] = -100  # row 0: no target at all in its first half (a whole shard at SP 2 and 4)
     labels[1, torch.rand(SEQ_LEN, generator=generator) < 0.3] = -100
     mask = torch.ones(2, SEQ_LEN, dtype=torch.long)
-    mask[0, -3:], mask[1, -9:] = 0, 0  # right padding (OPT and BioGPT number left-padded rows from the mask)
+    # row 0 left-padded (OPT numbers its positions from the mask: the sharder fills in its rule), row 1 right-padded
+    mask[0, :3], mask[1, -9:] = 0, 0
     position_ids = torch.cat([torch.cat([torch.arange(10), torch.arange(SEQ_LEN - 10)])[None],
                               torch.cat([torch.arange(7), torch.arange(SEQ_LEN - 7)])[None]])
     return {
@@ -112,7 +114,9 @@ def run_family(family: dict, sp_groups: dict) -> dict:
                 outcomes[sp] = {"status": "refused", "why": str(error)}
                 continue
             try:
-                loss = model(**SequenceSharder(sp, groups.sequence_parallel_rank, batch_rows=slot)(batch)).loss
+                sharder = SequenceSharder(sp, groups.sequence_parallel_rank, batch_rows=slot,
+                                          position_rule=position_rule_of([model]))  # as the strategy's
+                loss = model(**sharder(batch)).loss
                 loss.backward()
             except Exception as error:  # a failure in training is no refusal: the test reports it
                 outcomes[sp] = {"status": "failed", "why": f"{kind} rows: {type(error).__name__}: {error}"[:300]}
