@@ -171,6 +171,18 @@ class ParallelLayout:
     def data_parallel_rank(self, global_rank: int) -> int:
         return global_rank // self.sequence_parallel_size
 
+    def spans_nodes_warning(self, num_nodes: int, devices_per_node: int) -> str | None:
+        """Why these SP groups are slow on `num_nodes` machines, or None. Ranks are numbered node by node and SP
+        groups are blocks of consecutive ranks, so a group stays inside a node exactly when its size divides the
+        devices per node (the default, SP = devices per node, always does)."""
+        sp = self.sequence_parallel_size
+        if num_nodes <= 1 or devices_per_node % sp == 0:
+            return None
+        return (f"sequence_parallel_size={sp} with {devices_per_node} devices per node: SP groups span nodes, so every"
+                " attention all-to-all crosses the inter-node network (typically several times slower than the links"
+                f" inside a node). Use a sequence_parallel_size that divides {devices_per_node} unless the sequence"
+                " needs more devices than one node has.")
+
     def sequence_parallel_groups(self) -> list[list[int]]:
         """Global ranks of every SP group (contiguous blocks)."""
         sp = self.sequence_parallel_size

@@ -41,6 +41,17 @@ from lightning_ulysses.sharding import SequencePadding, SequenceSharder
 _log = logging.getLogger("lightning.pytorch.ulysses")
 
 
+def _under_kernel_priority(name: str) -> Callable[..., Any]:
+    """The parent's step hook `name` under the strategy's SDPA kernel order."""
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        with sdpa_priority(self.sdpa_kernel_priority):
+            return getattr(super(UlyssesDeepSpeedStrategy, self), name)(*args, **kwargs)
+
+    step.__name__ = step.__qualname__ = name
+    return override(step)
+
+
 def _from_groups(name: str) -> property:
     return property(lambda self: getattr(self.parallel_groups, name), doc=f"`parallel_groups.{name}`")
 
@@ -253,7 +264,9 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
                                 ring_size=self._requested_ring_size or 1).with_ring_size(1)
         gradient_scale_for(self.config, size)  # refuses a reduction no loss scale makes exact, before any group
         if self._groups is None or self._groups.layout.with_ring_size(1) != layout:  # fit → validate reuses them
-            self._warn_if_groups_span_nodes(size)
+            warning = layout.spans_nodes_warning(self.num_nodes, self.num_processes)
+            if warning:
+                rank_zero_warn(warning)
             self._groups = SequenceParallelGroups.build(layout)
             rank_zero_info(f"lightning_ulysses: {layout}, SP groups {layout.sequence_parallel_groups()}")
         self._use_ring_size(1)
@@ -265,18 +278,6 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._groups = self._groups.with_ring_size(ring_size)
         self._sharder = SequenceSharder(self._groups.sequence_parallel_world_size, self._groups.sequence_parallel_rank,
                                         self.sequence_padding, ring_size=ring_size, batch_rows=self._batch_rows)
-
-    def _warn_if_groups_span_nodes(self, sequence_parallel_size: int) -> None:
-        # Ranks are numbered node by node and SP groups are blocks of consecutive ranks, so a group stays inside a
-        # node exactly when its size divides the devices per node (the default, SP = devices per node, always does).
-        devices_per_node = self.num_processes
-        if self.num_nodes > 1 and devices_per_node % sequence_parallel_size:
-            rank_zero_warn(
-                f"sequence_parallel_size={sequence_parallel_size} with {devices_per_node} devices per node: SP groups"
-                " span nodes, so every attention all-to-all crosses the inter-node network (typically several times"
-                " slower than the links inside a node). Use a sequence_parallel_size that divides"
-                f" {devices_per_node} unless the sequence needs more devices than one node has."
-            )
 
     @property
     @override
@@ -422,25 +423,10 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     # The SDPA kernel priority holds for every step and its backward: a recompute in backward must pick the kernels
     # its forward picked (keep_attention_outputs replays them). Lightning has no single point around both (its
     # precision plugin's step contexts wrap the forward only), so each hook enters the same context here.
-    def _with_kernel_priority(self, hook: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        with sdpa_priority(self.sdpa_kernel_priority):
-            return hook(*args, **kwargs)
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._with_kernel_priority(super().training_step, *args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._with_kernel_priority(super().validation_step, *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._with_kernel_priority(super().test_step, *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._with_kernel_priority(super().predict_step, *args, **kwargs)
+    training_step = _under_kernel_priority("training_step")
+    validation_step = _under_kernel_priority("validation_step")
+    test_step = _under_kernel_priority("test_step")
+    predict_step = _under_kernel_priority("predict_step")
 
     @override
     def backward(self, *args: Any, **kwargs: Any) -> Any:
@@ -450,7 +436,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         # that gradient clipping compares) k times too small. DeepSpeed still counts the micro-steps, so its step
         # boundary stays where it was; its loss scaler (fp16) is applied either way. Manual optimization has k = 1.
         kwargs.setdefault("scale_wrt_gas", False)
-        return self._with_kernel_priority(super().backward, *args, **kwargs)
+        with sdpa_priority(self.sdpa_kernel_priority):
+            return super().backward(*args, **kwargs)
 
     # -- data ---------------------------------------------------------------------------------------------------
     @override
