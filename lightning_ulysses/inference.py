@@ -150,12 +150,13 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, groups) -> tor
     batch, prompt_length = input_ids.shape
     shard = -(-prompt_length // size)
     padded = F.pad(input_ids, (0, shard * size - prompt_length))
-    window = slice(rank * shard, (rank + 1) * shard)
-    positions = torch.arange(shard * size, device=input_ids.device)[window].expand(batch, -1)
+    order = ShardOrder(size)  # the prompt is cut as training cuts batches (pure Ulysses: contiguous shards)
+    positions = order.positions(shard * size, rank, device=input_ids.device).expand(batch, -1)
     binding = binding_of(model)
     if size > 1 and binding is None:
         raise ValueError("generate() needs a model prepared for sequence parallelism: lightning_ulysses.inference.prepare")
-    state = DecodeState(prompt_length=prompt_length, shard_length=shard, rank=rank)
+    state = DecodeState(prompt_length=prompt_length, shard_length=shard, first_position=int(positions[0, 0]),
+                        rank=rank)
     cache = DynamicCache(config=model.config)
     cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     if binding is not None:
@@ -163,10 +164,10 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, groups) -> tor
     try:
         # Only the rank holding the prompt's last token needs logits, and only there: never materialise
         # [prompt, vocab] (65 GB in fp32 for a 128K prompt and a 128K vocabulary).
-        last_index = prompt_length - 1 - rank * shard
+        last_index = prompt_length - 1 - int(positions[0, 0])
         owner = 0 <= last_index < shard
         keep = torch.tensor([min(max(last_index, 0), shard - 1)], device=input_ids.device)
-        next_logits = model(input_ids=padded[:, window], position_ids=positions, use_cache=True, logits_to_keep=keep,
+        next_logits = model(input_ids=order.shard(padded, rank, dim=1), position_ids=positions, use_cache=True, logits_to_keep=keep,
                             **{cache_argument: cache}).logits[:, -1]
         if not owner:
             next_logits = torch.zeros_like(next_logits)

@@ -60,12 +60,13 @@ class DecodeState:
     """Set by `lightning_ulysses.inference.generate` while it decodes from a sequence-parallel prefill.
 
     After the prefill, every rank's KV cache holds its own shard of the prompt (`shard_length` positions starting
-    at `rank * shard_length`, the last ones padding beyond `prompt_length`), followed by every generated token
-    (appended on all ranks alike, so they are counted on SP rank 0 only).
+    at `first_position`, as `ShardOrder` cut it; the last ones padding beyond `prompt_length`), followed by every
+    generated token (appended on all ranks alike, so they are counted on SP rank 0 only).
     """
 
     prompt_length: int
     shard_length: int
+    first_position: int
     rank: int
     prefilled: bool = False
 
@@ -347,7 +348,7 @@ def _decode_attention(query, key, value, state: DecodeState, group, scaling: Opt
     scaling = scaling if scaling is not None else query.size(-1) ** -0.5
     scores = (query.float() @ key.transpose(-1, -2)) * scaling  # [batch, heads, 1, cached]
     index = torch.arange(cached, device=query.device)
-    prompt = (index < state.shard_length) & (state.rank * state.shard_length + index < state.prompt_length)
+    prompt = (index < state.shard_length) & (state.first_position + index < state.prompt_length)
     generated = (index >= state.shard_length) & (state.rank == 0)
     scores = scores.masked_fill(~(prompt | generated), float("-inf"))
     local_max = scores.amax(dim=-1, keepdim=True)
