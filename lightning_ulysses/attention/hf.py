@@ -181,9 +181,11 @@ def _reject_unsharded_inputs(module, attention_mask, kwargs) -> None:
             " lightning_ulysses reads packed documents from position_ids restarting at 0 instead: drop the flash"
             " kwargs from the batch (e.g. DataCollatorWithFlattening(return_flash_attn_kwargs=False))."
         )
-    if attention_mask is not None and attention_mask.dim() != 2:
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
+        # A flex BlockMask: at SP 1 the model's own mask of a windowed layer (see _shard_padding_mask).
+        form = f"{attention_mask.dim()}-D" if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
         raise ValueError(
-            f"{type(module).__name__} got a {attention_mask.dim()}-D attention mask; under sequence parallelism only"
+            f"{type(module).__name__} got a {form} attention mask; under sequence parallelism only"
             " 2-D padding masks ([batch, seq]) and packed position_ids can be cut along the sequence."
         )
 

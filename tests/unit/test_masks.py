@@ -144,6 +144,17 @@ def test_at_sp_1_a_window_shorter_than_the_row_runs_the_models_own_attention():
     assert hf._unsupported(module, None, {"softcap": 30.0}, 16)
 
 
+def test_at_sp_1_a_flex_block_mask_runs_the_models_own_attention():
+    """SP 1, flex_attention: a windowed layer gets transformers' own BlockMask, which the model's flex attention
+    reads (no dense mask); under SP it is refused like any mask that is not 2-D."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    block_mask = create_block_mask(lambda b, h, q, kv: (q >= kv) & (q - kv < 5), None, None, 16, 16, device="cpu")
+    assert hf._unsupported(SimpleNamespace(), block_mask, {"sliding_window": 5}, 16)
+    with pytest.raises(ValueError, match="got a BlockMask attention mask"):
+        hf._reject_unsharded_inputs(SimpleNamespace(), block_mask, {})
+
+
 def test_a_window_mask_no_layer_reads_changes_nothing():
     # Qwen2-MoE without use_sliding_window builds a sliding mask of window 0 that no layer uses.
     window = hf_masks.and_masks(hf_masks.causal_mask_function, hf_masks.sliding_window_overlay(0))
