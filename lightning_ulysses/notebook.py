@@ -72,6 +72,29 @@ def check_parent_can_fork() -> None:
         )
 
 
+def configure_launcher(strategy) -> bool:
+    """Set the strategy's launcher where the script launch cannot serve; False: leave it to Lightning's own.
+
+    `start_method="fork"` forks the ranks (`UlyssesForkLauncher`; the children run setup_environment →
+    setup_distributed exactly like script ranks). In a notebook or an interactive session one rank needs no launch
+    (it runs in this process, so a single-GPU notebook works unchanged — Lightning would refuse any script launcher
+    there, even one that starts nothing); more ranks are refused, naming the fork launch (Lightning's own refusal
+    suggests strategy='ddp_notebook', which has no sequence parallelism)."""
+    if strategy.start_method == "fork":
+        lightning_private.set_launcher(strategy, UlyssesForkLauncher(strategy))
+        return True
+    if not lightning_private.is_interactive():
+        return False
+    if strategy.num_processes * strategy.num_nodes == 1:
+        lightning_private.set_launcher(strategy, None)
+        return True
+    raise RuntimeError(
+        f"{type(strategy).__name__} with the script launch cannot start ranks from a notebook or an interactive"
+        " session. Use Trainer(strategy='ulysses_notebook') or UlyssesDeepSpeedStrategy(..., start_method="
+        "'fork'), which forks this process, or run the training as a script."
+    )
+
+
 class UlyssesForkLauncher(lightning_private.MultiProcessingLauncher):
     """Lightning's fork launcher with the checks, port handling and ZeRO-3 weight return described above."""
 

@@ -34,7 +34,7 @@ from lightning_ulysses.deepspeed_config import deep_merge, inference_config, rea
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, check_ring_size, check_sequence_parallel_size
 from lightning_ulysses.memory import MemoryOptions, apply_allocator_settings
 from lightning_ulysses.loss import SequenceParallelCausalLMLoss, gradient_scale_for
-from lightning_ulysses.notebook import UlyssesForkLauncher
+from lightning_ulysses.notebook import configure_launcher
 from lightning_ulysses.sharding import SequencePadding, SequenceSharder
 
 # A child of Lightning's logger, so the start-up report prints wherever Lightning's own messages do.
@@ -217,23 +217,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     # -- launch, environment and groups ------------------------------------------------------------------------
     @override
     def _configure_launcher(self) -> None:
-        if self.start_method == "fork":
-            # Forked children run setup_environment → setup_distributed below, exactly like script ranks.
-            lightning_private.set_launcher(self, UlyssesForkLauncher(self))
-            return
-        if lightning_private.is_interactive():
-            if self.num_processes * self.num_nodes == 1:
-                # One rank needs no launch: run in this process, so a single-GPU notebook works unchanged
-                # (Lightning would refuse any script launcher in a notebook, even one that starts nothing).
-                lightning_private.set_launcher(self, None)
-                return
-            # Lightning's own refusal that follows suggests strategy='ddp_notebook', which has no sequence parallelism.
-            raise RuntimeError(
-                f"{type(self).__name__} with the script launch cannot start ranks from a notebook or an interactive"
-                " session. Use Trainer(strategy='ulysses_notebook') or UlyssesDeepSpeedStrategy(..., start_method="
-                "'fork'), which forks this process, or run the training as a script."
-            )
-        super()._configure_launcher()
+        if not configure_launcher(self):  # fork, or no launch in a notebook (notebook.py); else Lightning's own
+            super()._configure_launcher()
 
     @override
     def setup_environment(self) -> None:
