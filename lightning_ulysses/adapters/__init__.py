@@ -88,10 +88,11 @@ class InlineAttention:
     `model_types`: the families (`config.model_type`); `applies(module)`: the attention modules to take over;
     `forward(module, attend, *args, **kwargs)`: the module's own forward (same arguments, same return value) with
     its attention replaced by `attend(query, key, value, *, scale=None, dropout=0.0, alibi_slopes=None,
-    alibi_counts_padding=True, sliding_window=None)`: `[batch, heads, seq/P, dim]` q/k/v of this rank's shard →
-    `[batch, seq/P, heads, dim]`, causal attention over the whole rows (attention/inline.py); `alibi_slopes`:
-    all heads' ALiBi slopes (`[heads]`), the bias `slope * key position` added to the scaled scores, positions
-    counted over every token (False: over the real tokens only, BLOOM's `cumsum(mask) - 1`).
+    alibi_counts_padding=True, sliding_window=None, masking="add")`: `[batch, heads, seq/P, dim]` q/k/v of this
+    rank's shard → `[batch, seq/P, heads, dim]`, causal attention over the whole rows (attention/inline.py);
+    `alibi_slopes`: all heads' ALiBi slopes (`[heads]`), the bias `slope * key position` added to the scaled scores, positions
+    counted over every token (False: over the real tokens only, BLOOM's `cumsum(mask) - 1`); `masking`: how the
+    family's eager code masks a query that sees no key (`inline.eager_attention`).
     `alibi`: whether `forward` passes `alibi_slopes` (then only eager/sdpa and ring_size=1 are accepted).
     `refusal(config, backend, ring_size)`: why this configuration cannot run sequence-parallel (naming the fix),
     or None; checked before anything changes and before any collective."""

@@ -20,7 +20,7 @@ def _forward(module, attend, hidden_states, attention_mask=None, layer_past=None
     if layer_past is not None:
         key, value = layer_past.update(key, value, module.layer_id)
     window = module.config.window_size if module.attention_type == "local" else None
-    context = attend(query, key, value, scale=1.0, sliding_window=window,
+    context = attend(query, key, value, scale=1.0, sliding_window=window, masking="refuse",
                      dropout=module.attn_dropout.p if module.training else 0.0)
     output = module.out_proj(context.reshape(*context.shape[:2], module.embed_dim))
     return module.resid_dropout(output), None

@@ -24,7 +24,7 @@ def _forward(module, attend, hidden_states, position_bias, cache=None, attention
         key, value = cache.update(key, value, module.layer_idx, kwargs=kwargs)
     slopes = -inspect.getmodule(type(module)).build_mpt_alibi_tensor(
         module.n_heads, 2, device=hidden_states.device)[:, 0, 0].float()
-    context = attend(query, key, value, scale=module.softmax_scale, alibi_slopes=slopes,
+    context = attend(query, key, value, scale=module.softmax_scale, alibi_slopes=slopes, masking="fill",
                      dropout=module.attn_dropout_p if module.training else 0.0)
     return module.out_proj(context.reshape(batch, length, -1)), None
 

@@ -20,7 +20,7 @@ def _forward(module, attend, hidden_states, key_value_states=None, cache=None, a
                   for projection in (module.k_proj, module.v_proj))
     if cache is not None:
         key, value = cache.update(key, value, module.layer_idx, kwargs=kwargs)
-    context = attend(query, key, value, scale=1.0, dropout=module.dropout if module.training else 0.0)
+    context = attend(query, key, value, scale=1.0, dropout=module.dropout if module.training else 0.0, masking="refuse")
     return module.out_proj(context.reshape(batch, length, module.embed_dim)), None
 
 

@@ -17,11 +17,13 @@ the paper on every key a causal query sees), as a float mask for sdpa (`heads/P 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_ulysses.adapters import InlineAttention, inline_attention_of
 from lightning_ulysses.attention.core import local_heads, ulysses_attention
@@ -48,6 +50,10 @@ def inline_refusal(model: torch.nn.Module, backend: str, ring_size: int) -> Opti
     if adapter.alibi and backend not in _ALIBI_BACKENDS:
         return (f"{name} adds ALiBi biases, which lightning_ulysses applies in sdpa on whole rows (not with"
                 f" {backend}) under sequence parallelism: build it with attn_implementation='eager'.")
+    if backend == "eager" and ring_size > 1:
+        return (f"{name} attends with eager attention, which ring attention (ring_size > 1, plain softmax attention)"
+                " does not reproduce: use ring_size=1 (a sequence_parallel_size the heads divide), or"
+                " attn_implementation='sdpa' where the family has it.")
     refusal = adapter.refusal(model.config, backend, ring_size)
     return None if refusal is None else f"{name}: {refusal}"
 
@@ -82,7 +88,7 @@ class _InlineForward:
 
     def attend(self, query, key, value, *, scale: Optional[float] = None, dropout: float = 0.0,
                alibi_slopes: Optional[torch.Tensor] = None, alibi_counts_padding: bool = True,
-               sliding_window: Optional[int] = None) -> torch.Tensor:
+               sliding_window: Optional[int] = None, masking: str = "add") -> torch.Tensor:
         binding, name = self.binding, type(self.module).__name__
         if binding.decode is not None:
             raise NotImplementedError(
@@ -101,9 +107,10 @@ class _InlineForward:
         pattern = AttentionPattern(sliding_window) if sliding_window is not None and sliding_window < row_length \
             else None
         local = None
-        if alibi_slopes is not None:
+        if alibi_slopes is not None or binding.backend == "eager":  # the family's eager attention, on whole rows
             heads = local_heads(query.size(1), binding.group.world_size, binding.group.rank)
-            local = _AlibiAttention(alibi_slopes[heads], alibi_counts_padding, scale, dropout)
+            slopes = None if alibi_slopes is None else alibi_slopes[heads]
+            local = _EagerAttention(slopes, alibi_counts_padding, scale, dropout, masking, name)
         backend = "sdpa" if binding.backend == "eager" else binding.backend
         return ulysses_attention(
             query, key, value, binding.group.group, backend,
@@ -113,15 +120,18 @@ class _InlineForward:
             batch_rows=binding.batch_rows, head_groups=binding.head_groups, pattern=pattern, local=local)
 
 
-class _AlibiAttention:
-    """Causal softmax attention with ALiBi on whole rows of this rank's heads (`ulysses_attention(local=...)`)."""
+class _EagerAttention:
+    """The families' own eager softmax attention (with ALiBi, if given slopes) on whole rows of this rank's heads
+    (`ulysses_attention(local=...)`)."""
 
-    def __init__(self, slopes: torch.Tensor, counts_padding: bool, scale: Optional[float], dropout: float):
+    def __init__(self, slopes: Optional[torch.Tensor], counts_padding: bool, scale: Optional[float], dropout: float,
+                 masking: str, name: str):
         self.slopes, self.counts_padding, self.scale, self.dropout = slopes, counts_padding, scale, dropout
+        self.masking, self.name = masking, name
 
     def __call__(self, query, key, value, documents, pattern):
-        return alibi_attention(query, key, value, self.slopes, documents, pattern, self.counts_padding, self.scale,
-                               self.dropout)
+        return eager_attention(query, key, value, self.slopes, documents, pattern, self.counts_padding, self.scale,
+                               self.dropout, self.masking, self.name)
 
 
 def alibi_key_positions(seq: int, documents, counts_padding: bool, device) -> torch.Tensor:
@@ -134,15 +144,38 @@ def alibi_key_positions(seq: int, documents, counts_padding: bool, device) -> to
     return (real.cumsum(dim=1) - 1) * real
 
 
-def alibi_attention(query, key, value, slopes, documents, pattern, counts_padding: bool = True,
-                    scale: Optional[float] = None, dropout: float = 0.0) -> torch.Tensor:
-    """`[batch, heads, seq, dim]` whole rows → `[batch, seq, heads, dim]`: softmax(scale·q·k + slope·key position)
-    over the keys the documents, padding, causality and `pattern` allow (an sdpa float mask)."""
+def eager_attention(query, key, value, slopes, documents, pattern, counts_padding: bool = True,
+                    scale: Optional[float] = None, dropout: float = 0.0, masking: str = "add",
+                    name: str = "the model") -> torch.Tensor:
+    """`[batch, heads, seq, dim]` whole rows → `[batch, seq, heads, dim]`: softmax(scale·q·k [+ slope·key position])
+    with the keys the documents, padding, causality and `pattern` do not allow at the dtype's minimum, as the
+    families' eager code masks them. A query with no key at all (a left-padding token) then averages every value,
+    as there; its scores' gradient is the family's: `masking="add"` (the mask added to the scores: BLOOM, Falcon)
+    lets it through, `"fill"` (`masked_fill`: MPT) does not; `"refuse"`: the family's eager code does something
+    else there (GPT-Neo: -inf where two masks add up; XGLM: half gradients from a clamp), so rows where such a
+    token predicts the next, real one (left padding) are refused by name.
+
+    sdpa's fused CPU kernel returns that average forward but wrong gradients backward (measured, torch 2.13: as if
+    the row were empty), so batches holding such a query run sdpa's math kernel, forward and backward alike."""
     batch, seq = query.size(0), query.size(2)
     allowed = allowed_mask(batch, seq, documents, True, pattern, query.device)
-    positions = alibi_key_positions(seq, documents, counts_padding, query.device).float()
-    bias = slopes.float().to(query.device)[None, :, None, None] * positions[:, None, None, :]
+    if slopes is None:
+        bias = torch.zeros((), device=query.device)
+    else:
+        positions = alibi_key_positions(seq, documents, counts_padding, query.device).float()
+        bias = slopes.float().to(query.device)[None, :, None, None] * positions[:, None, None, :]
     mask = torch.where(allowed, bias, torch.finfo(query.dtype).min).to(query.dtype)
-    output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scale,
-                                            enable_gqa=key.size(1) != query.size(1))
+    empty_rows = ~allowed.any(dim=-1, keepdim=True)  # [batch, 1, seq, 1]: queries without any key
+    empty = documents is not None and documents.derived(("empty_queries", pattern), lambda: bool(empty_rows.any()))
+    if empty and masking == "refuse" and bool((empty_rows[:, 0, :-1, 0] & documents.real_tokens[:, 1:]).any()):
+        # (a padding token's output reaches the loss only when it predicts the real token after it: left padding)
+        raise NotImplementedError(
+            f"{name} under sequence parallelism with eager attention cannot reproduce what its eager code computes for"
+            " tokens that see no key (left padding): pad on the right (tokenizer.padding_side='right'), or use"
+            " sequence_parallel_size=1.")
+    if empty and masking == "fill":  # masked_fill passes no gradient to the scores: zero queries (uniform rows)
+        query = query.masked_fill(empty_rows, 0.0)
+    with sdpa_kernel(SDPBackend.MATH) if empty else contextlib.nullcontext():
+        output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scale,
+                                                enable_gqa=key.size(1) != query.size(1))
     return output.transpose(1, 2)
