@@ -56,8 +56,8 @@ def outcome(tmp_path_factory):
     return launch(WORKER, 4, spec, tmp_path_factory.mktemp("families"), timeout=600)
 
 
-# Learned positions, plain GQA, MoE; a Gated-DeltaNet hybrid; sinks + sliding windows in eager attention.
-TRAINED = ("opt", "gpt2", "qwen3_moe", "qwen3_next", "gpt_oss")
+# Learned positions, plain GQA, MoE; a Gated-DeltaNet hybrid; sinks + sliding windows in eager attention; ALiBi inline.
+TRAINED = ("opt", "gpt2", "qwen3_moe", "qwen3_next", "gpt_oss", "bloom")
 MEMORY_FAMILIES = ("qwen3_next", "mistral")
 MEMORY = {"activation_checkpointing": True, "offload_activations": True, "tiled_mlp": True, "mlp_tile_tokens": 3}
 

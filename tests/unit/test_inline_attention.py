@@ -104,11 +104,19 @@ def test_falcon_alibi_variant_is_refused_by_name():
         validate_hf_model(_build("falcon", alibi=True), 2)
 
 
-def test_gpt_neo_local_layers_refuse_ring_attention_by_name():
-    with pytest.raises(NotImplementedError, match="local attention.*ring_size=1"):
-        validate_hf_model(_build("gpt_neo"), 1, ring_size=2)
+@pytest.mark.parametrize("family", ("gpt_neo", "xglm"))
+def test_eager_inline_attention_refuses_ring_attention_by_name(family):
+    with pytest.raises(NotImplementedError, match="eager attention.*ring_size=1"):
+        validate_hf_model(_build(family), 1, ring_size=2)
 
 
 @pytest.mark.parametrize("family", INLINE)
 def test_inline_families_pass_the_checks(family):
     validate_hf_model(_build(family), 2)
+
+
+def test_tiled_mlp_refuses_an_mlp_that_takes_more_than_the_hidden_states():
+    from lightning_ulysses.memory import MemoryOptions, apply_memory_options
+
+    with pytest.raises(ValueError, match="BloomMLP takes more arguments.*tiled_mlp off"):  # (hidden, residual)
+        apply_memory_options(_build("bloom"), MemoryOptions(tiled_mlp=True))
