@@ -104,8 +104,8 @@ def _takes_hidden_states_only(mlp: nn.Module) -> bool:
         parameters = inspect.signature(mlp.forward).parameters.values()
     except (TypeError, ValueError):
         return True
-    required = [p for p in parameters if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return len(required) <= 1
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return len([p for p in parameters if p.default is p.empty and p.kind in positional]) <= 1
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
