@@ -25,6 +25,8 @@ LEFT_PADDING_REFUSED = ("gpt_neo", "xglm")
 
 
 def _build(name: str, **overrides):
+    if name == "falcon_eager":  # Falcon's own eager branch (it also has sdpa)
+        return tiny_model("falcon", "eager", **overrides)
     try:
         return tiny_model(name, "sdpa", **{**FAMILIES[name], **overrides})
     except ValueError as error:  # eager-only families
@@ -52,7 +54,7 @@ def _take_over(model) -> PreparedHFModel:
     return prepared
 
 
-@pytest.mark.parametrize("family", INLINE)
+@pytest.mark.parametrize("family", (*INLINE, "falcon_eager"))
 def test_inline_forward_on_whole_rows_matches_the_family(family):
     reference = _build(family)
     model = copy.deepcopy(reference)
