@@ -1,8 +1,11 @@
 """Per-family knowledge, one small file per family: what a family computes from positions it numbers itself.
 
-Two kinds: a `FamilyAdapter` corrects an attention module's query (below); a `PositionRule` says how a family
+Three kinds: a `FamilyAdapter` corrects an attention module's query (below); a `PositionRule` says how a family
 numbers the tokens of a row when it is given no `position_ids`, so that the sharder fills in the positions the
-family itself would have used (most count `0..seq-1`, padding included; OPT counts real tokens only).
+family itself would have used (most count `0..seq-1`, padding included; OPT counts real tokens only); an
+`InlineAttention` gives a module that computes attention inline (not through transformers' AttentionInterface:
+BLOOM, MPT, Falcon, GPT-Neo, XGLM) a forward of its own projections around the Ulysses exchange
+(attention/inline.py).
 
 Most families need nothing here: the "ulysses" attention function and the whole-rows mixers (attention/hf.py,
 attention/mixers.py) serve any family that dispatches through transformers' interfaces. A family that derives
@@ -78,4 +81,43 @@ def position_rule_of(models: Sequence[torch.nn.Module]) -> Optional[PositionRule
     return next(iter(distinct.values()), None)
 
 
-from lightning_ulysses.adapters import llama4, padding_positions  # noqa: E402,F401  (they register themselves)
+@dataclass(frozen=True)
+class InlineAttention:
+    """A family whose attention modules compute attention inline, made sequence-parallel module by module.
+
+    `model_types`: the families (`config.model_type`); `applies(module)`: the attention modules to take over;
+    `forward(module, attend, *args, **kwargs)`: the module's own forward (same arguments, same return value) with
+    its attention replaced by `attend(query, key, value, *, scale=None, dropout=0.0, alibi_slopes=None,
+    alibi_counts_padding=True, sliding_window=None, masking="add")`: `[batch, heads, seq/P, dim]` q/k/v of this
+    rank's shard → `[batch, seq/P, heads, dim]`, causal attention over the whole rows (attention/inline.py);
+    `alibi_slopes`: all heads' ALiBi slopes (`[heads]`), the bias `slope * key position` added to the scaled scores, positions
+    counted over every token (False: over the real tokens only, BLOOM's `cumsum(mask) - 1`); `masking`: how the
+    family's eager code masks a query that sees no key (`inline.eager_attention`).
+    `alibi`: whether `forward` passes `alibi_slopes` (then only eager/sdpa and ring_size=1 are accepted).
+    `refusal(config, backend, ring_size)`: why this configuration cannot run sequence-parallel (naming the fix),
+    or None; checked before anything changes and before any collective."""
+
+    name: str
+    model_types: frozenset[str]
+    applies: Callable[[torch.nn.Module], bool]
+    forward: Callable[..., object]
+    alibi: bool = False
+    refusal: Callable[[object, str, int], Optional[str]] = lambda config, backend, ring_size: None
+
+
+_INLINE: list[InlineAttention] = []
+
+
+def register_inline(adapter: InlineAttention) -> InlineAttention:
+    _INLINE.append(adapter)
+    return adapter
+
+
+def inline_attention_of(model: torch.nn.Module) -> Optional[InlineAttention]:
+    """The `InlineAttention` of a model's family (None: its attention dispatches through the interface)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return next((adapter for adapter in _INLINE if model_type in adapter.model_types), None)
+
+
+from lightning_ulysses.adapters import (  # noqa: E402,F401  (they register themselves)
+    bloom, falcon, gpt_neo, llama4, mpt, padding_positions, xglm)

@@ -19,7 +19,9 @@ Beyond plain causal attention: sliding windows and chunks reach the attention th
 marker carrying the pattern, applied on whole rows by the core); eager attention and arguments only the model's own
 attention function applies (soft-capping, sinks) run that function on whole rows of each rank's heads
 (`_OwnAttention`); token mixers that are not attention run on whole rows (attention/mixers.py); per-family
-corrections of positions a module counts itself live in `lightning_ulysses/adapters/`.
+corrections of positions a module counts itself live in `lightning_ulysses/adapters/`, and so do the families whose
+modules compute attention inline (BLOOM, MPT, Falcon, GPT-Neo, XGLM), taken over module by module
+(attention/inline.py) instead of switched.
 
 We do not use DeepSpeed's `UlyssesSPAttentionHF`: it registers process-wide, fixes the batch size at
 construction, can be set up once per process and drops padding masks.
@@ -44,6 +46,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from lightning_ulysses.adapters import adapters_for
 from lightning_ulysses.attention.backends import BACKENDS, check_backend
+from lightning_ulysses.attention import inline
 from lightning_ulysses.attention.core import ProcessGroupHandle, local_heads, ulysses_attention, validate_head_counts
 from lightning_ulysses.attention.documents import AttentionPattern, allowed_mask, mask_mod
 from lightning_ulysses.attention.mixers import MASK_MARKER, WholeRowsMixer
@@ -85,6 +88,9 @@ class _Binding:
     # The position_ids of the model's latest forward (`_ForwardPositions`), for attention modules whose layer does
     # not hand them on (Llama 4): without them packed documents would not be kept apart.
     forward_positions: Optional[torch.Tensor] = None
+    # The 2-D attention_mask of the model's latest forward, for attention computed inline (attention/inline.py),
+    # which no mask interface hands the shard's padding.
+    forward_padding_mask: Optional[torch.Tensor] = None
 
     @property
     def sharded(self) -> bool:
@@ -392,11 +398,15 @@ class PreparedHFModel:
     loss_swapped: bool = False
     hooks: list = field(default_factory=list)
     mask_configs: list[int] = field(default_factory=list)
+    inline_modules: list = field(default_factory=list)
 
     def restore(self) -> None:
         for hook in self.hooks:
             hook.remove()
         self.hooks = []
+        for module in self.inline_modules:
+            module.__dict__.pop("forward", None)
+        self.inline_modules = []
         for key in self.mask_configs:
             _MASK_CONFIGS.pop(key, None)
         self.mask_configs = []
@@ -572,7 +582,12 @@ def validate_hf_model(model: PreTrainedModel, sequence_parallel_size: int, ring_
     if sharded and hf_head_counts(model) is not None:  # (a model without attention has nothing to switch)
         if backend != "eager":
             check_backend(backend)  # installed and usable here, checked before any collective
-        _reject_unswitchable(model)
+        if inline.covers(model):  # attention computed inline, taken over module by module (adapters/)
+            refusal = inline.inline_refusal(model, backend, ring_size)
+            if refusal is not None:
+                raise NotImplementedError(refusal)
+        else:
+            _reject_unswitchable(model)
     head_counts = hf_head_counts(model)
     if head_counts is not None:
         validate_head_counts(*head_counts, sequence_parallel_size)
@@ -642,9 +657,14 @@ def prepare_hf_model(
     # keep their documents apart at SP 1 exactly as at SP 8. Hugging Face's own sdpa path detects packing only
     # without an attention mask and without a KV cache, which its default `use_cache=True` creates even in training.
     binding = _Binding(group=group, backend=backend, ring=ring, batch_rows=batch_rows, head_groups=head_groups)
-    if hf_head_counts(model) is not None:
+    takes_over = sharded and inline.covers(model)
+    if takes_over:  # attention computed inline: each module's own forward around the exchange (attention/inline.py)
+        prepared.inline_modules = inline.install(model, binding)
+        for module in model.modules():
+            module.__dict__[_BINDING_ATTRIBUTE] = binding
+    elif hf_head_counts(model) is not None:
         _switch_attention(model, prepared, binding)
-    if "position_ids" in inspect.signature(model.forward).parameters:
+    if "position_ids" in inspect.signature(model.forward).parameters or takes_over:
         recorder = _ForwardPositions(model, binding)
         prepared.hooks.append(model.register_forward_pre_hook(recorder, with_kwargs=True))
     if sharded and batch_rows is not None:
@@ -703,8 +723,9 @@ def watch_positions(model: torch.nn.Module, batch_rows: BatchRowsSlot, sequence_
 
 
 class _ForwardPositions:
-    """Keeps the `position_ids` of the model's latest forward on the binding (a pre-hook). Kept after the forward:
-    layers recomputed in backward (activation checkpointing) must see the positions their forward saw."""
+    """Keeps the `position_ids` (and the `attention_mask`) of the model's latest forward on the binding (a
+    pre-hook). Kept after the forward: layers recomputed in backward (activation checkpointing) must see the
+    positions their forward saw."""
 
     def __init__(self, model: torch.nn.Module, binding: _Binding) -> None:
         self.binding = binding
@@ -712,9 +733,12 @@ class _ForwardPositions:
 
     def __call__(self, module, args, kwargs):
         try:
-            self.binding.forward_positions = self.signature.bind_partial(*args, **kwargs).arguments.get("position_ids")
+            arguments = self.signature.bind_partial(*args, **kwargs).arguments
         except TypeError:
-            self.binding.forward_positions = None
+            arguments = {}
+        self.binding.forward_positions = arguments.get("position_ids")
+        mask = arguments.get("attention_mask")
+        self.binding.forward_padding_mask = mask if isinstance(mask, torch.Tensor) else None
         return None
 
 

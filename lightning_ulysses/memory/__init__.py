@@ -32,6 +32,7 @@ teardown. `apply_memory_options` does the same for a model used without the stra
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Union
@@ -97,6 +98,16 @@ def apply_allocator_settings(options: MemoryOptions) -> None:
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 
 
+def _takes_hidden_states_only(mlp: nn.Module) -> bool:
+    """Whether `mlp.forward` needs one argument (the hidden states): what `tile_mlp` tiles."""
+    try:
+        parameters = inspect.signature(mlp.forward).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return len([p for p in parameters if p.default is p.empty and p.kind in positional]) <= 1
+
+
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -126,6 +137,10 @@ def apply_memory_options(model: nn.Module, options: MemoryOptions,
         if missing:
             raise ValueError(f"tiled_mlp needs an `mlp` module in every decoder layer; {missing[0]} has none."
                              " Switch tiled_mlp off for this model.")
+        more = [type(layer.mlp).__name__ for layer in layers if not _takes_hidden_states_only(layer.mlp)]
+        if more:  # (BLOOM's MLP also takes the residual)
+            raise ValueError(f"tiled_mlp tiles an `mlp` that takes the hidden states only; {more[0]} takes more"
+                             " arguments. Switch tiled_mlp off for this model.")
     own_checkpointing = [getattr(m, "gradient_checkpointing", False) is True for m in [model, *layers]]
     if options.activation_checkpointing and any(own_checkpointing):
         raise ValueError(f"{type(model).__name__} already has its own gradient checkpointing enabled; with the memory"

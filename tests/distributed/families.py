@@ -47,9 +47,9 @@ FAMILIES = {
     **{name: {"num_key_value_heads": 4} for name in ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "minicpm3",
                                                        "longcat_flash", "youtu", "kimi_linear")},
     # eager-only in transformers (no sdpa): Gemma 2's soft-capping and GPT-OSS's sinks run in their own eager
-    # attention on whole rows of each rank's heads; BLOOM, MPT, XGLM and GPT-Neo do not dispatch (refused)
+    # attention on whole rows of each rank's heads; BLOOM, MPT, XGLM and GPT-Neo attend inline (adapters/)
     **{name: {} for name in ("gemma2", "gpt_oss", "bloom", "mpt", "xglm")},
-    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 5},  # its local window crosses shards
     # hybrid and recurrent token mixers: run on whole rows
     "qwen3_next": {}, "qwen3_5_text": {}, "qwen3_5_moe_text": {},
     "lfm2": {"layer_types": ["conv", "full_attention"]},

@@ -2,7 +2,8 @@
 
 One 4-rank launch: SP 4 = Ulysses 2 × ring 2, SP 4 = pure ring 4, SP 2 = pure ring 2 inside world 4 (two SP
 groups). Attention with 2 KV heads, 2 heads in total, MQA and non-causal; Hugging Face Llama models with a
-right-padded row; packed rows refused (HF and native) on every rank; every gather back to sequence order.
+right-padded row, and Falcon (attention computed inline); packed rows refused (HF and native) on every rank;
+every gather back to sequence order.
 """
 
 import pytest
@@ -53,6 +54,13 @@ def test_hf_model_with_right_padding_equals_full_model(results, layout, model):
         assert rank[f"full_logits_{model}"] < 1e-5
         assert rank[f"log_probs_{model}"] < 1e-5
         assert rank[f"last_{model}"] < 1e-5
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_falcon_inline_attention_in_the_ring_equals_full_model(results, layout):
+    for rank in _ranks(results, layout):
+        assert rank["hf_loss_falcon"] < 1e-5
+        assert rank["hf_grad_relative_falcon"] < 1e-4
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

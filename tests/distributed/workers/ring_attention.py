@@ -21,6 +21,7 @@ from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.loss import SequenceParallelCausalLMLoss
 from lightning_ulysses.metrics import SequenceParallel
 from tests.distributed.common import VOCAB, summed_gradient_error, tiny_llama
+from tests.distributed.families import tiny_model
 
 # (query heads, KV heads, causal): GQA with 2 KV heads, 2 heads in total (fewer than SP 4), MQA, non-causal MHA.
 ATTENTION_CASES = [(4, 2, True), (2, 2, True), (2, 1, True), (4, 1, True), (4, 4, False)]
@@ -103,6 +104,18 @@ def check_hf_model(groups, results):
         last = sequence_outputs(logits, "last", sp_group, attention_mask=shard["attention_mask"], order=order)
         results[f"last_{name}"] = max_error(last, torch.stack([full_logits[0, SEQ_LEN - 4], full_logits[1, -1]]))
         prepared.restore()
+
+    # Falcon's attention is computed inline (adapters/falcon.py: multi-query, sdpa): the ring runs it too.
+    reference, model = tiny_model("falcon"), tiny_model("falcon")
+    reference_out = reference(**padded_batch())
+    reference_out.loss.backward()
+    prepared = prepare_hf_model(model, groups.ulysses_group, SequenceParallelCausalLMLoss(sp_group, 1.0, batch_rows=slot),
+                                ring_group=groups.ring_group)
+    out = model(**sharder(padded_batch()))
+    out.loss.backward()
+    results["hf_loss_falcon"] = abs(out.loss.item() - reference_out.loss.item())
+    results["hf_grad_relative_falcon"] = summed_gradient_error(model, reference, sp_group)
+    prepared.restore()
 
     # Left padding is refused on every rank alike (the decision is taken on the gathered mask).
     model = tiny_llama(2)
