@@ -38,7 +38,7 @@ def outcome(tmp_path_factory):
     spec = {
         "sequence_parallel_sizes": list(SIZES),
         "families": [{"family": name, "eval": overrides.pop("eval", False), "float64": overrides.pop("float64", False),
-                      "overrides": overrides,
+                      "overrides": overrides, "left_padded": name in LEFT_PADDED,
                       "mixers": name in MIXER_FAMILIES}
                      for name, overrides in ((name, dict(o)) for name, o in FAMILIES.items())],
         "training_cases": [
@@ -55,6 +55,11 @@ def outcome(tmp_path_factory):
     }
     return launch(WORKER, 4, spec, tmp_path_factory.mktemp("families"), timeout=600)
 
+
+# Left-padded rows too: positions numbered from the mask (OPT), counted from RoPE's arange (Llama), chunks from the
+# first real token (Llama 4), windows (Mistral), ALiBi over real tokens (BLOOM), inline rotary attention (Falcon), a
+# hybrid's mixers on whole rows (Qwen3-Next), sinks in eager attention (GPT-OSS).
+LEFT_PADDED = ("opt", "llama", "llama4_text", "mistral", "bloom", "falcon", "qwen3_next", "gpt_oss")
 
 # Learned positions, plain GQA, MoE; a Gated-DeltaNet hybrid; sinks + sliding windows in eager attention; ALiBi inline.
 TRAINED = ("opt", "gpt2", "qwen3_moe", "qwen3_next", "gpt_oss", "bloom")
@@ -126,7 +131,9 @@ def test_the_families_users_train_are_exact(outcome):
         assert outcome[0]["families"][family][SIZES[0]]["batches"][:2] == ["plain", "padded"], family
     # packed rows compared too
     for family in ("llama", "mistral", "gemma3_text", "qwen3", "llama4_text", "gemma2", "falcon", "gpt_neo"):
-        assert outcome[0]["families"][family][SIZES[0]]["batches"] == ["plain", "padded", "packed"], family
+        assert outcome[0]["families"][family][SIZES[0]]["batches"][:3] == ["plain", "padded", "packed"], family
+    for family in LEFT_PADDED:  # and left-padded rows
+        assert outcome[0]["families"][family][SIZES[0]]["batches"][-1] == "left_padded", family
 
 
 @pytest.mark.parametrize("case", [f"{family}_zero{stage}" for family in TRAINED for stage in (2, 3)]

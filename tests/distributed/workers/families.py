@@ -33,7 +33,8 @@ from tests.distributed.families import SEQ_LEN, VOCAB, tiny_model
 
 
 def family_batches() -> dict[str, dict]:
-    """The rows every family runs: plain (labels masked unevenly), padded (rows of 21 and 15 real tokens, padded on the left and on the right) and packed
+    """The rows every family runs: plain (labels masked unevenly), padded (rows of 21 and 15 real tokens, padded on the right; `left_padded`: on the left, for the families that
+    ask for it) and packed
     (documents restarting their position_ids inside the rows, crossing shard boundaries)."""
     generator = torch.Generator().manual_seed(5)
     input_ids = torch.randint(3, VOCAB, (2, SEQ_LEN), generator=generator)
@@ -41,14 +42,17 @@ def family_batches() -> dict[str, dict]:
     labels[0, : SEQ_LEN // 2] = -100  # row 0: no target at all in its first half (a whole shard at SP 2 and 4)
     labels[1, torch.rand(SEQ_LEN, generator=generator) < 0.3] = -100
     mask = torch.ones(2, SEQ_LEN, dtype=torch.long)
-    # row 0 left-padded (OPT numbers its positions from the mask: the sharder fills in its rule), row 1 right-padded
-    mask[0, :3], mask[1, -9:] = 0, 0
+    mask[0, -3:], mask[1, -9:] = 0, 0  # right padding
+    left = torch.ones_like(mask)
+    left[0, :3], left[1, :9] = 0, 0  # left padding (OPT numbers positions from the mask: the sharder fills its rule in)
     position_ids = torch.cat([torch.cat([torch.arange(10), torch.arange(SEQ_LEN - 10)])[None],
                               torch.cat([torch.arange(7), torch.arange(SEQ_LEN - 7)])[None]])
     return {
         "plain": {"input_ids": input_ids, "labels": labels},
         "padded": {"input_ids": input_ids, "attention_mask": mask, "labels": input_ids.masked_fill(mask == 0, -100)},
         "packed": {"input_ids": input_ids, "position_ids": position_ids, "labels": input_ids},
+        "left_padded": {"input_ids": input_ids, "attention_mask": left,
+                        "labels": input_ids.masked_fill(left == 0, -100)},
     }
 
 
@@ -87,6 +91,8 @@ def run_family(family: dict, sp_groups: dict) -> dict:
         why = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:160]}"
         return {sp: {"status": "untested", "why": why} for sp in sp_groups}
     batches = family_batches()
+    if not family.get("left_padded"):
+        del batches["left_padded"]
     if os.environ.get("FAMILY_BATCHES"):  # (debugging: a subset of the batch kinds)
         batches = {kind: batches[kind] for kind in os.environ["FAMILY_BATCHES"].split(",")}
     if "packed" in batches and not keeps_documents_apart(pristine, batches["packed"]):
