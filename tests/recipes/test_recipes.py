@@ -16,6 +16,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from lightning_ulysses.config import register_resolvers
+from lightning_ulysses.recipe import plan
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
@@ -45,9 +46,50 @@ def test_every_experiment_composes_and_instantiates(experiment):
     _instantiate_everything(_compose([f"experiment={experiment}"]))
 
 
+@pytest.fixture(scope="session")
+def tiny_pretrained(tmp_path_factory) -> Path:
+    """A tiny Llama saved with `save_pretrained` (offline, a second), and the model itself."""
+    from tests.distributed.common import PRETRAINED_SEED, tiny_llama
+
+    folder = tmp_path_factory.mktemp("tiny_pretrained")
+    model = tiny_llama(2, seed=PRETRAINED_SEED)
+    model.save_pretrained(folder)
+    return SimpleNamespace(folder=folder, model=model)
+
+
 @pytest.mark.parametrize("group, option", GROUP_OPTIONS, ids=[f"{g}={o}" for g, o in GROUP_OPTIONS])
-def test_every_group_option_composes_and_instantiates(group, option):
-    _instantiate_everything(_compose([f"{group}={option}", *REQUIRED.get(option, [])]))
+def test_every_group_option_composes_and_instantiates(group, option, request):
+    required = REQUIRED.get(option, [])
+    if option == "hf_pretrained":
+        required = [f"model.pretrained={request.getfixturevalue('tiny_pretrained').folder}"]
+    _instantiate_everything(_compose([f"{group}={option}", *required]))
+
+
+def test_hf_pretrained_starts_from_the_pretrained_weights(tiny_pretrained):
+    """`model=hf_pretrained model.pretrained=<folder>`: configure_model loads the folder's weights (the same logits),
+    in training mode; `rope_scaling` and `config` change the loaded config and keep the checkpoint's `rope_theta`.
+    (Under the strategy's ZeRO-3, the same load into partitions: tests/distributed/test_parity.py `-pretrained`.)"""
+    folder, saved = tiny_pretrained.folder, tiny_pretrained.model
+    cfg = _compose(["model=hf_pretrained", f"model.pretrained={folder}"])
+    assert "PretrainedCausalLM" in plan(cfg)  # plan=true reads the folder's config only
+    module = instantiate(cfg.model)
+    module.configure_model()
+    assert module.model.training
+    tokens = torch.arange(24).reshape(2, 12)
+    with torch.no_grad():
+        assert torch.equal(module.model(input_ids=tokens).logits, saved.eval()(input_ids=tokens).logits)
+
+    extended = instantiate(_compose([
+        "model=hf_pretrained", f"model.pretrained={folder}", "model.config={max_position_embeddings: 512}",
+        "model.rope_scaling={rope_type: yarn, factor: 4.0, original_max_position_embeddings: 128}"]).model)
+    config = extended.spec.config
+    assert config.max_position_embeddings == 512
+    assert config.rope_parameters == {"rope_theta": saved.config.rope_parameters["rope_theta"], "rope_type": "yarn",
+                                      "factor": 4.0, "original_max_position_embeddings": 128}
+    extended.configure_model()
+    assert extended.model.model.rotary_emb.rope_type == "yarn"
+    weights = dict(saved.state_dict())
+    assert all(torch.equal(value, weights[name]) for name, value in extended.model.state_dict().items())
 
 
 def _env() -> dict:
