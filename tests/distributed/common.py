@@ -103,17 +103,39 @@ def build_model(kind: str, num_key_value_heads: int, reference: bool = False, pr
 
 
 # `pretrained*` kinds: a Llama saved with `save_pretrained` and loaded with `from_pretrained`; `-tied`: tied input and
-# output embeddings; `-frozen`: the embeddings and the first layer's MLP frozen after the load.
+# output embeddings; `-frozen`: the embeddings and the first layer's MLP frozen after the load; `-yarn`: loaded through
+# the recipes' `PretrainedCausalLM` with YaRN RoPE scaling added (past 8 positions: the rows are 16 long).
 PRETRAINED_SEED = 3  # no other model here starts from it: weights a fresh initialisation would not give
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
+
+
+def saved_model(kind: str, num_key_value_heads: int, attn_implementation: str = "sdpa") -> LlamaForCausalLM:
+    """What a `pretrained*` case saves with `save_pretrained`."""
+    model = tiny_llama(num_key_value_heads, seed=PRETRAINED_SEED, attn_implementation=attn_implementation,
+                       tie_word_embeddings=kind.endswith("-tied"))
+    if kind.endswith("-yarn"):  # sharp attention, so that positions (the RoPE scaling) matter to the loss
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(8)
+                layer.self_attn.k_proj.weight.mul_(8)
+    return model
 
 
 def pretrained_model(kind: str, num_key_value_heads: int, attn_implementation: str, folder: str | None = None):
-    """The model of a `pretrained*` kind: loaded from `folder`, or (None) the one saved there and the reference's."""
+    """The model of a `pretrained*` kind: loaded from `folder`, or (None) the reference's: the saved model, in memory."""
     from transformers import AutoModelForCausalLM
 
+    from lightning_ulysses.models import PretrainedCausalLM
+
     if folder is None:
-        model = tiny_llama(num_key_value_heads, seed=PRETRAINED_SEED, attn_implementation=attn_implementation,
-                           tie_word_embeddings=kind.endswith("-tied"))
+        model = saved_model(kind, num_key_value_heads, attn_implementation)
+        if kind.endswith("-yarn"):  # the same weights under the scaled config
+            config = model.config
+            config.rope_parameters = {"rope_theta": config.rope_parameters["rope_theta"], **YARN}
+            weights, model = model.state_dict(), LlamaForCausalLM(config).float()
+            model.load_state_dict(weights)
+    elif kind.endswith("-yarn"):
+        model = PretrainedCausalLM(folder, attn_implementation, rope_scaling=YARN).build()
     else:
         model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attn_implementation)
     if kind.endswith("-frozen"):
@@ -129,7 +151,7 @@ def save_pretrained_once(kind: str, num_key_value_heads: int, folder: str, rank:
 
     if rank == 0:
         partial = f"{folder}.partial"
-        pretrained_model(kind, num_key_value_heads, "sdpa").save_pretrained(partial)
+        saved_model(kind, num_key_value_heads).save_pretrained(partial)
         os.rename(partial, folder)
     deadline = time.monotonic() + 120
     while not os.path.isdir(folder):

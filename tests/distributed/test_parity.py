@@ -105,12 +105,15 @@ def _matrix():
               step="labels_are_input_ids"),
         _case(4, 2, 3, "gqa", suffix="-mistral-bf16-mixed", model="family:mistral", precision="bf16-mixed"),
         # Pretrained weights (`save_pretrained`, then `from_pretrained`): loaded in configure_model under ZeRO-3
-        # straight into the partitions (pretrained.py), untied, tied and partly frozen; under ZeRO-2 in configure_model
-        # (no zero.Init); and in __init__. The reference starts from the saved model.
+        # straight into the partitions (pretrained.py), untied, tied, partly frozen, and through the recipes'
+        # PretrainedCausalLM with YaRN scaling; under ZeRO-2 and ZeRO-0 in configure_model (no zero.Init); and in
+        # __init__. The reference starts from the saved model.
         _case(4, 2, 3, "mha", suffix="-pretrained", model="pretrained", in_configure_model=True),
         _case(4, 4, 3, "gqa", suffix="-pretrained-tied", model="pretrained-tied", in_configure_model=True),
         _case(4, 2, 3, "mqa", suffix="-pretrained-frozen", model="pretrained-frozen", in_configure_model=True),
+        _case(4, 2, 3, "gqa", suffix="-pretrained-yarn", model="pretrained-yarn", in_configure_model=True),
         _case(4, 2, 2, "mha", suffix="-pretrained-tied", model="pretrained-tied", in_configure_model=True),
+        _case(4, 4, 0, "mqa", suffix="-pretrained", model="pretrained", in_configure_model=True),
         _case(4, 2, 3, "mha", suffix="-pretrained-in-init", model="pretrained"),
         # Pipelined head groups (NUM_HEADS 4 at SP 2: two groups of 2 heads, one per rank each).
         _case(2, 2, 3, "mha", suffix="-overlap2", strategy_kwargs={"overlap_head_groups": 2}),
