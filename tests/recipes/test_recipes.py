@@ -198,3 +198,25 @@ def test_multirun_keeps_every_rank_of_a_job_in_one_directory(tmp_path):
         (metrics,) = tmp_path.glob(f"*/{job}/logs/version_0/metrics.csv")
         shards = sorted(p.name for p in metrics.parent.glob("checkpoints/*/checkpoint/*model_states.pt"))
         assert shards == ["zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"]
+
+
+def test_hf_pretrained_recipe_trains_from_the_pretrained_weights(tiny_pretrained, tmp_path):
+    """`python recipes/train.py model=hf_pretrained model.pretrained=<folder>` on 2 CPU ranks (SP 2, ZeRO-3, the
+    weights loaded into the partitions in configure_model): the first logged loss is the single-process loss of the
+    saved model on the first batch (Lightning's sampler: seed 0, one DP replica)."""
+    from torch.utils.data import DistributedSampler
+
+    from lightning_ulysses.data.copy_task import CopyTaskDataset
+
+    result = _recipe("model=hf_pretrained", f"model.pretrained={tiny_pretrained.folder}", "model.report_loss_split=null",
+                     "data.seq_len=32", "data.batch_size=2", "trainer.max_steps=1", "trainer.log_every_n_steps=1",
+                     "trainer.limit_val_batches=0", "trainer.enable_checkpointing=false", f"hydra.run.dir={tmp_path}",
+                     timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    first = (tmp_path / "logs" / "version_0" / "metrics.csv").read_text().splitlines()[1].split(",")
+    dataset = CopyTaskDataset(4096, 32, 16, seed=0)
+    indices = list(DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0))[:2]
+    input_ids = torch.stack([dataset[i]["input_ids"] for i in indices])
+    with torch.no_grad():
+        expected = tiny_pretrained.model(input_ids=input_ids, labels=input_ids).loss.item()
+    assert abs(float(first[2]) - expected) < 1e-5, (first, expected)
