@@ -73,7 +73,7 @@ def _shape(spec: Any) -> ModelShape:
 
 def plan(cfg: DictConfig) -> str:
     """Parameter count, layout, batch and the memory planner's per-GPU terms, from the config alone (meta device)."""
-    spec = instantiate(cfg.model.model)
+    spec = instantiate(cfg.model).spec  # the module only keeps its spec: nothing is built (nor loaded)
     layout = check_recipe(cfg, spec)
     params = spec.num_parameters()
     nodes, devices = int(cfg.trainer.get("num_nodes", 1)), int(cfg.trainer.devices)

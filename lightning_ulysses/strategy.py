@@ -10,9 +10,10 @@ report in `preflight`; every private Lightning name the strategy needs is reache
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import logging
-from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
@@ -24,7 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_ulysses import _lightning_private as lightning_private
-from lightning_ulysses import faults, preflight, preparation
+from lightning_ulysses import faults, preflight, preparation, pretrained
 from lightning_ulysses.attention.backends import check_sdpa_kernel_priority, sdpa_priority
 from lightning_ulysses.attention.core import check_overlap_head_groups, resolve_ring_size
 from lightning_ulysses.attention.rows import BatchRowsSlot
@@ -272,6 +273,13 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         return {"num_replicas": groups.data_parallel_world_size, "rank": groups.data_parallel_rank}
 
     # -- model preparation --------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    @override
+    def model_sharded_context(self) -> Iterator[None]:
+        # Under ZeRO-3, `from_pretrained` in `configure_model` loads straight into the partitions (`pretrained.py`).
+        with super().model_sharded_context(), pretrained.zero3_loading(self.config if self.zero_stage_3 else None):
+            yield
+
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         self._prepare_modules()

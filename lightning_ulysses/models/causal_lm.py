@@ -6,12 +6,13 @@ attention and makes `model(**batch).loss` the whole-sequence loss.
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Any, Mapping, Optional, Protocol
 
 import lightning as L
 import torch
 
 from lightning_ulysses.loss import sequence_parallel_cross_entropy
+from lightning_ulysses.models.hf import PretrainedCausalLM
 
 
 class ModelSpec(Protocol):
@@ -22,8 +23,8 @@ class ModelSpec(Protocol):
 
 class CausalLMModule(L.LightningModule):
     """Args:
-        model: what to build (`GPTConfig` or `HuggingFaceCausalLM`); built in `configure_model`, i.e. partitioned
-            from the start under ZeRO-3.
+        model: what to build (`GPTConfig`, `HuggingFaceCausalLM` or `PretrainedCausalLM`, see `from_pretrained`);
+            built in `configure_model`, i.e. partitioned from the start under ZeRO-3 (pretrained weights too).
         learning_rate, weight_decay, betas: AdamW settings.
         activation_checkpointing: recompute every layer in backward.
         report_loss_split: also log the loss of the targets before and after this position (`loss_first`,
@@ -43,6 +44,14 @@ class CausalLMModule(L.LightningModule):
         self.save_hyperparameters(ignore=["model"])
         self.spec = model
         self.model: Optional[torch.nn.Module] = None
+
+    @classmethod
+    def from_pretrained(cls, pretrained: str, attn_implementation: str = "sdpa", torch_dtype: Optional[str] = None,
+                        rope_scaling: Optional[Mapping[str, Any]] = None, config: Optional[Mapping[str, Any]] = None,
+                        **kwargs: Any) -> "CausalLMModule":
+        """The module of a pretrained folder (`PretrainedCausalLM`'s arguments), its weights loaded in
+        `configure_model`; `kwargs`: this class's other arguments (`conf/model/hf_pretrained.yaml`)."""
+        return cls(PretrainedCausalLM(pretrained, attn_implementation, torch_dtype, rope_scaling, config), **kwargs)
 
     def configure_model(self) -> None:
         if self.model is not None:  # configure_model runs again for validate/test after fit

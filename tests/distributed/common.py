@@ -39,7 +39,7 @@ def summed_gradient_error(model, reference, group) -> float:
 
 
 def tiny_llama(num_key_value_heads: int, seed: int = 0, attn_implementation: str = "sdpa",
-               num_heads: int = NUM_HEADS, num_layers: int = 2) -> LlamaForCausalLM:
+               num_heads: int = NUM_HEADS, num_layers: int = 2, tie_word_embeddings: bool = False) -> LlamaForCausalLM:
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -48,7 +48,7 @@ def tiny_llama(num_key_value_heads: int, seed: int = 0, attn_implementation: str
         num_attention_heads=num_heads,
         num_key_value_heads=num_key_value_heads,
         max_position_embeddings=128,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         attn_implementation=attn_implementation,
     )
     torch.manual_seed(seed)
@@ -80,7 +80,10 @@ def relative_gradient_error(model, reference, group) -> float:
     return worst
 
 
-def build_model(kind: str, num_key_value_heads: int, reference: bool = False):
+def build_model(kind: str, num_key_value_heads: int, reference: bool = False, pretrained: str | None = None):
+    """`pretrained`: the folder a `pretrained*` kind loads with `from_pretrained` (without it: the model saved there)."""
+    if kind.startswith("pretrained"):
+        return pretrained_model(kind, num_key_value_heads, "eager" if reference else "sdpa", pretrained)
     if kind.startswith("family:"):  # a tiny model of a transformers family (tests/distributed/families.py)
         from tests.distributed.families import FAMILIES, tiny_model
 
@@ -98,6 +101,63 @@ def build_model(kind: str, num_key_value_heads: int, reference: bool = False):
     if kind == "lora":
         return tiny_lora(model)
     return model
+
+
+# `pretrained*` kinds: a Llama saved with `save_pretrained` and loaded with `from_pretrained`; `-tied`: tied input and
+# output embeddings; `-frozen`: the embeddings and the first layer's MLP frozen after the load; `-yarn`: loaded through
+# the recipes' `PretrainedCausalLM` with YaRN RoPE scaling added (past 8 positions: the rows are 16 long).
+PRETRAINED_SEED = 3  # no other model here starts from it: weights a fresh initialisation would not give
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
+
+
+def saved_model(kind: str, num_key_value_heads: int, attn_implementation: str = "sdpa") -> LlamaForCausalLM:
+    """What a `pretrained*` case saves with `save_pretrained`."""
+    model = tiny_llama(num_key_value_heads, seed=PRETRAINED_SEED, attn_implementation=attn_implementation,
+                       tie_word_embeddings=kind.endswith("-tied"))
+    if kind.endswith("-yarn"):  # sharp attention, so that positions (the RoPE scaling) matter to the loss
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(8)
+                layer.self_attn.k_proj.weight.mul_(8)
+    return model
+
+
+def pretrained_model(kind: str, num_key_value_heads: int, attn_implementation: str, folder: str | None = None):
+    """The model of a `pretrained*` kind: loaded from `folder`, or (None) the reference's: the saved model, in memory."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_ulysses.models import PretrainedCausalLM
+
+    if folder is None:
+        model = saved_model(kind, num_key_value_heads, attn_implementation)
+        if kind.endswith("-yarn"):  # the same weights under the scaled config
+            config = model.config
+            config.rope_parameters = {"rope_theta": config.rope_parameters["rope_theta"], **YARN}
+            weights, model = model.state_dict(), LlamaForCausalLM(config).float()
+            model.load_state_dict(weights)
+    elif kind.endswith("-yarn"):
+        model = PretrainedCausalLM(folder, attn_implementation, rope_scaling=YARN).build()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attn_implementation)
+    if kind.endswith("-frozen"):
+        model.model.embed_tokens.requires_grad_(False)
+        model.model.layers[0].mlp.requires_grad_(False)
+    return model
+
+
+def save_pretrained_once(kind: str, num_key_value_heads: int, folder: str, rank: int) -> None:
+    """Rank 0 saves the `pretrained*` model to `folder` (written aside, then renamed); the other ranks wait for it."""
+    import os
+    import time
+
+    if rank == 0:
+        partial = f"{folder}.partial"
+        saved_model(kind, num_key_value_heads).save_pretrained(partial)
+        os.rename(partial, folder)
+    deadline = time.monotonic() + 120
+    while not os.path.isdir(folder):
+        assert time.monotonic() < deadline, f"rank 0 did not save {folder}"
+        time.sleep(0.1)
 
 
 def tiny_lora(model):
@@ -146,20 +206,21 @@ class CausalLM(L.LightningModule):
     """A LightningModule written exactly as without sequence parallelism (plus bookkeeping for the tests)."""
 
     def __init__(self, num_key_value_heads: int, lr: float = 0.5, kind: str = "llama", in_configure_model=False,
-                 step: str = "batch"):
+                 step: str = "batch", pretrained: str | None = None):
         super().__init__()
+        self.pretrained = pretrained  # the folder a `pretrained*` kind loads from (from_pretrained)
         self.step = step  # how the step calls the model: see STEP_FORMS
         # in_configure_model: build under Lightning's model_sharded_context (deepspeed.zero.Init on ZeRO-3), where
         # every tensor is partitioned at construction: checks that initialisation survives partitioning.
         self.kind, self.num_key_value_heads = kind, num_key_value_heads
-        self.model = None if in_configure_model else build_model(kind, num_key_value_heads)
+        self.model = None if in_configure_model else build_model(kind, num_key_value_heads, pretrained=pretrained)
         self.lr = lr
         self.records: list[dict] = []
         self.validation_records: list[dict] = []
 
     def configure_model(self):
         if self.model is None:
-            self.model = build_model(self.kind, self.num_key_value_heads)
+            self.model = build_model(self.kind, self.num_key_value_heads, pretrained=self.pretrained)
 
     def training_step(self, batch, batch_idx):
         loss = STEP_FORMS[self.step](self, batch)

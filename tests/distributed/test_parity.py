@@ -104,6 +104,17 @@ def _matrix():
         _case(4, 2, 2, "gqa", suffix="-gpt_oss-labels_are_input_ids", model="family:gpt_oss",
               step="labels_are_input_ids"),
         _case(4, 2, 3, "gqa", suffix="-mistral-bf16-mixed", model="family:mistral", precision="bf16-mixed"),
+        # Pretrained weights (`save_pretrained`, then `from_pretrained`): loaded in configure_model under ZeRO-3
+        # straight into the partitions (pretrained.py), untied, tied, partly frozen, and through the recipes'
+        # PretrainedCausalLM with YaRN scaling; under ZeRO-2 and ZeRO-0 in configure_model (no zero.Init); and in
+        # __init__. The reference starts from the saved model.
+        _case(4, 2, 3, "mha", suffix="-pretrained", model="pretrained", in_configure_model=True),
+        _case(4, 4, 3, "gqa", suffix="-pretrained-tied", model="pretrained-tied", in_configure_model=True),
+        _case(4, 2, 3, "mqa", suffix="-pretrained-frozen", model="pretrained-frozen", in_configure_model=True),
+        _case(4, 2, 3, "gqa", suffix="-pretrained-yarn", model="pretrained-yarn", in_configure_model=True),
+        _case(4, 2, 2, "mha", suffix="-pretrained-tied", model="pretrained-tied", in_configure_model=True),
+        _case(4, 4, 0, "mqa", suffix="-pretrained", model="pretrained", in_configure_model=True),
+        _case(4, 2, 3, "mha", suffix="-pretrained-in-init", model="pretrained"),
         # Pipelined head groups (NUM_HEADS 4 at SP 2: two groups of 2 heads, one per rank each).
         _case(2, 2, 3, "mha", suffix="-overlap2", strategy_kwargs={"overlap_head_groups": 2}),
         _case(4, 2, 2, "mha", suffix="-gpt-overlap2", model="gpt", strategy_kwargs={"overlap_head_groups": 2}),
@@ -130,11 +141,13 @@ def _results_for(world_size: int, tmp_path_factory) -> list[dict]:
     return JOBS[world_size].ranks(tmp_path_factory)
 
 
-CLAIMS = ("routing", "shards", "losses", "weights", "evaluation", "replicas")
+CLAIMS = ("routing", "shards", "losses", "weights", "evaluation", "replicas", "tying")
+_APPLIES = {"evaluation": lambda case: case.get("validate"),
+            "tying": lambda case: case.get("model", "").startswith("pretrained")}
 
 
 def _claims_of(case: dict) -> tuple[str, ...]:
-    return tuple(claim for claim in CLAIMS if claim != "evaluation" or case.get("validate"))
+    return tuple(claim for claim in CLAIMS if _APPLIES.get(claim, lambda case: True)(case))
 
 
 @pytest.mark.parametrize(("case", "claim"), [(case, claim) for case in CASES for claim in _claims_of(case)],
@@ -268,8 +281,15 @@ def _check_replicas(case: dict, ranks: list[dict], steps) -> None:
     assert max(checksums) - min(checksums) <= 1e-9 * max(checksums), checksums
 
 
+def _check_tying(case: dict, ranks: list[dict], steps) -> None:
+    """A pretrained model with tied embeddings still has one tensor for both after loading and training (an untied
+    copy would train the two apart: the weights claim compares the one tensor only)."""
+    tied = case["model"].endswith("-tied")
+    assert [rank["tied_embeddings"] for rank in ranks] == [tied] * len(ranks)
+
+
 _CHECKS = {"shards": _check_shards, "losses": _check_losses, "weights": _check_weights,
-           "evaluation": _check_evaluation, "replicas": _check_replicas}
+           "evaluation": _check_evaluation, "replicas": _check_replicas, "tying": _check_tying}
 
 
 def check_bf16_against_fp32(ranks: list[dict], reference: dict) -> None:

@@ -16,6 +16,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from lightning_ulysses.config import register_resolvers
+from lightning_ulysses.recipe import plan
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
@@ -45,9 +46,50 @@ def test_every_experiment_composes_and_instantiates(experiment):
     _instantiate_everything(_compose([f"experiment={experiment}"]))
 
 
+@pytest.fixture(scope="session")
+def tiny_pretrained(tmp_path_factory) -> Path:
+    """A tiny Llama saved with `save_pretrained` (offline, a second), and the model itself."""
+    from tests.distributed.common import PRETRAINED_SEED, tiny_llama
+
+    folder = tmp_path_factory.mktemp("tiny_pretrained")
+    model = tiny_llama(2, seed=PRETRAINED_SEED)
+    model.save_pretrained(folder)
+    return SimpleNamespace(folder=folder, model=model)
+
+
 @pytest.mark.parametrize("group, option", GROUP_OPTIONS, ids=[f"{g}={o}" for g, o in GROUP_OPTIONS])
-def test_every_group_option_composes_and_instantiates(group, option):
-    _instantiate_everything(_compose([f"{group}={option}", *REQUIRED.get(option, [])]))
+def test_every_group_option_composes_and_instantiates(group, option, request):
+    required = REQUIRED.get(option, [])
+    if option == "hf_pretrained":
+        required = [f"model.pretrained={request.getfixturevalue('tiny_pretrained').folder}"]
+    _instantiate_everything(_compose([f"{group}={option}", *required]))
+
+
+def test_hf_pretrained_starts_from_the_pretrained_weights(tiny_pretrained):
+    """`model=hf_pretrained model.pretrained=<folder>`: configure_model loads the folder's weights (the same logits),
+    in training mode; `rope_scaling` and `config` change the loaded config and keep the checkpoint's `rope_theta`.
+    (Under the strategy's ZeRO-3, the same load into partitions: tests/distributed/test_parity.py `-pretrained`.)"""
+    folder, saved = tiny_pretrained.folder, tiny_pretrained.model
+    cfg = _compose(["model=hf_pretrained", f"model.pretrained={folder}"])
+    assert "PretrainedCausalLM" in plan(cfg)  # plan=true reads the folder's config only
+    module = instantiate(cfg.model)
+    module.configure_model()
+    assert module.model.training
+    tokens = torch.arange(24).reshape(2, 12)
+    with torch.no_grad():
+        assert torch.equal(module.model(input_ids=tokens).logits, saved.eval()(input_ids=tokens).logits)
+
+    extended = instantiate(_compose([
+        "model=hf_pretrained", f"model.pretrained={folder}", "model.config={max_position_embeddings: 512}",
+        "model.rope_scaling={rope_type: yarn, factor: 4.0, original_max_position_embeddings: 128}"]).model)
+    config = extended.spec.config
+    assert config.max_position_embeddings == 512
+    assert config.rope_parameters == {"rope_theta": saved.config.rope_parameters["rope_theta"], "rope_type": "yarn",
+                                      "factor": 4.0, "original_max_position_embeddings": 128}
+    extended.configure_model()
+    assert extended.model.model.rotary_emb.rope_type == "yarn"
+    weights = dict(saved.state_dict())
+    assert all(torch.equal(value, weights[name]) for name, value in extended.model.state_dict().items())
 
 
 def _env() -> dict:
@@ -156,3 +198,25 @@ def test_multirun_keeps_every_rank_of_a_job_in_one_directory(tmp_path):
         (metrics,) = tmp_path.glob(f"*/{job}/logs/version_0/metrics.csv")
         shards = sorted(p.name for p in metrics.parent.glob("checkpoints/*/checkpoint/*model_states.pt"))
         assert shards == ["zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"]
+
+
+def test_hf_pretrained_recipe_trains_from_the_pretrained_weights(tiny_pretrained, tmp_path):
+    """`python recipes/train.py model=hf_pretrained model.pretrained=<folder>` on 2 CPU ranks (SP 2, ZeRO-3, the
+    weights loaded into the partitions in configure_model): the first logged loss is the single-process loss of the
+    saved model on the first batch (Lightning's sampler: seed 0, one DP replica)."""
+    from torch.utils.data import DistributedSampler
+
+    from lightning_ulysses.data.copy_task import CopyTaskDataset
+
+    result = _recipe("model=hf_pretrained", f"model.pretrained={tiny_pretrained.folder}", "model.report_loss_split=null",
+                     "data.seq_len=32", "data.batch_size=2", "trainer.max_steps=1", "trainer.log_every_n_steps=1",
+                     "trainer.limit_val_batches=0", "trainer.enable_checkpointing=false", f"hydra.run.dir={tmp_path}",
+                     timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    first = (tmp_path / "logs" / "version_0" / "metrics.csv").read_text().splitlines()[1].split(",")
+    dataset = CopyTaskDataset(4096, 32, 16, seed=0)
+    indices = list(DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0))[:2]
+    input_ids = torch.stack([dataset[i]["input_ids"] for i in indices])
+    with torch.no_grad():
+        expected = tiny_pretrained.model(input_ids=input_ids, labels=input_ids).loss.item()
+    assert abs(float(first[2]) - expected) < 1e-5, (first, expected)

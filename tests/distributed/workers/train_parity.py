@@ -4,6 +4,7 @@ Each case builds its own Trainer and its own SP/DP groups on the shared world pr
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import lightning_ulysses
-from tests.distributed.common import CausalLM, UnevenlyMaskedTokens, collate
+from tests.distributed.common import CausalLM, UnevenlyMaskedTokens, collate, save_pretrained_once
 from tests.distributed.packed import PackedDocuments
 
 DATASETS = {"uneven": UnevenlyMaskedTokens, "packed": PackedDocuments}  # case["data"], "uneven" by default
@@ -28,6 +29,8 @@ class CaptureWeights(L.Callback):
             pl_module.final_weights = {name: p.detach().clone() for name, p in params.items()}
         # Which modules trained with a wrapped forward (the memory features), seen before teardown undoes them.
         pl_module.wrapped_modules = sorted({type(m).__name__ for m in pl_module.model.modules() if "forward" in m.__dict__})
+        embeddings, head = pl_module.model.get_input_embeddings(), pl_module.model.get_output_embeddings()
+        pl_module.tied_embeddings = head is not None and head.weight is embeddings.weight
 
 
 class CountAttentionRuns(L.Callback):
@@ -55,8 +58,13 @@ class CountAttentionRuns(L.Callback):
 
 
 def run_case(case: dict, world_size: int) -> dict:
-    module = CausalLM(num_key_value_heads=case["kv_heads"], lr=case.get("lr", 0.5), kind=case.get("model", "llama"),
-                      in_configure_model=case.get("in_configure_model", False), step=case.get("step", "batch"))
+    kind, pretrained = case.get("model", "llama"), None
+    if kind.startswith("pretrained"):  # the model the reference starts from, saved; the module loads it
+        pretrained = str(Path(case["workdir"]) / f"{case['name']}.pretrained")
+        save_pretrained_once(kind, case["kv_heads"], pretrained, int(os.environ["RANK"]))
+    module = CausalLM(num_key_value_heads=case["kv_heads"], lr=case.get("lr", 0.5), kind=kind,
+                      in_configure_model=case.get("in_configure_model", False), step=case.get("step", "batch"),
+                      pretrained=pretrained)
     strategy = lightning_ulysses.UlyssesDeepSpeedStrategy(
         sequence_parallel_size=case["sp"], stage=case["stage"], **case.get("strategy_kwargs", {})
     )
@@ -102,6 +110,7 @@ def run_case(case: dict, world_size: int) -> dict:
         "weights": weights if dist.get_rank() == 0 else None,
         "weights_checksum": sum(w.double().abs().sum().item() for w in weights.values()),
         "wrapped_modules": module.wrapped_modules,
+        "tied_embeddings": module.tied_embeddings,
         "attention_runs": module.attention_runs,
         "sdpa_orders": sorted(module.sdpa_orders),
     }
