@@ -29,8 +29,13 @@ class CaptureWeights(L.Callback):
             pl_module.final_weights = {name: p.detach().clone() for name, p in params.items()}
         # Which modules trained with a wrapped forward (the memory features), seen before teardown undoes them.
         pl_module.wrapped_modules = sorted({type(m).__name__ for m in pl_module.model.modules() if "forward" in m.__dict__})
-        embeddings, head = pl_module.model.get_input_embeddings(), pl_module.model.get_output_embeddings()
-        pl_module.tied_embeddings = head is not None and head.weight is embeddings.weight
+        # Whether the output head still shares the input embedding's tensor (HF models; None for the native GPT).
+        model = pl_module.model
+        if hasattr(model, "get_input_embeddings"):
+            embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+            pl_module.tied_embeddings = head is not None and head.weight is embeddings.weight
+        else:
+            pl_module.tied_embeddings = None
 
 
 class CountAttentionRuns(L.Callback):
