@@ -133,7 +133,8 @@ REFERENCE_LOSSES = {
 
 CASES = _matrix()
 # One job per world size, each in the shared launch of that world size (pool.py).
-JOBS = {world: shared(world, "parity", WORKER, {"cases": [case for case in CASES if case["world_size"] == world]})
+JOBS = {world: shared(world, "parity", WORKER, {"cases": [case for case in CASES if case["world_size"] == world]},
+                     timeout=1200)  # some 50 trainings at 4 ranks: several minutes on 2 cores
         for world in sorted({case["world_size"] for case in CASES})}
 
 
