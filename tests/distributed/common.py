@@ -85,16 +85,9 @@ def build_model(kind: str, num_key_value_heads: int, reference: bool = False, pr
     if kind.startswith("pretrained"):
         return pretrained_model(kind, num_key_value_heads, "eager" if reference else "sdpa", pretrained)
     if kind.startswith("family:"):  # a tiny model of a transformers family (tests/distributed/families.py)
-        from tests.distributed.families import FAMILIES, tiny_model
+        from tests.distributed.families import family_model
 
-        family = kind.removeprefix("family:")  # its own head counts (GQA 4:2 where it has GQA)
-        overrides = {k: v for k, v in FAMILIES.get(family, {}).items() if k not in ("eval", "float64")}
-        try:
-            return tiny_model(family, **overrides)
-        except ValueError as error:  # a family transformers allows in eager only (GPT-OSS, Gemma 2)
-            if "scaled_dot_product_attention" not in str(error):
-                raise
-            return tiny_model(family, "eager", **overrides)
+        return family_model(kind.removeprefix("family:"))  # its own head counts (GQA 4:2 where it has GQA)
     if kind == "gpt":
         return tiny_gpt(num_key_value_heads)
     model = tiny_llama(num_key_value_heads, attn_implementation="eager" if reference else "sdpa")

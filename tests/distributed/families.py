@@ -82,3 +82,15 @@ def tiny_model(model_type: str, attn_implementation: str = "sdpa", seed: int = 0
     config = tiny_config(model_type, **overrides)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).float()
+
+
+def family_model(name: str):
+    """The tiny model of family `name` with the matrix's settings (`FAMILIES`), in sdpa, or in eager where
+    transformers allows only that (GPT-OSS, Gemma 2, ...)."""
+    overrides = {key: value for key, value in FAMILIES.get(name, {}).items() if key not in ("eval", "float64")}
+    try:
+        return tiny_model(name, "sdpa", **overrides)
+    except ValueError as error:
+        if "scaled_dot_product_attention" not in str(error):
+            raise
+        return tiny_model(name, "eager", **overrides)

@@ -14,7 +14,7 @@ import torch
 
 from lightning_ulysses.adapters import position_rule_of
 from lightning_ulysses.sharding import SequenceSharder
-from tests.distributed.families import FAMILIES, SEQ_LEN, VOCAB, tiny_model
+from tests.distributed.families import FAMILIES, SEQ_LEN, VOCAB, family_model, tiny_model
 
 PADDING = (5, 0, 9)  # left padding of each row
 
@@ -28,20 +28,10 @@ def _left_padded_batch() -> dict:
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
-def _build(name: str, overrides: dict):
-    overrides = {key: value for key, value in overrides.items() if key not in ("eval", "float64")}
-    try:
-        return tiny_model(name, "sdpa", **overrides)
-    except ValueError as error:  # eager-only families
-        if "scaled_dot_product_attention" not in str(error):
-            raise
-        return tiny_model(name, "eager", **overrides)
-
-
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_filled_positions_are_the_familys_own(name):
     try:
-        model = _build(name, FAMILIES[name]).eval()
+        model = family_model(name).eval()
     except Exception as error:  # the families the matrix reports as "untested" too
         pytest.skip(f"cannot be built small here: {type(error).__name__}")
     batch = _left_padded_batch()
