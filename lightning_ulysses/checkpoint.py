@@ -276,28 +276,16 @@ def export(path: Path, output: Path, hf_model: Optional[str] = None) -> list[Pat
 
 
 def _export_hf_model(config_dir: Path, state: Mapping[str, torch.Tensor], name: str, target: Path) -> Path:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(config_dir)
+    from lightning_ulysses.export import save_pretrained_folders
+
     prefix = f"{name}."
     weights = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
-    # Tied weights (e.g. lm_head = embeddings) are stored once; anything else missing is a real mismatch.
-    tied = {key for key in missing if _is_tied(model, key)}
-    if set(missing) - tied or unexpected:
-        raise ValueError(f"{name}: checkpoint weights do not match the model: missing {sorted(set(missing) - tied)},"
-                         f" unexpected {sorted(unexpected)}.")
-    model.tie_weights()
-    model.save_pretrained(target)
-    return target
-
-
-def _is_tied(model, key: str) -> bool:
-    tied = getattr(model, "_tied_weights_keys", None) or {}
-    keys = tied.keys() if isinstance(tied, Mapping) else tied
-    return any(key == pattern or key.endswith(pattern) for pattern in keys)
+    try:
+        return save_pretrained_folders(AutoConfig.from_pretrained(config_dir), weights, target)[0]
+    except ValueError as error:
+        raise ValueError(f"{name}: checkpoint weights do not match the model: {error}") from error
 
 
 def save_hf_configs(directory: Path, configs: Mapping[str, Any]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import Any
 
 from hydra.utils import instantiate
@@ -61,6 +62,18 @@ def check_recipe(cfg: DictConfig, spec: Any) -> ParallelLayout:
             f" {size} or strategy.sequence_padding=pad"
         )
     return layout
+
+
+def export_callbacks(export: DictConfig, spec: Any, run_dir: Path) -> list:
+    """The `export:` block as callbacks: `ExportPretrained` when enabled, with the tokenizer of the model's pretrained
+    folder when it has one."""
+    if not export.enabled:
+        return []
+    from lightning_ulysses.export import ExportPretrained
+
+    folder = getattr(spec, "pretrained", None)
+    tokenizer = folder if folder and (Path(folder) / "tokenizer_config.json").exists() else None
+    return [ExportPretrained(export.dir or str(run_dir / "export"), merged=export.merged, tokenizer=tokenizer)]
 
 
 def _shape(spec: Any) -> ModelShape:

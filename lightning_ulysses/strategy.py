@@ -196,6 +196,12 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     data_parallel_world_size = _from_groups("data_parallel_world_size")
 
     @property
+    def hf_model_configs(self) -> dict[str, Any]:
+        """Module path → config of every Hugging Face model the strategy prepared, as the user built it (while it
+        trains the model holds a copy with Ulysses attention): what `save_pretrained` of the trained model needs."""
+        return dict(self._hf_model_configs)
+
+    @property
     def check_batches(self) -> CheckBatches:
         return self._batch_check.mode
 

@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 
 import lightning_ulysses  # noqa: F401  (registers the "ulysses" strategy names)
 from lightning_ulysses.config import register_resolvers
-from lightning_ulysses.recipe import apply_runtime_environment, check_recipe, plan
+from lightning_ulysses.recipe import apply_runtime_environment, check_recipe, export_callbacks, plan
 
 ROOT = Path(__file__).resolve().parents[1]
 register_resolvers()
@@ -46,8 +46,9 @@ def main(cfg: DictConfig) -> None:
     data = instantiate(cfg.data)
     strategy = instantiate(cfg.strategy)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    exports = export_callbacks(cfg.export, module.spec, run_dir)
     trainer = instantiate(cfg.trainer, strategy=strategy, logger=CSVLogger(save_dir=run_dir, name="logs"),
-                          default_root_dir=run_dir)
+                          default_root_dir=run_dir, callbacks=exports)
     trainer.fit(module, datamodule=data)
     if trainer.is_global_zero:
         print(f"\nRun directory: {run_dir}")
@@ -55,6 +56,8 @@ def main(cfg: DictConfig) -> None:
         checkpoint = trainer.checkpoint_callback
         if checkpoint is not None and (checkpoint.last_model_path or checkpoint.best_model_path):
             print(f"Checkpoint:    {checkpoint.last_model_path or checkpoint.best_model_path}")
+        for export in exports:
+            print(f"Export:        {export.directory}")
         print(f"Final metrics: { {k: round(float(v), 4) for k, v in sorted(trainer.callback_metrics.items())} }")
 
 

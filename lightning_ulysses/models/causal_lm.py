@@ -13,6 +13,7 @@ import torch
 
 from lightning_ulysses.loss import sequence_parallel_cross_entropy
 from lightning_ulysses.models.hf import PretrainedCausalLM
+from lightning_ulysses.models.lora import LoraSettings, with_lora
 
 
 class ModelSpec(Protocol):
@@ -29,6 +30,8 @@ class CausalLMModule(L.LightningModule):
         activation_checkpointing: recompute every layer in backward.
         report_loss_split: also log the loss of the targets before and after this position (`loss_first`,
             `loss_second`): the copy task's random half and copied half.
+        lora: LoRA adapters on the built model (`LoraSettings`' fields: `r`, `alpha`, `target_modules`, `dropout`,
+            `seed`): the base frozen, only the adapters train (`lightning_ulysses.models.lora`).
     """
 
     def __init__(
@@ -39,6 +42,7 @@ class CausalLMModule(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         activation_checkpointing: bool = False,
         report_loss_split: Optional[int] = None,
+        lora: Optional[Mapping[str, Any]] = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["model"])
@@ -57,6 +61,8 @@ class CausalLMModule(L.LightningModule):
         if self.model is not None:  # configure_model runs again for validate/test after fit
             return
         self.model = self.spec.build()
+        if self.hparams.lora is not None:  # after the load: peft wraps the loaded layers
+            self.model = with_lora(self.model, LoraSettings(**self.hparams.lora))
         if self.hparams.activation_checkpointing:
             self.model.gradient_checkpointing_enable()
 
@@ -104,6 +110,6 @@ class CausalLMModule(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(
-            self.parameters(), lr=self.hparams.learning_rate, weight_decay=self.hparams.weight_decay,
+            [p for p in self.parameters() if p.requires_grad], lr=self.hparams.learning_rate, weight_decay=self.hparams.weight_decay,
             betas=tuple(self.hparams.betas),
         )

@@ -98,9 +98,11 @@ def build_model(kind: str, num_key_value_heads: int, reference: bool = False, pr
 
 # `pretrained*` kinds: a Llama saved with `save_pretrained` and loaded with `from_pretrained`; `-tied`: tied input and
 # output embeddings; `-frozen`: the embeddings and the first layer's MLP frozen after the load; `-yarn`: loaded through
-# the recipes' `PretrainedCausalLM` with YaRN RoPE scaling added (past 8 positions: the rows are 16 long).
+# the recipes' `PretrainedCausalLM` with YaRN RoPE scaling added (past 8 positions: the rows are 16 long); `-lora`:
+# LoRA adapters added after the load by `lightning_ulysses.models.lora` (the reference: peft's own, seeded alike).
 PRETRAINED_SEED = 3  # no other model here starts from it: weights a fresh initialisation would not give
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
+LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"], "seed": 5}
 
 
 def saved_model(kind: str, num_key_value_heads: int, attn_implementation: str = "sdpa") -> LlamaForCausalLM:
@@ -135,7 +137,23 @@ def pretrained_model(kind: str, num_key_value_heads: int, attn_implementation: s
     if kind.endswith("-frozen"):
         model.model.embed_tokens.requires_grad_(False)
         model.model.layers[0].mlp.requires_grad_(False)
+    if kind.endswith("-lora"):
+        return lora_model(model, plain=folder is None)
     return model
+
+
+def lora_model(model, plain: bool):
+    """`model` with the `-lora` kinds' adapters: through `with_lora` (what a module calls in configure_model), or
+    (`plain`, the reference) peft's `get_peft_model` in one process seeded with the same seed."""
+    from peft import LoraConfig, get_peft_model
+
+    from lightning_ulysses.models.lora import LoraSettings, with_lora
+
+    if not plain:
+        return with_lora(model, LoraSettings(**LORA))
+    torch.manual_seed(LORA["seed"])
+    return get_peft_model(model, LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], target_modules=LORA["target_modules"],
+                                            task_type="CAUSAL_LM"))
 
 
 def save_pretrained_once(kind: str, num_key_value_heads: int, folder: str, rank: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -108,8 +109,12 @@ def _matrix():
         # straight into the partitions (pretrained.py), untied, tied, partly frozen, and through the recipes'
         # PretrainedCausalLM with YaRN scaling; under ZeRO-2 and ZeRO-0 in configure_model (no zero.Init); and in
         # __init__. The reference starts from the saved model.
-        _case(4, 2, 3, "mha", suffix="-pretrained", model="pretrained", in_configure_model=True),
-        _case(4, 4, 3, "gqa", suffix="-pretrained-tied", model="pretrained-tied", in_configure_model=True),
+        # `export`: the save_pretrained folder ExportPretrained writes at the end of training (gathered from ZeRO-3).
+        _case(4, 2, 3, "mha", suffix="-pretrained", model="pretrained", in_configure_model=True, export=True),
+        _case(4, 4, 3, "gqa", suffix="-pretrained-tied", model="pretrained-tied", in_configure_model=True, export=True),
+        # LoRA on the loaded model in configure_model (adapters partitioned by zero.Init as peft creates them),
+        # against peft's own LoRA model in one process; exported as adapters and merged.
+        _case(4, 2, 3, "mha", suffix="-pretrained-lora", model="pretrained-lora", in_configure_model=True, export=True),
         _case(4, 2, 3, "mqa", suffix="-pretrained-frozen", model="pretrained-frozen", in_configure_model=True),
         _case(4, 2, 3, "gqa", suffix="-pretrained-yarn", model="pretrained-yarn", in_configure_model=True),
         _case(4, 2, 2, "mha", suffix="-pretrained-tied", model="pretrained-tied", in_configure_model=True),
@@ -142,8 +147,8 @@ def _results_for(world_size: int, tmp_path_factory) -> list[dict]:
     return JOBS[world_size].ranks(tmp_path_factory)
 
 
-CLAIMS = ("routing", "shards", "losses", "weights", "evaluation", "replicas", "tying")
-_APPLIES = {"evaluation": lambda case: case.get("validate"),
+CLAIMS = ("routing", "shards", "losses", "weights", "evaluation", "replicas", "tying", "export")
+_APPLIES = {"evaluation": lambda case: case.get("validate"), "export": lambda case: case.get("export"),
             "tying": lambda case: case.get("model", "").startswith("pretrained")}
 
 
@@ -289,8 +294,40 @@ def _check_tying(case: dict, ranks: list[dict], steps) -> None:
     assert [rank["tied_embeddings"] for rank in ranks] == [tied] * len(ranks)
 
 
+def _check_export(case: dict, ranks: list[dict], steps) -> None:
+    """The folders written at the end of training load, without the training code, with the trained model's logits
+    (eager attention on both sides): a full model through `AutoModelForCausalLM` identically; LoRA's adapter folder
+    on the saved base through `PeftModel` identically, and the merged folder identically to peft's merge of the
+    trained model (within 1e-5 of the unmerged one: merging changes the order of the sums)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    rank = next(rank for rank in ranks if rank["weights"] is not None)
+    trained = build_model(case["model"], case["kv_heads"], reference=True)
+    result = trained.load_state_dict(rank["weights"], strict=False)
+    assert not result.unexpected_keys and all("rotary" in key or key == "lm_head.weight" for key in result.missing_keys)
+    tokens = torch.arange(2 * case["seq_len"]).reshape(2, -1) % trained.config.vocab_size
+    logits = _logits(trained, tokens)
+    export = Path(rank["export"])
+    if not case["model"].endswith("-lora"):
+        assert torch.equal(_logits(AutoModelForCausalLM.from_pretrained(export, attn_implementation="eager"), tokens),
+                           logits)
+        return
+    base = AutoModelForCausalLM.from_pretrained(rank["pretrained"], attn_implementation="eager")
+    assert torch.equal(_logits(PeftModel.from_pretrained(base, export / "adapter"), tokens), logits)
+    merged = _logits(AutoModelForCausalLM.from_pretrained(export / "merged", attn_implementation="eager"), tokens)
+    assert torch.equal(merged, _logits(trained.merge_and_unload(), tokens))
+    assert (merged - logits).abs().max() < 1e-5
+
+
+def _logits(model, tokens):
+    with torch.no_grad():
+        return model.eval()(input_ids=tokens).logits
+
+
 _CHECKS = {"shards": _check_shards, "losses": _check_losses, "weights": _check_weights,
-           "evaluation": _check_evaluation, "replicas": _check_replicas, "tying": _check_tying}
+           "evaluation": _check_evaluation, "replicas": _check_replicas, "tying": _check_tying,
+           "export": _check_export}
 
 
 def check_bf16_against_fp32(ranks: list[dict], reference: dict) -> None:

@@ -62,6 +62,15 @@ class CountAttentionRuns(L.Callback):
             handle.remove()
 
 
+def _export(case: dict) -> list[L.Callback]:
+    """The trained model's save_pretrained folder(s) (LoRA: the adapters and the merged model), for the export claim."""
+    if not case.get("export"):
+        return []
+    from lightning_ulysses.export import ExportPretrained
+
+    return [ExportPretrained(str(Path(case["workdir"]) / f"{case['name']}.export"), merged=True)]
+
+
 def run_case(case: dict, world_size: int) -> dict:
     kind, pretrained = case.get("model", "llama"), None
     if kind.startswith("pretrained"):  # the model the reference starts from, saved; the module loads it
@@ -76,7 +85,7 @@ def run_case(case: dict, world_size: int) -> dict:
     trainer = L.Trainer(
         accelerator="cpu", devices=case.get("devices", world_size), num_nodes=case.get("num_nodes", 1), strategy=strategy, max_steps=case["steps"], precision=case.get("precision", "32-true"),
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[CaptureWeights(), CountAttentionRuns()], **case.get("trainer_kwargs", {}),
+        callbacks=[CaptureWeights(), CountAttentionRuns(), *_export(case)], **case.get("trainer_kwargs", {}),
     )
     batch_size = case["batch_size"]
     dataset_type = DATASETS[case.get("data", "uneven")]
@@ -118,6 +127,8 @@ def run_case(case: dict, world_size: int) -> dict:
         "tied_embeddings": module.tied_embeddings,
         "attention_runs": module.attention_runs,
         "sdpa_orders": sorted(module.sdpa_orders),
+        "pretrained": pretrained,
+        "export": str(Path(case["workdir"]) / f"{case['name']}.export") if case.get("export") else None,
     }
 
 

@@ -1,0 +1,147 @@
+"""The trained model as a `save_pretrained` folder at the end of training, loadable without the training code.
+
+`ExportPretrained(directory)` (a Callback; the recipes add it with `export.enabled=true`) writes, once `fit` has
+trained: for a Hugging Face model, `directory/` with its weights, config and (from `tokenizer`) tokenizer, which
+`AutoModelForCausalLM.from_pretrained(directory)` loads with the trained model's logits; for a PEFT LoRA model,
+`directory/adapter/` (peft's adapter folder: `PeftModel.from_pretrained(base, directory/adapter)`) and, with
+`merged=True`, `directory/merged/` (the adapters merged into the base weights by peft's `merge_and_unload`, a plain
+model folder).
+
+Under ZeRO-3 each rank holds a partition of every parameter: DeepSpeed's own consolidation for `save_16bit_model`
+(`_zero3_consolidated_16bit_state_dict`, a collective: one module gathered at a time, copied to global rank 0's host
+memory) gives the whole state dict; global rank 0 then fills a model built on the meta device with it (no second copy
+of the weights) and saves. The values are the module's weights (the Trainer's precision), not DeepSpeed's fp32 master
+copies: what the trained model computes with. The config saved is the one the model was built with (the strategy
+swaps in a copy with Ulysses attention while it trains).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import lightning.pytorch as pl
+import torch
+from typing_extensions import override
+
+
+class ExportPretrained(pl.Callback):
+    """Args:
+        directory: the folder to write (created; existing files are overwritten).
+        merged: for a LoRA model, also write the merged full model to `directory/merged`.
+        tokenizer: a folder (or Hub name) whose tokenizer is saved beside the weights; None: none is saved.
+    """
+
+    def __init__(self, directory: str, merged: bool = False, tokenizer: Optional[str] = None) -> None:
+        self.directory, self.merged, self.tokenizer = Path(directory), merged, tokenizer
+
+    @override
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # While the training engine exists: under ZeRO-3 its consolidation is what gathers the partitions.
+        name, model = _exported_model(pl_module)
+        state = _whole_state_dict(trainer, pl_module)
+        if trainer.is_global_zero:
+            weights = {key[len(name) + 1:]: value for key, value in state.items() if key.startswith(f"{name}.")}
+            save_pretrained_folders(_built_config(trainer, model, name), weights, self.directory,
+                                    lora=_lora_config(model), merged=self.merged, tokenizer=self.tokenizer)
+        trainer.strategy.barrier("lightning_ulysses.export")
+
+
+def save_pretrained_folders(config: Any, weights: Mapping[str, torch.Tensor], directory: Path, lora: Any = None,
+                            merged: bool = False, tokenizer: Optional[str] = None) -> list[Path]:
+    """The `save_pretrained` folder(s) (see the module docstring) of the causal LM of `config` with the whole
+    `weights` (its `state_dict`; with `lora`, a peft `LoraConfig`, the `PeftModel`'s). Returns the folders written."""
+    if lora is not None:
+        from peft import get_peft_model
+
+        with torch.device("meta"):
+            plain = get_peft_model(_meta_model(config), lora)
+        _assign(plain, weights)
+        folders = [directory / "adapter"]
+        plain.save_pretrained(folders[0], save_embedding_layers=False)
+        if merged:
+            # peft merges into the adapted layers' weights in place; `weights` may be the live model's own tensors.
+            for layer in plain.modules():
+                if hasattr(layer, "base_layer") and hasattr(layer.base_layer, "weight"):
+                    layer.base_layer.weight = torch.nn.Parameter(layer.base_layer.weight.detach().clone(),
+                                                                 requires_grad=False)
+            folders.append(directory / "merged")
+            plain.merge_and_unload().save_pretrained(folders[1])
+    else:
+        plain = _meta_model(config)
+        _assign(plain, weights)
+        folders = [directory]
+        plain.save_pretrained(directory)
+    if tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        saved = AutoTokenizer.from_pretrained(tokenizer)
+        for folder in folders:
+            saved.save_pretrained(folder)
+    return folders
+
+
+def _meta_model(config: Any) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _assign(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
+    """Fill a meta-device model with `weights` (the tensors themselves, no copy); only tied weights may be missing
+    (e.g. lm_head = embeddings, stored once)."""
+    missing, unexpected = model.load_state_dict(dict(weights), strict=False, assign=True)
+    untied = {key for key in missing if not _is_tied(model, key)}
+    if untied or unexpected:
+        raise ValueError(f"the trained weights do not match the model: missing {sorted(untied)}, unexpected"
+                         f" {sorted(unexpected)}.")
+    model.tie_weights()
+
+
+def _is_tied(model, key: str) -> bool:
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    keys = tied.keys() if isinstance(tied, Mapping) else tied
+    return any(key == pattern or key.endswith(pattern) for pattern in keys)
+
+
+def _lora_config(model: torch.nn.Module) -> Any:
+    from peft import PeftModel
+
+    return model.peft_config[model.active_adapter] if isinstance(model, PeftModel) else None
+
+
+def _exported_model(pl_module: "pl.LightningModule") -> tuple[str, torch.nn.Module]:
+    """The one Hugging Face (or PEFT) model of the module, with its module path."""
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
+    found, inside = [], set()
+    for name, module in pl_module.named_modules():
+        if any(name.startswith(f"{outer}.") for outer in inside):
+            continue
+        if isinstance(module, (PeftModel, PreTrainedModel)):
+            found.append((name, module))
+            inside.add(name)
+    if len(found) != 1:
+        raise ValueError(f"ExportPretrained exports one Hugging Face or PEFT model; {type(pl_module).__name__} has"
+                         f" {[name for name, _ in found]}.")
+    return found[0]
+
+
+def _whole_state_dict(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Optional[dict[str, torch.Tensor]]:
+    """The LightningModule's whole state dict on global rank 0 (None elsewhere under ZeRO-3)."""
+    engine = getattr(trainer.strategy, "deepspeed_engine", None)
+    if engine is not None and engine.zero_optimization_partition_weights():
+        return engine._zero3_consolidated_16bit_state_dict()  # a collective: every rank calls it
+    return {key: value.detach().cpu() for key, value in pl_module.state_dict().items()}
+
+
+def _built_config(trainer: "pl.Trainer", model: torch.nn.Module, name: str) -> Any:
+    """The config `model` was built with: the strategy records it before swapping in its Ulysses copy."""
+    from peft import PeftModel
+
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    recorded = getattr(trainer.strategy, "hf_model_configs", {})
+    return next((config for path, config in recorded.items() if path == name or path.startswith(f"{name}.")),
+                base.config)

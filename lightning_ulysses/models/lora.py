@@ -1,0 +1,119 @@
+"""LoRA adapters (the `peft` package) on a causal LM, applied in `configure_model` after the model is built or loaded.
+
+`with_lora(model, LoraSettings(r=8, alpha=16, target_modules=("q_proj", "v_proj")))` returns peft's `PeftModel`:
+the base weights frozen, an `A`/`B` pair beside every targeted linear layer, trainable. Under ZeRO-3 this runs inside
+Lightning's `deepspeed.zero.Init`, so the adapters are partitioned when peft creates them; their initial values are
+nevertheless those of a plain `get_peft_model` in one process seeded with `settings.seed` (`A` as `nn.Linear`'s
+default, `B` zero), see `_initialise_adapters`. The strategy then prepares the `PeftModel`'s inner transformers model
+as any other (peft wraps the projections; attention, loss and memory engine are untouched by that).
+
+Dropout (`settings.dropout` > 0) is allowed, as the model's own dropout is under the strategy: each rank draws the
+masks of its own tokens (so a run is not bit-equal to one process, only equal in distribution), and the memory
+engine's recomputes replay them (`tests/unit/test_memory.py`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+import torch
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """`conf/model/hf_pretrained.yaml`'s `lora:` block.
+
+    Args:
+        r: rank of every adapter.
+        alpha: scale numerator (the adapters' output is multiplied by `alpha / r`).
+        target_modules: names of the layers to adapt, matched as peft matches them (a module whose name is, or ends
+            with `.` + , one of them), or one regular expression (matched whole), or `"all-linear"`.
+        dropout: dropout on the adapters' input (see the module docstring).
+        seed: the adapters' initial values are those `torch.manual_seed(seed)` then `get_peft_model` gives.
+    """
+
+    r: int = 8
+    alpha: float = 16.0
+    target_modules: Union[Sequence[str], str] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    dropout: float = 0.0
+    seed: int = 0
+
+    def peft_config(self):
+        from peft import LoraConfig
+
+        targets = self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
+        return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=targets,
+                          task_type="CAUSAL_LM")
+
+
+def with_lora(model: torch.nn.Module, settings: LoraSettings):
+    """`model` wrapped by peft with LoRA adapters (frozen base, trainable adapters); refuses targets that match no
+    layer before anything changes."""
+    from peft import get_peft_model
+
+    check_targets(model, settings.target_modules)
+    # A fork, so that the adapters' draws neither depend on nor move the generators the run is seeded with (under
+    # ZeRO-3 on a GPU, `zero.Init` builds the adapters on the GPU and draws there).
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(settings.seed)
+        peft_model = get_peft_model(model, settings.peft_config())
+    _initialise_adapters(peft_model, settings.seed)
+    return peft_model
+
+
+def check_targets(model: torch.nn.Module, target_modules: Union[Sequence[str], str]) -> None:
+    """Every name of `target_modules` must match at least one layer (peft only refuses when none of them does, so a
+    misspelt name among good ones would silently train fewer adapters)."""
+    if target_modules == "all-linear":
+        return
+    names = [name for name, _ in model.named_modules() if name]
+    if isinstance(target_modules, str):
+        unmatched = [] if any(re.fullmatch(target_modules, name) for name in names) else [target_modules]
+    else:
+        unmatched = [t for t in target_modules if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if unmatched:
+        linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                         if isinstance(module, torch.nn.Linear)})
+        raise ValueError(f"LoRA target_modules {unmatched} match no layer of {type(model).__name__}; its linear layers"
+                         f" are named {linear}: set model.lora.target_modules to some of those.")
+
+
+def _initialise_adapters(peft_model, seed: int) -> None:
+    """Under ZeRO-3 (`zero.Init`), peft initialises adapters that are already partitioned (empty on every rank):
+    measured at SP 2, `B` kept `nn.Linear`'s random init instead of zero (the model no longer starts as the
+    pretrained one) and `A` its first draw instead of peft's. So the adapters are gathered and given the values a
+    plain process's `torch.manual_seed(seed); get_peft_model(...)` gives. Those are drawn on the CPU whatever the
+    device (peft builds each pair on the CPU, initialises it, then moves it): per adapted layer, in creation order,
+    `nn.Linear`'s default init of `A` then of `B` (discarded by peft), then `A` redrawn like `nn.Linear`'s
+    (`kaiming_uniform_(a=sqrt(5))`) and `B` zero (`reset_lora_parameters`). `tests/unit/test_lora.py` pins this order
+    against peft itself. Without partitioning, peft's own values stand."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in peft_model.modules() if isinstance(m, LoraLayer)]
+    pairs = [(layer.lora_A[name].weight, layer.lora_B[name].weight) for layer in layers for name in layer.lora_A]
+    if not pairs or not hasattr(pairs[0][0], "ds_id"):
+        return
+    import deepspeed
+
+    generator = torch.Generator().manual_seed(seed)
+    values = [_peft_initial_pair(a.ds_shape, b.ds_shape, generator) for a, b in pairs]
+    # Every rank computed the same values; rank 0's are broadcast on exit.
+    with deepspeed.zero.GatheredParameters([p for pair in pairs for p in pair], modifier_rank=0):
+        with torch.no_grad():
+            for (a, b), (a_value, b_value) in zip(pairs, values):
+                a.copy_(a_value)
+                b.copy_(b_value)
+
+
+def _peft_initial_pair(a_shape, b_shape, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One adapter pair's initial values, drawn as peft's `update_layer` draws them (see `_initialise_adapters`)."""
+    def linear_init(shape):  # `nn.Linear.reset_parameters` of a bias-free layer
+        return torch.nn.init.kaiming_uniform_(torch.empty(tuple(shape), device="cpu"), a=math.sqrt(5),
+                                              generator=generator)
+
+    linear_init(a_shape), linear_init(b_shape)  # the two layers' own init, which peft then overwrites
+    return linear_init(a_shape), torch.zeros(tuple(b_shape), device="cpu")

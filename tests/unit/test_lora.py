@@ -1,0 +1,139 @@
+"""LoRA wiring (`lightning_ulysses.models.lora`) and the end-of-training export (`lightning_ulysses.export`) in one
+process. Under ZeRO-3 at SP 2 (adapters partitioned at creation, weights gathered for the export):
+tests/distributed/test_parity.py `-pretrained-lora` and the `-export` claims."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lightning_ulysses.export import save_pretrained_folders
+from lightning_ulysses.models import CausalLMModule
+from lightning_ulysses.models.lora import LoraSettings, _peft_initial_pair, with_lora
+from tests.finetune_fixtures import save_tiny_pretrained
+
+LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"], "seed": 5}
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_pretrained")
+    save_tiny_pretrained(folder)
+    return folder
+
+
+def _lora_module(folder, **lora):
+    module = CausalLMModule.from_pretrained(str(folder), lora={**LORA, **lora})
+    module.configure_model()
+    return module
+
+
+def test_only_the_adapters_train_and_reach_the_optimizer(pretrained):
+    module = _lora_module(pretrained)
+    trainable = {name for name, p in module.named_parameters() if p.requires_grad}
+    # 2 layers × 3 targets × (A, B), nothing else
+    assert len(trainable) == 12 and all(".lora_A." in name or ".lora_B." in name for name in trainable)
+    assert {name.split(".")[-4] for name in trainable} == {"q_proj", "v_proj", "down_proj"}
+    optimized = {id(p) for group in module.configure_optimizers().param_groups for p in group["params"]}
+    assert optimized == {id(p) for p in module.parameters() if p.requires_grad}
+
+
+def test_the_adapters_start_as_peft_initialises_them_and_the_model_as_the_pretrained_one(pretrained):
+    """`with_lora` gives peft's own values for the same seed, without moving the run's generator; `B` = 0, so the
+    logits are the pretrained model's. `_peft_initial_pair` (what ZeRO-3 partitions are re-initialised with) replays
+    peft's draws exactly."""
+    torch.manual_seed(123)
+    module = _lora_module(pretrained)
+    after = torch.rand(1)
+    torch.manual_seed(123)
+    assert torch.equal(torch.rand(1), after)  # the run's generator did not move
+    torch.manual_seed(LORA["seed"])
+    plain = get_peft_model(AutoModelForCausalLM.from_pretrained(pretrained),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=LORA["target_modules"], task_type="CAUSAL_LM"))
+    for (name, mine), (_, theirs) in zip(module.model.named_parameters(), plain.named_parameters(), strict=True):
+        assert torch.equal(mine, theirs), name
+    generator = torch.Generator().manual_seed(LORA["seed"])
+    for layer in (m for m in plain.modules() if isinstance(m, LoraLayer)):
+        a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+        replayed = _peft_initial_pair(a.shape, b.shape, generator)
+        assert torch.equal(replayed[0], a) and torch.equal(replayed[1], b)
+    tokens = torch.arange(24).reshape(2, 12)
+    base = AutoModelForCausalLM.from_pretrained(pretrained).eval()
+    with torch.no_grad():
+        assert torch.equal(module.model.eval()(input_ids=tokens).logits, base(input_ids=tokens).logits)
+
+
+@pytest.mark.parametrize("targets, unmatched", [(["q_proj", "qproj"], "['qproj']"), ("layers\\.9\\..*", "layers")])
+def test_a_target_that_matches_no_layer_is_refused(pretrained, targets, unmatched):
+    with pytest.raises(ValueError, match=r"match no layer of LlamaForCausalLM; its linear layers are named \['down_proj'"):
+        _lora_module(pretrained, target_modules=targets)
+
+
+def _trained(module):
+    """Move every trainable weight, as training would (B no longer zero: the adapters change the logits)."""
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.1)
+    return module.model.eval()
+
+
+def _logits(model, tokens):
+    with torch.no_grad():
+        return model.eval()(input_ids=tokens).logits
+
+
+def test_full_export_round_trip_with_tokenizer(pretrained, tmp_path):
+    module = CausalLMModule.from_pretrained(str(pretrained))
+    module.configure_model()
+    model = _trained(module)
+    (folder,) = save_pretrained_folders(model.config, model.state_dict(), tmp_path, tokenizer=str(pretrained))
+    tokens = torch.arange(24).reshape(2, 12)
+    assert torch.equal(_logits(AutoModelForCausalLM.from_pretrained(folder), tokens), _logits(model, tokens))
+    assert AutoTokenizer.from_pretrained(folder).get_vocab() == AutoTokenizer.from_pretrained(pretrained).get_vocab()
+
+
+def test_lora_export_round_trip_adapter_and_merged(pretrained, tmp_path):
+    model = _trained(_lora_module(pretrained))
+    folders = save_pretrained_folders(model.get_base_model().config, model.state_dict(), tmp_path,
+                                      lora=model.peft_config["default"], merged=True, tokenizer=str(pretrained))
+    assert folders == [tmp_path / "adapter", tmp_path / "merged"]
+    assert {p.name for p in folders[0].iterdir()} >= {"adapter_config.json", "adapter_model.safetensors",
+                                                      "tokenizer_config.json"}
+    tokens = torch.arange(24).reshape(2, 12)
+    expected = _logits(model, tokens)
+    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(pretrained), folders[0])
+    assert torch.equal(_logits(adapter, tokens), expected)
+    merged = _logits(AutoModelForCausalLM.from_pretrained(folders[1]), tokens)
+    assert torch.equal(_logits(model, tokens), expected)  # the merge left the trained model as it was
+    assert torch.equal(merged, _logits(model.merge_and_unload(), tokens))
+    assert (merged - expected).abs().max() < 1e-5
+
+
+def test_recipe_keys_compose_into_lora_and_export(pretrained, tmp_path):
+    """`model.lora=...` and `export.enabled=true` in the recipes: the module gets the adapters, the Trainer the export
+    callback, with the pretrained folder's tokenizer and `<run directory>/export` by default."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from lightning_ulysses.config import register_resolvers
+    from lightning_ulysses.export import ExportPretrained
+    from lightning_ulysses.recipe import export_callbacks
+    from tests.recipes.test_recipes import CONF
+
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[
+            "model=hf_pretrained", f"model.pretrained={pretrained}", "export.enabled=true", "export.merged=true",
+            "model.lora={r: 4, alpha: 8, target_modules: [q_proj, v_proj]}"])
+    module = instantiate(cfg.model)
+    module.configure_model()
+    assert isinstance(module.model, PeftModel) and module.model.peft_config["default"].r == 4
+    (callback,) = export_callbacks(cfg.export, module.spec, tmp_path)
+    assert isinstance(callback, ExportPretrained) and callback.merged
+    assert (callback.directory, callback.tokenizer) == (tmp_path / "export", str(pretrained))
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        assert export_callbacks(compose(config_name="train").export, module.spec, tmp_path) == []
