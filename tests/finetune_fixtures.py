@@ -65,11 +65,40 @@ def save_tiny_pretrained(folder: Path, num_key_value_heads: int = 2, seed: int =
     return model, tokenizer
 
 
+def text_documents(lines: int = 300, seed: int = 0) -> list[str]:
+    """`lines` documents of 5-60 words."""
+    rng = random.Random(seed)
+    return [sentence(rng, rng.randint(5, 60)) for _ in range(lines)]
+
+
 def write_text_jsonl(path: Path, lines: int = 300, field: str = "text", seed: int = 0) -> Path:
     """`lines` documents of 5-60 words, one JSON object per line."""
-    rng = random.Random(seed)
-    Path(path).write_text("".join(json.dumps({field: sentence(rng, rng.randint(5, 60))}) + "\n" for _ in range(lines)))
+    Path(path).write_text("".join(json.dumps({field: text}) + "\n" for text in text_documents(lines, seed)))
     return Path(path)
+
+
+def write_text_file(path: Path, lines: int = 300, field: str = "text", seed: int = 0) -> Path:
+    """`text_documents` in the format `path`'s suffix names: .jsonl, .json (one array), .parquet, .arrow (an Arrow
+    stream, as `datasets` writes), .txt (one document per line; `field` is then datasets' "text")."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path, documents = Path(path), text_documents(lines, seed)
+    table = pa.table({field: documents})
+    if path.suffix == ".jsonl":
+        return write_text_jsonl(path, lines, field, seed)
+    if path.suffix == ".json":
+        path.write_text(json.dumps([{field: text} for text in documents]))
+    elif path.suffix == ".parquet":
+        pq.write_table(table, path)
+    elif path.suffix == ".arrow":
+        with pa.ipc.new_stream(str(path), table.schema) as writer:
+            writer.write_table(table)
+    elif path.suffix == ".txt":
+        path.write_text("".join(text + "\n" for text in documents))
+    else:
+        raise ValueError(f"no writer for {path.suffix}")
+    return path
 
 
 def write_chat_jsonl(path: Path, lines: int = 200, field: str = "messages", seed: int = 0) -> Path:

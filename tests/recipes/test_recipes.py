@@ -62,7 +62,27 @@ def test_every_group_option_composes_and_instantiates(group, option, request):
     required = REQUIRED.get(option, [])
     if option == "hf_pretrained":
         required = [f"model.pretrained={request.getfixturevalue('tiny_pretrained').folder}"]
+    if option == "hf_dataset":
+        files = request.getfixturevalue("finetune_files")
+        required = [f"data.files={files.text}", f"data.tokenizer={files.tokenizer}"]
     _instantiate_everything(_compose([f"{group}={option}", *required]))
+
+
+@pytest.fixture(scope="session")
+def finetune_files(tmp_path_factory) -> SimpleNamespace:
+    """A tiny tokenizer folder and a text jsonl, as a fine-tuning user has them."""
+    from tests.finetune_fixtures import save_tiny_tokenizer, write_text_jsonl
+
+    folder = tmp_path_factory.mktemp("finetune_files")
+    save_tiny_tokenizer(folder / "tokenizer")
+    return SimpleNamespace(tokenizer=folder / "tokenizer", text=write_text_jsonl(folder / "text.jsonl", lines=20))
+
+
+def test_hf_dataset_tokenizer_is_the_pretrained_folder_and_null_without_one():
+    """`data.tokenizer` defaults to `model.pretrained`, and still composes (as null) for models without a folder."""
+    assert _compose(["data=hf_dataset", "data.files=x.jsonl"]).data.tokenizer is None
+    cfg = _compose(["model=hf_pretrained", "model.pretrained=/models/x", "data=hf_dataset", "data.files=x.jsonl"])
+    assert cfg.data.tokenizer == "/models/x"
 
 
 def test_hf_pretrained_starts_from_the_pretrained_weights(tiny_pretrained):

@@ -39,6 +39,16 @@ def test_last_row_is_padded_as_a_continuation_with_ignored_labels():
     assert rows["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0], [0, 1, 2, 3, 4, 5]]  # padding starts no document
 
 
+def test_pack_documents_trains_on_a_documents_own_labels():
+    # A chat's labels (-100 outside the assistant turns) replace the tokens; starts and padding stay masked.
+    rows = pack_documents([{"input_ids": [1, 2, 3, 4], "labels": [-100, -100, 3, 4]}, [5, 6, 7],
+                           {"input_ids": [8, 9], "labels": [8, -100]}], seq_len=5, pad_token_id=0)
+    assert rows["input_ids"].tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 0]]
+    assert rows["labels"].tolist() == [[-100, -100, 3, 4, -100], [-100, 7, -100, -100, -100]]
+    with pytest.raises(ValueError, match="differ in length"):
+        pack_documents([{"input_ids": [1, 2], "labels": [1]}], seq_len=4)
+
+
 def test_pack_documents_rejects_nothing_to_pack():
     with pytest.raises(ValueError, match="no tokens"):
         pack_documents([[], torch.tensor([], dtype=torch.long)], seq_len=4)
