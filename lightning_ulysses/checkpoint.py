@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 import torch
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from lightning_ulysses import _lightning_private as lightning_private
 
@@ -474,7 +474,9 @@ class StrategyCheckpoints:
                 restore_rng_state(resume.rng_state)
                 resume.rng_state = None
             return dataloader
-        if resume.epoch_samples_consumed < 0 or not isinstance(dataloader, DataLoader) or dataloader.sampler is None:
+        # An iterable dataset's DataLoader has a sampler too (torch's placeholder), which it never draws from.
+        if (resume.epoch_samples_consumed < 0 or not isinstance(dataloader, DataLoader) or dataloader.sampler is None
+                or isinstance(dataloader.dataset, IterableDataset)):
             rank_zero_warn("The checkpoint's position inside its epoch cannot be restored for this dataloader (a"
                            " custom batch sampler or an iterable dataset): the epoch's data restarts from its beginning.")
             return dataloader

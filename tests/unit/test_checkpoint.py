@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.utils.data import DistributedSampler
@@ -98,6 +100,23 @@ def test_a_different_global_batch_cannot_continue_an_epoch():
     with pytest.raises(ValueError, match="global batch of 4 .* this run has 2"):
         sampler.skip_once(8, saved_global_batch=4, global_batch=2)
     sampler.skip_once(8, saved_global_batch=4, global_batch=4)
+
+
+def test_a_mid_epoch_resume_of_an_iterable_dataset_says_the_epoch_restarts():
+    # Its DataLoader has torch's placeholder sampler: wrapping that skipped nothing, and said nothing.
+    from lightning.pytorch.trainer.states import RunningStage
+    from torch.utils.data import DataLoader, IterableDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(8))
+
+    trainer = SimpleNamespace(state=SimpleNamespace(stage=RunningStage.TRAINING))
+    protocol = checkpoints.StrategyCheckpoints(SimpleNamespace(lightning_module=SimpleNamespace(trainer=trainer)))
+    protocol.resume = checkpoints.PendingResume(epoch_samples_consumed=4, global_batch_size=2, rng_state=None)
+    loader = DataLoader(Stream(), batch_size=2)
+    with pytest.warns(UserWarning, match="an iterable dataset.*restarts from its beginning"):
+        assert protocol.process_dataloader(loader) is loader
 
 
 def test_watchdog_rejects_a_non_positive_timeout():
