@@ -89,10 +89,10 @@ class AutoMemory:
         return {name: getattr(self, name) for name in (*FEATURES, "offload_optimizer", "sub_group_size")
                 if getattr(self, name) is not None}
 
-    def free_bytes(self, device) -> tuple[float, float]:
+    def free_bytes(self, device, local_ranks: int = 1) -> tuple[float, float]:
         source = self.free_memory
         if source is None:
-            return measure_free_memory(device)
+            return measure_free_memory(device, local_ranks)
         device_bytes, host_bytes = source(device) if callable(source) else source
         return float(device_bytes), float(host_bytes)
 
@@ -385,7 +385,7 @@ def _reasons(shape, request, layout, budget, offloads, best: Candidate) -> dict[
         else:
             delta = alternative.time.total - best.time.total
             reasons[name] = (f"with {label}: {delta:+.3f} s per step" + (" (and fewer features win ties)"
-                                                                         if delta == 0 else ""))
+                                                                         if abs(delta) < 1e-9 else ""))
     if "offload_optimizer" in pinned or layout.configured_offload is not None:
         reasons["offload_optimizer"] = "set by you"
     elif not layout.on_cuda:
@@ -409,7 +409,7 @@ def _nothing_fits(shape, request, layout, budget, offloads) -> str:
     longest, how = 0, None
     for option, (share, cut) in itertools.product(most_saving, shares):
         setup = _setup(request, layout, option, share, cut, seq_len=1)
-        seq = _longest(shape, setup, budget)
+        seq = _longest(shape, setup, budget, 64 if request.seq_len >= 64 * layout.sequence_parallel_size else 1)
         if seq > longest:
             longest, how = seq, setup
     where = (f"{shape.name} at {request.seq_len} tokens × micro-batch {request.micro_batch} on sp"
@@ -420,17 +420,17 @@ def _nothing_fits(shape, request, layout, budget, offloads) -> str:
     pins = request.pinned()
     unpin = f"; or unpin {sorted(pins)}" if pins else ""
     if longest == 0:
-        return (f'memory="auto": nothing fits {where}, not even {layout.sequence_parallel_size * 64} tokens: the'
-                f" model states alone are too large. Shard them over more ranks (ZeRO-3 over more GPUs), or free"
+        return (f'memory="auto": nothing fits {where}, not even the shortest length: the model states alone are'
+                f" too large. Shard them over more ranks (ZeRO-3 over more GPUs), or free"
                 f" memory{unpin}.")
     return (f'memory="auto": nothing fits {where}. The longest length that fits is {longest} tokens (with'
             f" {_describe(how)}). To train {request.seq_len} tokens: raise sequence_parallel_size (each rank holds"
             f" seq/SP tokens), use more GPUs, or free memory{unpin}; or train at most {longest} tokens.")
 
 
-def _longest(shape: ModelShape, setup: TrainingSetup, budget: Budget) -> int:
-    """The longest `seq_len` (a multiple of 64 × the SP size) whose plan fits `budget`; 0 if none does."""
-    step = 64 * setup.sequence_parallel_size
+def _longest(shape: ModelShape, setup: TrainingSetup, budget: Budget, multiple: int) -> int:
+    """The longest `seq_len` (a multiple of `multiple` × the SP size) whose plan fits `budget`; 0 if none does."""
+    step = multiple * setup.sequence_parallel_size
 
     def fits(multiple: int) -> bool:
         return budget.fits(plan_memory(shape, dataclasses.replace(setup, seq_len=multiple * step)))
@@ -438,7 +438,7 @@ def _longest(shape: ModelShape, setup: TrainingSetup, budget: Budget) -> int:
     if not fits(1):
         return 0
     low, high = 1, 2
-    while high < 1 << 24 and fits(high):
+    while high < 1 << 30 and fits(high):
         low, high = high, high * 2
     while high - low > 1:  # fits(low), not fits(high): memory grows with the length
         middle = (low + high) // 2

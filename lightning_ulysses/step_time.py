@@ -19,8 +19,8 @@ measurement). What the model counts:
 - optimizer: GPU Adam per element kept on the GPU; CPU Adam per offloaded element (with its gradient and parameter
   copies); with any offload, ZeRO-3's 16-bit gradients of every element cross the host link;
 - a fixed cost per step (the hooks and launches that do not grow with the sequence).
-Tiled logits + loss and low-memory norms cost no modelled time (measured within noise); they get a tiny tie-break
-(`FREE_FEATURE_S`) so that with equal predicted times the configuration with fewer features wins.
+Tiled logits + loss and low-memory norms cost no modelled time (measured within noise); on equal predicted times
+`memory="auto"` takes the configuration with fewer features.
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lightning_ulysses.planner import ModelShape, TrainingSetup, optimizer_sub_groups
-
-FREE_FEATURE_S = 1e-4  # tie-break per "free" feature (tiled logits, low-memory norms): fewer features win ties
 
 
 @dataclass(frozen=True)
@@ -125,7 +123,6 @@ def predict_step_time(shape: ModelShape, setup: TrainingSetup, kernel: Optional[
         terms["optimizer: CPU Adam (offloaded share)"] = on_host / speeds.cpu_adam_elements
         terms["host transfers: 16-bit gradients"] = setup.compute_bytes * sum(groups) / speeds.host_link_bytes
     terms["fixed per step"] = speeds.step_overhead_s
-    terms["tie-break: free features"] = FREE_FEATURE_S * (m.tiled_logits_loss + m.low_memory_norms)
     return StepTime(terms)
 
 
