@@ -125,16 +125,13 @@ class StepProfiler:
             self.profiler = None
 
 
-def run_lightning(args, config) -> list[float]:
+def step_timer(profiler: "StepProfiler"):
+    """A Lightning callback timing whole steps (CUDA-synchronised): `.times`, one per step."""
     import lightning as L
-
-    from lightning_ulysses import UlyssesDeepSpeedStrategy
-    from lightning_ulysses.models import CausalLMModule
 
     class StepTimer(L.Callback):
         def __init__(self):
-            self.times, self.last = [], None
-            self.profiler = StepProfiler(args)
+            self.times, self.last, self.profiler = [], None, profiler
 
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             self.profiler.step(batch_idx)
@@ -147,6 +144,15 @@ def run_lightning(args, config) -> list[float]:
             now = time.perf_counter()
             self.times.append(now - self.last)
             self.last = now
+
+    return StepTimer()
+
+
+def run_lightning(args, config) -> list[float]:
+    import lightning as L
+
+    from lightning_ulysses import UlyssesDeepSpeedStrategy
+    from lightning_ulysses.models import CausalLMModule
 
     class Module(CausalLMModule):
         def configure_model(self):
@@ -164,7 +170,7 @@ def run_lightning(args, config) -> list[float]:
     options = {key: value for key, value in config.to_dict().items() if key in SHAPES[args.shape]
                or key in ("max_position_embeddings", "rope_theta")}
     module = Module(model={"model_type": "llama", **options}, attn_implementation="sdpa")
-    timer = StepTimer()
+    timer = step_timer(StepProfiler(args))
     if args.variant == "lightning-stock":  # Lightning's own DeepSpeedStrategy: isolates Lightning's share of the cost
         from lightning.pytorch.strategies import DeepSpeedStrategy
 

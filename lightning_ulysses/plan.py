@@ -6,6 +6,7 @@ published 176B figures term by term.
         --features ac,offload,mlp,logits --offload-optimizer 0.3
     python -m lightning_ulysses.plan --model gpt3-175b --seq 32768 --sp 8 --dp 4 --offload-optimizer 1 --features ac
     python -m lightning_ulysses.plan --published-176b
+    python -m lightning_ulysses.plan --model llama3-8b --seq 131072 --auto --gpu-gib 139 --host-gib 118
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ def main(argv=None) -> None:
     parser.add_argument("--gpu-gib", type=float, default=134.0, help="usable GPU memory per GPU (GiB)")
     parser.add_argument("--host-gib", type=float, default=float("inf"), help="usable host memory per GPU (GiB)")
     parser.add_argument("--published-176b", action="store_true", help="explain the quoted 176B figures")
+    parser.add_argument("--auto", action="store_true",
+                        help='what memory="auto" chooses for free memory of --gpu-gib (device) and --host-gib per rank'
+                             " (--features pins those features on)")
+    parser.add_argument("--kernel", default="cudnn", choices=["cudnn", "flash", "efficient", "math"],
+                        help="with --auto: the SDPA kernel attention runs with (cudnn: the Hopper rule)")
     args = parser.parse_args(argv)
     if args.published_176b:
         print(published_176b_comparison())
@@ -68,6 +74,8 @@ def main(argv=None) -> None:
                           sub_group_size=args.sub_group_size, offload_pin_memory=args.pin_memory,
                           memory=memory_options(args.features))
     shape = MODELS[args.model]
+    if args.auto:
+        return _auto(args, shape)
     if args.longest:
         seq = longest_sequence(shape, setup, args.gpu_gib * GIB, args.host_gib * GIB)
         print(f"longest sequence that fits {args.sp * args.dp} GPU(s) of {args.gpu_gib} GiB"
@@ -75,6 +83,21 @@ def main(argv=None) -> None:
         # none fits: show the shortest sequence's plan, whose totals say which memory is short
         setup = dataclasses.replace(setup, seq_len=seq or math.lcm(1024, args.sp))
     print(plan_memory(shape, setup).table())
+
+
+def _auto(args, shape) -> int:
+    from lightning_ulysses.auto import AutoMemory, Layout, choose
+
+    pins = {name: True for name in FEATURES.values() if getattr(memory_options(args.features), name)}
+    request = AutoMemory(seq_len=args.seq, micro_batch=args.micro_batch, **pins)
+    layout = Layout(sequence_parallel_size=args.sp, data_parallel_size=args.dp, zero_stage=args.zero,
+                    kernel=args.kernel)
+    try:
+        print(choose(shape, request, layout, (args.gpu_gib * GIB, args.host_gib * GIB)).report())
+    except ValueError as error:
+        print(error)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -76,6 +76,19 @@ def export_callbacks(export: DictConfig, spec: Any, run_dir: Path) -> list:
     return [ExportPretrained(export.dir or str(run_dir / "export"), merged=export.merged, tokenizer=tokenizer)]
 
 
+def strategy_memory(cfg: DictConfig) -> Any:
+    """`strategy.memory` as the strategy takes it; `auto` (or `{auto: true, ...}`) gets the recipe's training length
+    and micro-batch (`data.seq_len`, `data.batch_size`) unless given."""
+    memory = cfg.strategy.get("memory")
+    memory = OmegaConf.to_container(memory) if isinstance(memory, DictConfig) else memory
+    if memory == "auto" or (isinstance(memory, dict) and memory.get("auto")):
+        request = {"auto": True} if memory == "auto" else dict(memory)
+        request.setdefault("seq_len", cfg.data.get("seq_len"))
+        request.setdefault("micro_batch", int(cfg.data.get("batch_size", 1)))
+        return request
+    return memory
+
+
 def _shape(spec: Any) -> ModelShape:
     from lightning_ulysses.models.gpt import GPTConfig
 
@@ -100,7 +113,9 @@ def plan(cfg: DictConfig) -> str:
     overrides = OmegaConf.to_container(cfg.strategy.get("config_overrides") or {})
     ratio = ((overrides.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("ratio")
     offload_fraction = (1.0 if ratio is None else float(ratio)) if offload else 0.0
-    memory = MemoryOptions.coerce(OmegaConf.to_container(cfg.strategy.memory) if cfg.strategy.get("memory") else None)
+    requested = strategy_memory(cfg)
+    # memory=auto is decided at start-up from the free memory: plan without features (`plan --auto` shows a choice)
+    memory = MemoryOptions() if isinstance(requested, dict) and requested.get("auto") else MemoryOptions.coerce(requested)
     if cfg.model.get("activation_checkpointing") and not memory.activation_checkpointing:
         memory = dataclasses.replace(memory, activation_checkpointing=True)  # the model's own: same bytes
     setup = TrainingSetup(seq_len=seq_len, micro_batch=micro, sequence_parallel_size=layout.sequence_parallel_size,

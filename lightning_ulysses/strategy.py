@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_ulysses import _lightning_private as lightning_private
-from lightning_ulysses import faults, preflight, preparation, pretrained
+from lightning_ulysses import auto, faults, preflight, preparation, pretrained
 from lightning_ulysses.attention.backends import check_sdpa_kernel_priority, sdpa_priority
 from lightning_ulysses.attention.core import check_overlap_head_groups, resolve_ring_size
 from lightning_ulysses.attention.rows import BatchRowsSlot
@@ -83,7 +83,11 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             are skipped.
         memory: the long-sequence memory features (`lightning_ulysses.memory.MemoryOptions` or a mapping of its
             fields: tiled MLP, tiled logits + loss, activation checkpointing with host offload, expandable segments),
-            applied to every Hugging Face causal LM and native GPT in the module; all off by default.
+            applied to every Hugging Face causal LM and native GPT in the module; all off by default. `"auto"` (or
+            `lightning_ulysses.auto.AutoMemory`, or a mapping with `"auto": True` and its fields, e.g.
+            `{"auto": True, "seq_len": 131072, "tiled_mlp": False}`): the planner picks the features, the optimizer's
+            share on the host and its sub-group size with the shortest predicted step that fits the free memory of
+            every rank, once, in `setup`; fields given are kept; the decision is logged (`memory_choice`).
         start_method: how the ranks are started. `None` (the default): Lightning's script launch (re-runs the
             script, or ranks come from torchrun/SLURM). `"fork"`: fork the current process, for Jupyter notebooks
             (`strategy="ulysses_notebook"`); see `lightning_ulysses.notebook`.
@@ -125,16 +129,17 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         config: Optional[Union[str, dict[str, Any]]] = None,
         config_overrides: Optional[Mapping[str, Any]] = None,
         sequence_parallel_in_evaluation: bool = True,
-        memory: Union[MemoryOptions, Mapping[str, Any], None] = None,
+        memory: Union[MemoryOptions, "auto.AutoMemory", str, Mapping[str, Any], None] = None,
         start_method: Optional[Literal["fork"]] = None,
         heartbeat_timeout: Optional[float] = 120.0,
-        sdpa_kernel_priority: Optional[Sequence[str]] = None,
+        sdpa_kernel_priority: Union[Literal["auto"], Sequence[str], None] = "auto",
         overlap_head_groups: int = 1,
         check_batches: CheckBatches = "first",
         **kwargs: Any,
     ) -> None:
-        memory = MemoryOptions.coerce(memory)  # bad options fail here, in the launching process
-        sdpa_kernel_priority = check_sdpa_kernel_priority(sdpa_kernel_priority)
+        memory = auto.coerce_memory(memory)  # bad options fail here, in the launching process
+        if sdpa_kernel_priority != "auto":
+            sdpa_kernel_priority = check_sdpa_kernel_priority(sdpa_kernel_priority)
         check_overlap_head_groups(overlap_head_groups)
         config, sequence_parallel_size = read_sequence_parallel_size(
             lightning_private.load_deepspeed_config(self, config), sequence_parallel_size)
@@ -162,12 +167,16 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._batch_rows = BatchRowsSlot()
         self._prepared = preparation.PreparedModule()  # the undo of the last module preparation
         self.sequence_parallel_in_evaluation = sequence_parallel_in_evaluation
-        self.memory = memory
+        # `memory="auto"` is decided in `setup` (`_decide_auto`); until then `memory` is the request.
+        self.memory: Union[MemoryOptions, auto.AutoMemory] = memory
+        self.memory_choice: Optional[auto.AutoChoice] = None
         self._unsharded_evaluation = False  # True while validate/test/predict runs with plain attention
         # Ours, not DDPStrategy's `_start_method` (which DeepSpeedStrategy leaves at "popen", the script launch).
         self.start_method = start_method
         self.heartbeat_timeout = heartbeat_timeout
-        self.sdpa_kernel_priority = sdpa_kernel_priority
+        self._requested_sdpa_kernel_priority = sdpa_kernel_priority
+        # "auto" is decided in `setup`; until then (and on CPU, where torch ignores it) torch's order
+        self.sdpa_kernel_priority = None if sdpa_kernel_priority == "auto" else sdpa_kernel_priority
         self.overlap_head_groups = overlap_head_groups
         self._batch_check = SameBatchCheck(check_batches)
         self._watchdog: Optional[faults.RankWatchdog] = None
@@ -229,7 +238,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def setup_environment(self) -> None:
-        apply_allocator_settings(self.memory)  # before this rank initialises CUDA
+        apply_allocator_settings(self.memory)  # before this rank initialises CUDA (AutoMemory has the field too)
         if isinstance(self.accelerator, CUDAAccelerator):
             super().setup_environment()
         else:
@@ -312,11 +321,57 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         if size > 1:  # identical on every rank (same model, same arguments): the sub-groups are created in step
             self._use_ring_size(resolve_ring_size(found.head_counts, size, self._requested_ring_size))
         self._sharder.position_rule = found.position_rule
+        self._decide_auto(found)
         runtime = preparation.SequenceParallelRuntime(
             self.parallel_groups, self._sharder, self._batch_rows, self.loss_function, self.memory,
             self.overlap_head_groups)
         self._prepared = found.prepare(runtime)
         self._hf_model_configs = self._prepared.hf_configs
+
+    def _decide_auto(self, found: preparation.ModuleScan) -> None:
+        """`memory="auto"` and `sdpa_kernel_priority="auto"`, once per run, before the memory features are applied
+        and DeepSpeed starts. Every rank reaches the one all-reduce (the scan before it raises alike everywhere) and
+        then computes the same choice from the same inputs: the least free memory over all ranks, the model's shape
+        from its config (also under ZeRO-3, where its parameters are already partitioned), the layout, the ZeRO
+        stage and the precision; a refusal is raised on every rank alike."""
+        request = self.memory
+        memory_auto = isinstance(request, auto.AutoMemory)
+        kernel_auto = self._requested_sdpa_kernel_priority == "auto"
+        cuda = isinstance(self.accelerator, CUDAAccelerator)
+        if not (memory_auto or (kernel_auto and cuda)) or self.memory_choice is not None:
+            return
+        device_free, host_free = request.free_bytes(self.root_device, self.num_processes) if memory_auto else (0, 0)
+        cudnn = float(kernel_auto and auto.auto_sdpa_kernel(self.root_device) == ("cudnn",))
+        agreed = torch.tensor([device_free, host_free, cudnn], dtype=torch.float64, device=self.root_device)
+        if torch.distributed.is_initialized() and self.world_size > 1:
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+        device_free, host_free, cudnn = agreed.tolist()
+        if kernel_auto:
+            self.sdpa_kernel_priority = ("cudnn",) if cudnn else None
+        if not memory_auto:
+            return
+        zero = self.config.get("zero_optimization", {})
+        offload = zero.get("offload_optimizer") or {}
+        configured = None
+        if offload.get("device") == "cpu":  # the user's own optimizer offload stays as configured
+            configured = (float(offload.get("ratio", 1.0)), int(zero.get("sub_group_size", 10**12)))
+        groups = self.parallel_groups
+        layout = auto.Layout(sequence_parallel_size=groups.sequence_parallel_world_size,
+                             data_parallel_size=groups.data_parallel_world_size, zero_stage=int(zero.get("stage", 0)),
+                             compute_bytes=4 if "32" in str(self.precision_plugin.precision) else 2, on_cuda=cuda,
+                             kernel=(self.sdpa_kernel_priority or (None,))[0] if cuda else None,
+                             configured_offload=configured,
+                             configured_sub_group_size=int(zero.get("sub_group_size", 10**12)))
+        models = [m for adapter, modules in found.found if isinstance(adapter, preparation.MemoryEngine)
+                  for m in modules]
+        choice = auto.choose(auto.shape_of(models), request, layout, (device_free, host_free))
+        self.memory, self.memory_choice = choice.memory, choice
+        if cuda and layout.zero_stage == 3:
+            zero["sub_group_size"] = choice.sub_group_size
+        if choice.offload_optimizer and configured is None:
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True, "ratio": choice.offload_optimizer}
+        self.config["zero_optimization"] = zero
+        rank_zero_info(choice.report())
 
     def _restore_modules(self) -> None:
         self._prepared.restore()
@@ -356,6 +411,16 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def _setup_model_and_optimizer(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
                                    lr_scheduler: Optional[Any] = None) -> tuple[Any, Any]:
+        choice = self.memory_choice
+        if choice is not None and choice.offload_optimizer and optimizer is not None:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            if not isinstance(optimizer, DeepSpeedCPUAdam):  # DeepSpeed's offload runs CPU Adam on the host share
+                raise ValueError(
+                    f'memory="auto" moves {choice.offload_optimizer:.0%} of the optimizer to the host, where DeepSpeed'
+                    f" needs deepspeed.ops.adam.DeepSpeedCPUAdam, but configure_optimizers returned"
+                    f" {type(optimizer).__name__}. Return DeepSpeedCPUAdam, or keep the optimizer on the device:"
+                    ' memory={"auto": True, "offload_optimizer": 0.0, ...}.')
         engine, deepspeed_optimizer, _, _ = self._initialize_engine(
             config=self.config, model=model, model_parameters=filter(lambda p: p.requires_grad, model.parameters()),
             optimizer=optimizer, lr_scheduler=lr_scheduler)

@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 
 import lightning_ulysses  # noqa: F401  (registers the "ulysses" strategy names)
 from lightning_ulysses.config import register_resolvers
-from lightning_ulysses.recipe import apply_runtime_environment, check_recipe, export_callbacks, plan
+from lightning_ulysses.recipe import apply_runtime_environment, check_recipe, export_callbacks, plan, strategy_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 register_resolvers()
@@ -44,7 +44,7 @@ def main(cfg: DictConfig) -> None:
     module = instantiate(cfg.model)
     check_recipe(cfg, module.spec)  # bad overrides fail here, before Lightning starts any other rank
     data = instantiate(cfg.data)
-    strategy = instantiate(cfg.strategy)
+    strategy = instantiate(cfg.strategy, memory=strategy_memory(cfg))  # memory=auto gets data.seq_len
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     exports = export_callbacks(cfg.export, module.spec, run_dir)
     trainer = instantiate(cfg.trainer, strategy=strategy, logger=CSVLogger(save_dir=run_dir, name="logs"),

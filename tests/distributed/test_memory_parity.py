@@ -26,11 +26,21 @@ ALL_FEATURES = {"tiled_mlp": True, "mlp_tile_tokens": 3, "tiled_logits_loss": Tr
 SPARSE_FEATURES = {**ALL_FEATURES, "checkpoint_interval": 2, "keep_attention_outputs": True}
 
 
-def _case(name, sp, stage, model="llama", memory=ALL_FEATURES):
-    wrapped = {"llama": ["LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "LlamaRMSNorm", "Linear"],
-               "gpt": ["Block", "MLP", "_Linear"]}[model]
-    if memory not in (ALL_FEATURES, SPARSE_FEATURES):  # tiled logits + loss only: the model's forward and its head
-        wrapped = ["LlamaForCausalLM", "Linear"]
+# memory="auto" planning 4096-token rows (the rows trained are shorter) with the least of the ranks' free memory,
+# 6.0 MB: layer checkpointing with kept attention outputs and a tiled MLP (planner: 5.32 MB; with 9.0 MB, rank 0's
+# own, a tiled MLP alone). Tiles as in the hand-set case it is compared with.
+AUTO = {"auto": True, "seq_len": 4096, "device_margin": 0, "host_margin": 0, "mlp_tile_tokens": 3,
+        "logits_tile_tokens": 4}
+AUTO_FREE = [[9e6, 9e6], [6e6, 6e6], [8e6, 8e6], [7e6, 7e6]]
+AUTO_CHOSEN = {"tiled_mlp": True, "mlp_tile_tokens": 3, "logits_tile_tokens": 4, "activation_checkpointing": True,
+               "keep_attention_outputs": True}
+
+
+def _case(name, sp, stage, model="llama", memory=ALL_FEATURES, wrapped=None):
+    wrapped = wrapped or {"llama": ["LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "LlamaRMSNorm", "Linear"],
+                          "gpt": ["Block", "MLP", "_Linear"]}[model]
+    if memory not in (ALL_FEATURES, SPARSE_FEATURES, AUTO, AUTO_CHOSEN):  # tiled logits + loss only: the model's
+        wrapped = ["LlamaForCausalLM", "Linear"]  # forward and its head
     return {"name": name, "wrapped": wrapped, "world_size": WORLD, "sp": sp, "stage": stage, "kv_heads": 2, "model": model,
             "steps": STEPS, "batch_size": 1, "seq_len": SEQ_LEN, "dataset_kwargs": {"odd_rows_shorter_by": 4},
             "strategy_kwargs": {"memory": memory}}
@@ -46,8 +56,11 @@ CASES = [
     # in backward, with ZeRO-3 gathering the first layer's parameters again) and replayed attention outputs
     _case("zero3-sp2-llama-stretch-kept-attention", 2, 3, memory=SPARSE_FEATURES),
     _case("zero3-sp2-gpt-stretch-kept-attention", 2, 3, model="gpt", memory=SPARSE_FEATURES),
+    _case("zero3-sp2-llama-auto-by-hand", 2, 3, memory=AUTO_CHOSEN, wrapped=["LlamaDecoderLayer", "LlamaMLP"]),
+    dict(_case("zero3-sp2-llama-auto", 2, 3, memory=AUTO, wrapped=["LlamaDecoderLayer", "LlamaMLP"]),
+         free_memory_by_rank=AUTO_FREE),
 ]
-CASES[-1]["strategy_kwargs"]["sdpa_kernel_priority"] = ["math", "flash"]  # accepted on CPU (where torch ignores it)
+CASES[-3]["strategy_kwargs"]["sdpa_kernel_priority"] = ["math", "flash"]  # accepted on CPU (where torch ignores it)
 JOB = shared(WORLD, "memory_parity", WORKER, {"cases": CASES})  # in the shared 4-rank launch (pool.py)
 
 
@@ -62,9 +75,9 @@ def test_memory_features_match_plain_reference(case, tmp_path_factory):
     assert all(rank["wrapped_modules"] == sorted(case["wrapped"]) for rank in ranks), ranks[0]["wrapped_modules"]
     # Each layer runs in forward and again in its backward; in a stretch of both layers (with ZeRO-3's hooks handing
     # each layer an alias of the previous layer's output) the first runs once more, to recompute the second's input.
-    memory = case["strategy_kwargs"]["memory"]
-    runs = [1 + memory.get("activation_checkpointing", False)] * 2
-    runs[0] += memory.get("checkpoint_interval", 1) == 2
+    memory = ranks[0]["memory"]  # as applied (memory="auto": as chosen)
+    runs = [1 + memory["activation_checkpointing"]] * 2
+    runs[0] += memory["checkpoint_interval"] == 2
     assert all(rank["attention_runs"] == [STEPS * count for count in runs] for rank in ranks), ranks[0]["attention_runs"]
     # Every run of the attention, forward and each recompute in backward, under the strategy's SDPA kernel order.
     with sdpa_priority(check_sdpa_kernel_priority(case["strategy_kwargs"].get("sdpa_kernel_priority"))):
@@ -85,3 +98,16 @@ def test_memory_features_match_plain_reference(case, tmp_path_factory):
     assert_training_matches(ranks, reference)
     checksums = [rank["weights_checksum"] for rank in ranks]
     assert max(checksums) - min(checksums) <= 1e-9 * max(checksums)
+
+
+def test_auto_choice_is_identical_on_every_rank_and_trains_like_the_same_options_by_hand(tmp_path_factory):
+    ranks = _ranks(CASES[-1], tmp_path_factory)
+    by_hand = _ranks(CASES[-2], tmp_path_factory)
+    choices = [rank["memory_choice"] for rank in ranks]
+    assert all(choice == choices[0] for choice in choices)  # from the least free memory (rank 1's), on every rank
+    assert choices[0]["predicted_device_bytes"] <= min(free for free, _ in AUTO_FREE)
+    assert all(rank["memory"] == by_hand[0]["memory"] for rank in ranks)
+    assert by_hand[0]["memory_choice"] is None
+    for auto_rank, hand_rank in zip(ranks, by_hand):
+        assert [r["loss"] for r in auto_rank["records"]] == [r["loss"] for r in hand_rank["records"]]
+        assert auto_rank["weights_checksum"] == hand_rank["weights_checksum"]

@@ -3,6 +3,7 @@
 Each case builds its own Trainer and its own SP/DP groups on the shared world process group.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -79,8 +80,11 @@ def run_case(case: dict, world_size: int) -> dict:
     module = CausalLM(num_key_value_heads=case["kv_heads"], lr=case.get("lr", 0.5), kind=kind,
                       in_configure_model=case.get("in_configure_model", False), step=case.get("step", "batch"),
                       pretrained=pretrained)
+    strategy_kwargs = dict(case.get("strategy_kwargs", {}))
+    if "free_memory_by_rank" in case:  # memory="auto" with this rank's own free memory (the ranks agree on the least)
+        strategy_kwargs["memory"] = dict(strategy_kwargs["memory"], free_memory=case["free_memory_by_rank"][dist.get_rank()])
     strategy = lightning_ulysses.UlyssesDeepSpeedStrategy(
-        sequence_parallel_size=case["sp"], stage=case["stage"], **case.get("strategy_kwargs", {})
+        sequence_parallel_size=case["sp"], stage=case["stage"], **strategy_kwargs
     )
     trainer = L.Trainer(
         accelerator="cpu", devices=case.get("devices", world_size), num_nodes=case.get("num_nodes", 1), strategy=strategy, max_steps=case["steps"], precision=case.get("precision", "32-true"),
@@ -129,6 +133,8 @@ def run_case(case: dict, world_size: int) -> dict:
         "sdpa_orders": sorted(module.sdpa_orders),
         "pretrained": pretrained,
         "export": str(Path(case["workdir"]) / f"{case['name']}.export") if case.get("export") else None,
+        "memory_choice": strategy.memory_choice and strategy.memory_choice.as_dict(),
+        "memory": dataclasses.asdict(strategy.memory),
     }
 
 

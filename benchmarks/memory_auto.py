@@ -1,0 +1,110 @@
+"""`memory="auto"` through the Trainer against a configuration picked by hand, on one GPU; one JSON line per run.
+
+    python benchmarks/memory_auto.py --shape 8b --seq 131072 --variant auto
+    python benchmarks/memory_auto.py --shape 8b --seq 131072 --variant hand --features ac,offload,mlp,logits,norms,attn \
+        --offload-optimizer 0.15 --sub-group-size 268435456
+
+Both variants train the same HF Llama shape (random init, bf16, sdpa) with `UlyssesDeepSpeedStrategy` at SP 1 on
+ZeRO-3; `auto` lets the strategy choose the memory features, the optimizer's host share and its sub-groups and the
+SDPA kernel (the decision is part of the line), `hand` sets them (cuDNN first). The optimizer is torch AdamW, or
+DeepSpeed's CPU Adam where part of it is on the host. Plain HF + DeepSpeed ZeRO-3 is `strategy_overhead.py --variant
+raw` (the driver `run_memory_auto.sh` runs all three per point). Timing as `strategy_overhead.py`: CUDA-synchronised
+whole steps, median after warm-up; MFU against the measured 772 TFLOP/s and the 989 TFLOP/s datasheet peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from strategy_overhead import (PEAK_BF16_FLOPS, SHAPES, RandomTokens, StepProfiler, _count_params,  # noqa: E402
+                               llama_config, model_flops_per_step, step_timer)
+
+DATASHEET_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16
+
+
+def run(args) -> tuple[list[float], dict]:
+    import lightning as L
+
+    from lightning_ulysses import UlyssesDeepSpeedStrategy
+    from lightning_ulysses.models import CausalLMModule
+    from lightning_ulysses.plan import memory_options
+
+    class Module(CausalLMModule):
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            zero = self.trainer.strategy.config["zero_optimization"]
+            if (zero.get("offload_optimizer") or {}).get("device") == "cpu":  # chosen or set: CPU Adam on the host
+                from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+                return DeepSpeedCPUAdam(self.parameters(), lr=1e-5, adamw_mode=True)
+            return torch.optim.AdamW(self.parameters(), lr=1e-5)
+
+    config = llama_config(args.shape, args.seq)
+    options = {key: value for key, value in config.to_dict().items() if key in SHAPES[args.shape]
+               or key in ("max_position_embeddings", "rope_theta")}
+    module = Module(model={"model_type": "llama", **options}, attn_implementation="sdpa")
+    if args.variant == "auto":
+        kwargs = {"memory": {"auto": True, "seq_len": args.seq}}
+    else:
+        kwargs = {"memory": memory_options(args.features), "sdpa_kernel_priority": ["cudnn"],
+                  "sub_group_size": args.sub_group_size}
+        if args.offload_optimizer:
+            kwargs.update(offload_optimizer=True, config_overrides={
+                "zero_optimization": {"offload_optimizer": {"ratio": args.offload_optimizer}}})
+    strategy = UlyssesDeepSpeedStrategy(sequence_parallel_size=1, **kwargs)
+    timer = step_timer(StepProfiler(argparse.Namespace(profile=False, warmup=0)))
+    trainer = L.Trainer(accelerator="cuda", devices=1, strategy=strategy, precision="bf16-mixed",
+                        max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
+    trainer.fit(module, torch.utils.data.DataLoader(RandomTokens(args.seq, config.vocab_size, args.warmup + args.steps),
+                                                    batch_size=1))
+    chosen = strategy.memory_choice.as_dict() if strategy.memory_choice else None
+    return timer.times[args.warmup:], {"choice": chosen, "sdpa_kernel_priority": strategy.sdpa_kernel_priority}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--variant", choices=["auto", "hand"], required=True)
+    parser.add_argument("--shape", choices=list(SHAPES), required=True)
+    parser.add_argument("--seq", type=int, required=True)
+    parser.add_argument("--features", default="none", help="hand: plan.memory_options syntax (ac,offload,mlp,...)")
+    parser.add_argument("--offload-optimizer", type=float, default=0.0, help="hand: optimizer share on the host")
+    parser.add_argument("--sub-group-size", type=int, default=10**9, help="hand: ZeRO-3 sub_group_size")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    args = parser.parse_args()
+    torch.cuda.reset_peak_memory_stats()
+    extra, error, times = {}, None, []
+    try:
+        times, extra = run(args)
+    except torch.OutOfMemoryError as oom:
+        error = f"OOM: {str(oom).splitlines()[0]}"
+    except ValueError as refused:  # memory="auto" found nothing that fits: its message names the longest length
+        error = f"refused: {refused}"
+    config = llama_config(args.shape, args.seq)
+    result = {"variant": args.variant, "shape": args.shape, "seq": args.seq, "features": args.features,
+              "offload_optimizer": args.offload_optimizer, "error": error, **extra,
+              "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+              "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if times:
+        step = statistics.median(times)
+        flops = model_flops_per_step(config, args.seq, args.seq, _count_params(config))
+        result.update(step_time_median_s=step, step_times_s=times, tokens_per_s=args.seq / step,
+                      mfu=flops / step / PEAK_BF16_FLOPS, mfu_datasheet=flops / step / DATASHEET_BF16_FLOPS)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,468 @@
+"""`memory="auto"`: the configuration with the shortest predicted step time that fits, chosen by the planner.
+
+```python
+UlyssesDeepSpeedStrategy(memory="auto")                                    # the recipes fill in the length
+UlyssesDeepSpeedStrategy(memory={"auto": True, "seq_len": 131072})         # every feature chosen
+UlyssesDeepSpeedStrategy(memory={"auto": True, "seq_len": 131072, "tiled_mlp": False})   # one field pinned
+UlyssesDeepSpeedStrategy(memory=AutoMemory(seq_len=131072, offload_optimizer=0.0))       # the same, typed
+```
+
+`choose` enumerates the memory features (tiled logits + loss, low-memory norms, tiled MLP, layer checkpointing
+with its interval, kept attention outputs and host offload of the kept tensors) and, for each, the smallest share
+of the optimizer on the host (DeepSpeed's `offload_optimizer.ratio`, in 5% steps over 40 sub-groups) whose plan
+(`planner.plan_memory`) fits the free memory less a margin; of those it takes the one with the shortest predicted
+step (`step_time.predict_step_time`), fewer features on a tie. Fields set in the request are kept as set. So with
+plenty of memory nothing is switched on, and as memory gets tighter the features come in by what they cost per byte
+saved: first the free ones (tiled logits + loss, then low-memory norms), then those that recompute (tiled MLP,
+layer checkpointing with kept attention outputs), then host transfers (offloaded layer inputs), sparser checkpoints,
+and the optimizer on the host last (CPU Adam is the slowest per byte saved).
+
+The decision is made once per run in the strategy's `setup`, after the model is built (its shape comes from its
+config, also under ZeRO-3, where the parameters are already partitioned) and before the memory features are applied
+and DeepSpeed starts: every rank measures its free memory, one all-reduce takes the minimum over all ranks, and every
+rank then computes the same choice from the same numbers (a refusal, too, is raised on every rank alike).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from lightning_ulysses.memory import MemoryOptions
+from lightning_ulysses.planner import GIB, MemoryPlan, ModelShape, TrainingSetup, plan_memory
+from lightning_ulysses.step_time import StepTime, predict_step_time
+
+# The features `choose` decides, in the order the report lists them.
+FEATURES = ("tiled_logits_loss", "low_memory_norms", "tiled_mlp", "activation_checkpointing",
+            "keep_attention_outputs", "offload_activations", "checkpoint_interval")
+INTERVALS = (1, 2, 4, 8)
+RATIO_STEPS = 20  # optimizer shares on the host: 0, 5%, ..., 100%
+SUB_GROUPS = 40  # sub-groups the optimizer is cut into when part of it is offloaded (DeepSpeed splits by count)
+
+
+@dataclass(frozen=True)
+class AutoMemory:
+    """What `memory="auto"` decides from, and the fields a user pins (None: chosen).
+
+    `free_memory`: None measures it (CUDA: the device's free memory and the node's available host memory over its
+    ranks; CPU: the available host memory over the node's ranks, which is then the device memory as well); a pair
+    `(device_bytes, host_bytes)` or a callable `device -> (device_bytes, host_bytes)` replaces the measurement
+    (tests, or a budget smaller than the machine). The margins are left unused: the caching allocator reserves
+    more than the allocated peak (measured: 137.9 GiB reserved for 126.7 GiB allocated at 376K tokens), which with
+    the planner's own over-prediction of long-sequence peaks (+2.6-2.7% measured) a 3% margin covers; the host
+    margin guards against the OOM killer (the host planner is within 1%, but other processes share the host).
+    """
+
+    seq_len: Optional[int] = None
+    micro_batch: int = 1
+    device_margin: float = 0.03
+    host_margin: float = 0.10
+    free_memory: Any = None
+    tiled_mlp: Optional[bool] = None
+    tiled_logits_loss: Optional[bool] = None
+    activation_checkpointing: Optional[bool] = None
+    offload_activations: Optional[bool] = None
+    checkpoint_interval: Optional[int] = None
+    keep_attention_outputs: Optional[bool] = None
+    low_memory_norms: Optional[bool] = None
+    offload_optimizer: Optional[float] = None
+    sub_group_size: Optional[int] = None
+    mlp_tile_tokens: int = 8192
+    logits_tile_tokens: int = 4096
+    expandable_segments: bool = False
+
+    def __post_init__(self) -> None:
+        if self.seq_len is not None and int(self.seq_len) < 1:
+            raise ValueError(f"memory auto: seq_len must be a positive number of tokens, got {self.seq_len}")
+        if not (0 <= self.device_margin < 1 and 0 <= self.host_margin < 1):
+            raise ValueError("memory auto: device_margin and host_margin are fractions in [0, 1)")
+        if self.offload_optimizer is not None and not 0 <= self.offload_optimizer <= 1:
+            raise ValueError(f"memory auto: offload_optimizer is a fraction in [0, 1], got {self.offload_optimizer}")
+        if self.checkpoint_interval is not None and self.checkpoint_interval < 1:
+            raise ValueError(f"memory auto: checkpoint_interval must be >= 1, got {self.checkpoint_interval}")
+
+    def pinned(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in (*FEATURES, "offload_optimizer", "sub_group_size")
+                if getattr(self, name) is not None}
+
+    def free_bytes(self, device, local_ranks: int = 1) -> tuple[float, float]:
+        source = self.free_memory
+        if source is None:
+            return measure_free_memory(device, local_ranks)
+        device_bytes, host_bytes = source(device) if callable(source) else source
+        return float(device_bytes), float(host_bytes)
+
+
+def coerce_memory(memory: Union[str, MemoryOptions, AutoMemory, Mapping[str, Any], None]) -> Union[MemoryOptions,
+                                                                                                   AutoMemory]:
+    """The strategy's `memory=` argument: `"auto"`, an `AutoMemory`, a mapping with `auto: true` (its other keys are
+    `AutoMemory` fields), or what `MemoryOptions.coerce` takes."""
+    if isinstance(memory, AutoMemory):
+        return memory
+    if memory == "auto":
+        return AutoMemory()
+    if isinstance(memory, Mapping) and "auto" in memory:
+        rest = {key: value for key, value in memory.items() if key != "auto"}
+        if not memory["auto"]:
+            return MemoryOptions.coerce(rest)
+        known = {f.name for f in dataclasses.fields(AutoMemory)}
+        unknown = set(rest) - known
+        if unknown:
+            raise ValueError(f"Unknown memory auto field(s) {sorted(unknown)}; valid: {sorted(known)}")
+        if isinstance(rest.get("free_memory"), Sequence):  # a list from Hydra/JSON
+            rest["free_memory"] = tuple(rest["free_memory"])
+        return AutoMemory(**rest)
+    if isinstance(memory, str):
+        raise ValueError(f"memory must be 'auto', MemoryOptions or a mapping of its fields, got {memory!r}")
+    return MemoryOptions.coerce(memory)
+
+
+def measure_free_memory(device, local_ranks: int = 1) -> tuple[float, float]:
+    """(device bytes, host bytes) this rank can use: what is free plus what this process holds already, which the
+    planner counts (the model built in `configure_model`, ZeRO-3's partitions; the process's resident memory).
+    On CPU both are the host's available memory over the node's ranks."""
+    import torch
+
+    host = _available_host_bytes() / max(1, local_ranks)
+    if getattr(device, "type", "cpu") == "cuda":
+        free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+        return float(free), host + _resident_bytes()
+    return host, host
+
+
+def _resident_bytes() -> float:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _available_host_bytes() -> float:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def auto_sdpa_kernel(device) -> Optional[tuple[str, ...]]:
+    """`sdpa_kernel_priority="auto"`: cuDNN first on Hopper (measured on the H200: causal GQA forward + backward at
+    461-469 TFLOP/s against flash's 278-280, `benchmarks/results/2026-11-29-h200-long-sequence/`), torch's own order
+    on other GPUs (not measured) and on CPU (where the priority is ignored)."""
+    import torch
+
+    if getattr(device, "type", "cpu") != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
+        return None
+    return ("cudnn",) if torch.cuda.get_device_capability(device)[0] == 9 else None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Everything `choose` needs besides the shape and the request."""
+
+    sequence_parallel_size: int = 1
+    data_parallel_size: int = 1
+    zero_stage: int = 3
+    compute_bytes: int = 2
+    on_cuda: bool = True  # False: the device is the CPU (no host offload; device and host memory are one)
+    kernel: Optional[str] = "cudnn"  # the SDPA kernel attention runs with (None: torch's order, flash on Hopper)
+    # DeepSpeed config already offloading the optimizer: its (ratio, sub_group_size), kept as they are
+    configured_offload: Optional[tuple[float, int]] = None
+    configured_sub_group_size: int = 10**12
+
+
+@dataclass(frozen=True)
+class Budget:
+    device: float
+    host: float
+    shared: bool  # the device memory is the host memory (CPU)
+
+    def fits(self, plan: MemoryPlan) -> bool:
+        if self.shared:
+            return plan.gpu_total + plan.host_total <= self.device
+        return plan.gpu_total <= self.device and plan.host_total <= self.host
+
+
+@dataclass
+class Candidate:
+    setup: TrainingSetup
+    plan: MemoryPlan
+    time: StepTime
+
+    @property
+    def key(self) -> tuple:
+        m = self.setup.memory
+        return self.time.total, sum(bool(getattr(m, name)) for name in FEATURES if name != "checkpoint_interval")
+
+
+@dataclass
+class AutoChoice:
+    """The decision: the options to apply, DeepSpeed's optimizer offload, the SDPA kernel, and why."""
+
+    shape: ModelShape
+    layout: Layout
+    budget: Budget
+    best: Candidate
+    reasons: dict[str, str]
+    runner_up: Optional[Candidate]
+    free: tuple[float, float]
+
+    @property
+    def memory(self) -> MemoryOptions:
+        return self.best.setup.memory
+
+    @property
+    def offload_optimizer(self) -> float:
+        return self.best.setup.offload_optimizer
+
+    @property
+    def sub_group_size(self) -> int:
+        return self.best.setup.sub_group_size
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"memory": dataclasses.asdict(self.memory), "offload_optimizer": self.offload_optimizer,
+                "sub_group_size": self.sub_group_size, "kernel": self.layout.kernel,
+                "predicted_step_s": self.best.time.total, "predicted_device_bytes": self.best.plan.gpu_total,
+                "predicted_host_bytes": self.best.plan.host_total}
+
+    def report(self) -> str:
+        s, best = self.best.setup, self.best
+        lines = [f'lightning_ulysses memory="auto" (decided once, the same on every rank): {self.shape.name}, seq'
+                 f" {s.seq_len} × micro-batch {s.micro_batch}, sp {s.sequence_parallel_size} × dp"
+                 f" {s.data_parallel_size}, ZeRO-{s.zero_stage}, {8 * s.compute_bytes}-bit compute",
+                 f"  free per rank (least over ranks): device {self.free[0] / GIB:.1f} GiB, host {self.free[1] / GIB:.1f}"
+                 f" GiB; usable after the margins: device {self.budget.device / GIB:.1f} GiB"
+                 + ("" if self.budget.shared else f", host {self.budget.host / GIB:.1f} GiB")]
+        for name, reason in self.reasons.items():
+            value = getattr(s.memory, name) if hasattr(s.memory, name) else getattr(s, name)
+            shown = f"{value:.0%}" if name == "offload_optimizer" else str(value)
+            lines.append(f"  {name:<26}{shown:<8}{reason}")
+        lines.append(f"  {'sdpa kernel':<26}{self.layout.kernel or 'torch':<8}"
+                     + ("cuDNN first (Hopper, measured fastest)" if self.layout.kernel == "cudnn"
+                        else "torch's own order"))
+        tokens = s.seq_len * s.micro_batch
+        lines.append(f"  predicted: device peak {best.plan.gpu_total / GIB:.2f} GiB, host peak"
+                     f" {best.plan.host_total / GIB:.2f} GiB, step {best.time.total:.3f} s"
+                     f" ({tokens * s.data_parallel_size / best.time.total:,.0f} tokens/s)")
+        lines.append(f"  step time by term: {best.time.summary()}")
+        if self.runner_up is not None:
+            lines.append(f"  runner-up: {_describe(self.runner_up.setup)}, step {self.runner_up.time.total:.3f} s"
+                         f" ({self.runner_up.time.total / best.time.total - 1:+.1%})")
+        return "\n".join(lines)
+
+
+def _describe(setup: TrainingSetup) -> str:
+    m = setup.memory
+    names = [name for name in FEATURES if name != "checkpoint_interval" and getattr(m, name)]
+    if m.checkpoint_interval > 1:
+        names.append(f"checkpoint_interval={m.checkpoint_interval}")
+    if setup.offload_optimizer:
+        names.append(f"optimizer {setup.offload_optimizer:.0%} on the host")
+    return ", ".join(names) or "no features"
+
+
+def _option_sets(request: AutoMemory, layout: Layout) -> list[MemoryOptions]:
+    """Every valid combination of the features not pinned (pinned ones as set), fewest features first."""
+    def values(name: str, free: tuple) -> tuple:
+        pinned = getattr(request, name)
+        return (pinned,) if pinned is not None else free
+
+    host = (False, True) if layout.on_cuda else (False,)
+    axes = {"tiled_logits_loss": values("tiled_logits_loss", (False, True)),
+            "low_memory_norms": values("low_memory_norms", (False, True)),
+            "tiled_mlp": values("tiled_mlp", (False, True)),
+            "activation_checkpointing": values("activation_checkpointing", (False, True)),
+            "keep_attention_outputs": values("keep_attention_outputs", (False, True)),
+            "offload_activations": values("offload_activations", host),
+            "checkpoint_interval": values("checkpoint_interval", INTERVALS)}
+    options = []
+    for combination in itertools.product(*axes.values()):
+        try:
+            options.append(MemoryOptions(mlp_tile_tokens=request.mlp_tile_tokens,
+                                         logits_tile_tokens=request.logits_tile_tokens,
+                                         expandable_segments=request.expandable_segments,
+                                         **dict(zip(axes, combination))))
+        except ValueError:  # e.g. offload or an interval without checkpointing
+            continue
+    return options
+
+
+def _offload_choices(request: AutoMemory, layout: Layout, shape: ModelShape) -> list[tuple[float, int]]:
+    """(optimizer share on the host, sub-group size) in increasing share: DeepSpeed's partial offload needs ZeRO-3
+    and is cut by sub-group count, so a partial share comes with `SUB_GROUPS` sub-groups."""
+    if layout.configured_offload is not None:
+        return [layout.configured_offload]
+    ranks = layout.sequence_parallel_size * layout.data_parallel_size
+    local = sum(math.ceil(numel / ranks) for numel in shape.parameter_numels())
+    cut = request.sub_group_size or min(10**9, max(1, math.ceil(local / SUB_GROUPS)))
+    if not layout.on_cuda:
+        shares = (0.0,)
+    elif request.offload_optimizer is not None:
+        shares = (request.offload_optimizer,)
+    elif layout.zero_stage == 3:
+        shares = tuple(step / RATIO_STEPS for step in range(RATIO_STEPS + 1))
+    else:
+        shares = (0.0, 1.0)
+    if not layout.on_cuda and request.sub_group_size is None:
+        cut = layout.configured_sub_group_size  # nothing is offloaded: the config's sub-groups stay as they are
+    return [(share, cut) for share in shares]
+
+
+def _setup(request: AutoMemory, layout: Layout, options: MemoryOptions, share: float, cut: int,
+           seq_len: Optional[int] = None) -> TrainingSetup:
+    return TrainingSetup(seq_len=seq_len or request.seq_len, micro_batch=request.micro_batch,
+                         sequence_parallel_size=layout.sequence_parallel_size,
+                         data_parallel_size=layout.data_parallel_size, zero_stage=layout.zero_stage,
+                         offload_optimizer=share, compute_bytes=layout.compute_bytes, memory=options,
+                         sub_group_size=cut, host_process_bytes=TrainingSetup.host_process_bytes if layout.on_cuda else 0)
+
+
+def _best_share(shape, request, layout, budget, options, offloads) -> Optional[Candidate]:
+    """The smallest optimizer share on the host with which `options` fit (more share: more CPU Adam time)."""
+    for share, cut in offloads:
+        setup = _setup(request, layout, options, share, cut)
+        plan = plan_memory(shape, setup)
+        if budget.fits(plan):
+            return Candidate(setup, plan, predict_step_time(shape, setup, layout.kernel))
+    return None
+
+
+def choose(shape: ModelShape, request: AutoMemory, layout: Layout, free: tuple[float, float]) -> AutoChoice:
+    """The fastest predicted configuration that fits `free` (device, host bytes per rank) less the margins; raises
+    `ValueError` naming the longest length that would fit, and what to change, when none does."""
+    if request.seq_len is None:
+        raise ValueError('memory="auto" needs the training length: memory={"auto": True, "seq_len": N} (and'
+                         ' "micro_batch" if it is not 1); the recipes fill both in from data.seq_len and data.batch_size.')
+    budget = Budget(free[0] * (1 - request.device_margin), free[1] * (1 - request.host_margin), not layout.on_cuda)
+    offloads = _offload_choices(request, layout, shape)
+    fitting = [c for c in (_best_share(shape, request, layout, budget, options, offloads)
+                           for options in _option_sets(request, layout)) if c is not None]
+    if not fitting:
+        raise ValueError(_nothing_fits(shape, request, layout, budget, offloads))
+    ranked = sorted(fitting, key=lambda c: c.key)  # stable: candidates in enumeration order on equal keys
+    best = ranked[0]
+    reasons = _reasons(shape, request, layout, budget, offloads, best)
+    return AutoChoice(shape, layout, budget, best, reasons, ranked[1] if len(ranked) > 1 else None, free)
+
+
+def _reasons(shape, request, layout, budget, offloads, best: Candidate) -> dict[str, str]:
+    """Per feature: pinned, or what switching it alone would do (not fit, or its predicted time)."""
+    pinned, reasons = request.pinned(), {}
+    for name in FEATURES:
+        value = getattr(best.setup.memory, name)
+        if name in pinned:
+            reasons[name] = "set by you"
+            continue
+        other = 1 if name == "checkpoint_interval" and value > 1 else (2 if name == "checkpoint_interval" else not value)
+        change = {name: other}
+        if name == "activation_checkpointing" and value:  # off, with what only tunes it
+            change.update(keep_attention_outputs=False, offload_activations=False, checkpoint_interval=1)
+        try:
+            options = dataclasses.replace(best.setup.memory, **change)
+        except ValueError:
+            reasons[name] = "needs layer checkpointing"
+            continue
+        if name in ("offload_activations",) and not layout.on_cuda:
+            reasons[name] = "no host offload on CPU"
+            continue
+        alternative = _best_share(shape, request, layout, budget, options, offloads)
+        label = f"{name}={other}"
+        if alternative is None:
+            reasons[name] = f"with {label} nothing fits"
+        else:
+            delta = alternative.time.total - best.time.total
+            reasons[name] = (f"with {label}: {delta:+.3f} s per step" + (" (and fewer features win ties)"
+                                                                         if abs(delta) < 1e-9 else ""))
+    if "offload_optimizer" in pinned or layout.configured_offload is not None:
+        reasons["offload_optimizer"] = "set by you"
+    elif not layout.on_cuda:
+        reasons["offload_optimizer"] = "no host offload on CPU"
+    else:
+        reasons["offload_optimizer"] = ("the smallest share that fits" if best.setup.offload_optimizer
+                                        else "all on the device")
+    return reasons
+
+
+def _nothing_fits(shape, request, layout, budget, offloads) -> str:
+    """The longest length the most memory-saving allowed configurations fit, and what to change."""
+    def saving(o: MemoryOptions) -> tuple:
+        return (o.activation_checkpointing, o.checkpoint_interval, o.tiled_mlp, o.tiled_logits_loss,
+                o.low_memory_norms, not o.keep_attention_outputs)
+
+    options = _option_sets(request, layout)
+    most = max(map(saving, options))
+    most_saving = [o for o in options if saving(o) == most]  # with and without host offload of the kept inputs
+    shares = offloads[::5] + offloads[-1:] if len(offloads) > 5 else offloads
+    longest, how = 0, None
+    for option, (share, cut) in itertools.product(most_saving, shares):
+        setup = _setup(request, layout, option, share, cut, seq_len=1)
+        seq = _longest(shape, setup, budget, 64 if request.seq_len >= 64 * layout.sequence_parallel_size else 1)
+        if seq > longest:
+            longest, how = seq, setup
+    where = (f"{shape.name} at {request.seq_len} tokens × micro-batch {request.micro_batch} on sp"
+             f" {layout.sequence_parallel_size} × dp {layout.data_parallel_size}, ZeRO-{layout.zero_stage}, with"
+             f" {budget.device / GIB:.2f} GiB of device memory" + ("" if budget.shared else
+                                                                   f" and {budget.host / GIB:.2f} GiB of host memory")
+             + " per rank (free, less the margins)")
+    pins = request.pinned()
+    unpin = f"; or unpin {sorted(pins)}" if pins else ""
+    if longest == 0:
+        return (f'memory="auto": nothing fits {where}, not even the shortest length: the model states alone are'
+                f" too large. Shard them over more ranks (ZeRO-3 over more GPUs), or free"
+                f" memory{unpin}.")
+    return (f'memory="auto": nothing fits {where}. The longest length that fits is {longest} tokens (with'
+            f" {_describe(how)}). To train {request.seq_len} tokens: raise sequence_parallel_size (each rank holds"
+            f" seq/SP tokens), use more GPUs, or free memory{unpin}; or train at most {longest} tokens.")
+
+
+def _longest(shape: ModelShape, setup: TrainingSetup, budget: Budget, multiple: int) -> int:
+    """The longest `seq_len` (a multiple of `multiple` × the SP size) whose plan fits `budget`; 0 if none does."""
+    step = multiple * setup.sequence_parallel_size
+
+    def fits(multiple: int) -> bool:
+        return budget.fits(plan_memory(shape, dataclasses.replace(setup, seq_len=multiple * step)))
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high < 1 << 30 and fits(high):
+        low, high = high, high * 2
+    while high - low > 1:  # fits(low), not fits(high): memory grows with the length
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low * step
+
+
+def shape_of(models: Sequence[Any]) -> ModelShape:
+    """The planner's shape of the module's largest model (Hugging Face Llama-style config or native GPT)."""
+    from lightning_ulysses.models.gpt import GPT
+
+    shapes = []
+    for model in models:
+        try:
+            if isinstance(model, GPT):
+                shapes.append(ModelShape.from_gpt_config(model.config, name=type(model).__name__))
+            else:
+                config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+                shapes.append(ModelShape.from_hf_config(config, name=type(model).__name__))
+        except (AttributeError, TypeError) as error:
+            raise ValueError(f'memory="auto" plans Llama-style configs and the native GPT; {type(model).__name__}'
+                             f" has no {error}. Set the memory features by hand (memory={{...}}).") from error
+    if not shapes:
+        raise ValueError('memory="auto" needs a Hugging Face causal LM or a native GPT in the module (it plans their'
+                         " shape); set the memory features by hand for other models.")
+    return max(shapes, key=lambda shape: shape.num_parameters)
+

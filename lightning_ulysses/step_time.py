@@ -1,0 +1,190 @@
+"""Step-time model: seconds of one training step, term by term, next to the memory planner's bytes.
+
+`predict_step_time(shape, setup, kernel)` returns every term (the step's matmuls, each recompute a memory feature
+adds, attention forward and backward with the chosen SDPA kernel, host transfers of offloaded activations, the CPU
+Adam share of an offloaded optimizer, the GPU optimizer, a fixed cost) so that `memory="auto"` can say *why* it
+chose what it chose. The constants (`H200`) are calibrated from the measurements committed under
+`benchmarks/results/` (`CALIBRATION` lists them; `python -m lightning_ulysses.step_time` prints prediction against
+measurement). What the model counts:
+
+- matmuls: 2 FLOPs per parameter and token forward, 4 backward (the linear layers and the output head), at one
+  effective rate (`matmul_flops`, which also absorbs ZeRO-3's gathers and the elementwise kernels);
+- causal attention: `2·s²·hidden` FLOPs per layer forward over the whole row (`s` tokens; Ulysses gives each rank
+  `heads / sp` heads), twice that backward, at the measured rate of each SDPA kernel;
+- recompute: a checkpointed layer runs its forward once more in backward, and `checkpoint_interval` k adds
+  `(k − 1) / k` forwards per layer (the stretch's inputs); the attention forward is recomputed unless
+  `keep_attention_outputs` replays it; a tiled MLP recomputes its forward once more in its own backward;
+- host transfers: offloaded layer inputs (and kept attention outputs) go to the host in forward and come back in
+  backward, not overlapped with compute (`host_link_bytes`);
+- optimizer: GPU Adam per element kept on the GPU; CPU Adam per offloaded element (with its gradient and parameter
+  copies); with any offload, ZeRO-3's 16-bit gradients of every element cross the host link;
+- a fixed cost per step (the hooks and launches that do not grow with the sequence).
+Tiled logits + loss and low-memory norms cost no modelled time (measured within noise); on equal predicted times
+`memory="auto"` takes the configuration with fewer features.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from lightning_ulysses.planner import ModelShape, TrainingSetup, optimizer_sub_groups
+
+
+@dataclass(frozen=True)
+class DeviceSpeeds:
+    """The step-time model's constants for one device (rates in FLOP/s, bytes/s, elements/s)."""
+
+    name: str
+    matmul_flops: float
+    attention_forward_flops: dict
+    attention_backward_flops: dict
+    host_link_bytes: float
+    gpu_adam_elements: float
+    cpu_adam_elements: float
+    step_overhead_s: float
+    elementwise_s: float  # per layer, token and hidden value, forward + backward (norms, RoPE, SiLU, residuals)
+
+
+# Attention rates: `benchmarks/results/2026-11-29-h200-long-sequence/attention-kernels.jsonl` (causal, 32 heads,
+# 8 KV heads, d 128; mean of 32K and 128K): forward = 2·s²·h / forward time, backward = 4·s²·h / (forward+backward
+# time − forward time). "flash" is torch's default order on Hopper; "efficient" was measured without GQA; "math"
+# is not an exact fused kernel and is taken as a quarter of "efficient". Matmul rate, link, Adam and overhead: fit
+# to `CALIBRATION` (see `test_step_time.py`).
+H200 = DeviceSpeeds(
+    name="NVIDIA H200",
+    matmul_flops=720e12,
+    attention_forward_flops={"cudnn": 620e12, "flash": 339e12, "efficient": 177e12, "math": 44e12},
+    attention_backward_flops={"cudnn": 413e12, "flash": 256e12, "efficient": 108e12, "math": 27e12},
+    host_link_bytes=100e9,
+    gpu_adam_elements=60e9,
+    cpu_adam_elements=1.2e9,
+    step_overhead_s=0.05,
+    elementwise_s=3.5e-10,
+)
+
+
+@dataclass
+class StepTime:
+    terms: dict  # seconds, by term
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+    def summary(self, top: int = 5) -> str:
+        largest = sorted(self.terms.items(), key=lambda item: -item[1])[:top]
+        return ", ".join(f"{name} {seconds:.2f} s" for name, seconds in largest if seconds >= 0.005)
+
+
+def _matmul_parameters(shape: ModelShape) -> tuple[float, float, float]:
+    """Per token: (parameters of all decoder layers' linears, of one layer's MLP, of the output head)."""
+    h, kv, inter = shape.hidden_size, shape.num_key_value_heads * shape.head_dim, shape.intermediate_size
+    attention = 2 * h * h + 2 * h * kv
+    mlp = (3 if shape.gated_mlp else 2) * h * inter
+    return shape.num_layers * (attention + mlp), mlp, shape.vocab_size * h
+
+
+def predict_step_time(shape: ModelShape, setup: TrainingSetup, kernel: Optional[str] = "cudnn",
+                      speeds: DeviceSpeeds = H200) -> StepTime:
+    """Seconds of one training step on one rank, by term. `kernel`: the SDPA kernel attention runs with (None:
+    torch's default order, i.e. flash on Hopper)."""
+    m, kernel = setup.memory, kernel or "flash"
+    tokens = setup.local_tokens
+    layers, mlp, head = _matmul_parameters(shape)
+    # ZeRO-3 shards; every rank still computes its own tokens with whole weights, so FLOPs do not shrink with ZeRO.
+    forward = 2 * (layers + head) * tokens
+    attention_forward = (setup.micro_batch * 2 * setup.seq_len ** 2 * shape.hidden_size * shape.num_layers
+                         / setup.sequence_parallel_size)
+    terms = {"matmuls (forward + backward)": 3 * forward / speeds.matmul_flops,
+             "attention forward": attention_forward / speeds.attention_forward_flops[kernel],
+             "attention backward": 2 * attention_forward / speeds.attention_backward_flops[kernel],
+             "elementwise kernels": speeds.elementwise_s * shape.num_layers * tokens * shape.hidden_size}
+    if m.activation_checkpointing:
+        extra_forwards = 1 + (m.checkpoint_interval - 1) / m.checkpoint_interval
+        # a third of the matmuls and of the elementwise work is forward
+        terms["recompute: layer forwards"] = extra_forwards * (2 * layers * tokens / speeds.matmul_flops
+                                                               + terms["elementwise kernels"] / 3)
+        if not m.keep_attention_outputs:
+            terms["recompute: attention forward"] = extra_forwards * terms["attention forward"]
+    if m.tiled_mlp:
+        terms["recompute: tiled MLP forward"] = 2 * shape.num_layers * mlp * tokens / speeds.matmul_flops
+    if m.offload_activations:
+        kept = shape.hidden_size * math.ceil(shape.num_layers / m.checkpoint_interval)
+        if m.keep_attention_outputs:
+            kept += shape.hidden_size * shape.num_layers
+        terms["host transfers: offloaded activations"] = 2 * setup.compute_bytes * kept * tokens / speeds.host_link_bytes
+    groups = optimizer_sub_groups(shape, setup)
+    first_on_host = int((1 - setup.offload_optimizer) * len(groups)) if setup.offload_optimizer else len(groups)
+    on_gpu, on_host = sum(groups[:first_on_host]), sum(groups[first_on_host:])
+    terms["optimizer: GPU Adam"] = on_gpu / speeds.gpu_adam_elements
+    if on_host:
+        terms["optimizer: CPU Adam (offloaded share)"] = on_host / speeds.cpu_adam_elements
+        terms["host transfers: 16-bit gradients"] = setup.compute_bytes * sum(groups) / speeds.host_link_bytes
+    terms["fixed per step"] = speeds.step_overhead_s
+    return StepTime(terms)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One committed measurement: model, length, features (`plan.memory_options` syntax), optimizer share on the
+    host, sub-group size, SDPA kernel, measured step seconds, and where it is committed."""
+
+    model: str
+    seq: int
+    features: str
+    offload: float
+    sub_group_size: int
+    kernel: Optional[str]
+    step_s: float
+    source: str
+
+
+_ENGINE = "2026-11-29-h200-memory-engine"
+_LONG = "2026-11-29-h200-long-sequence"
+CALIBRATION = (
+    # 1B at 8K: ±20% step to step (too short to calibrate; held out)
+    Measured("llama3.2-1b", 32768, "none", 0.0, 10**9, "cudnn", 1.2083, f"{_ENGINE}/llama1b-features.jsonl"),
+    Measured("llama3.2-1b", 32768, "ac", 0.0, 10**9, "cudnn", 1.5282, f"{_ENGINE}/llama1b-features.jsonl"),
+    Measured("llama3.2-1b", 32768, "ac+logits", 0.0, 10**9, "cudnn", 1.5425, f"{_ENGINE}/llama1b-features.jsonl"),
+    Measured("llama3.2-1b", 32768, "ac+logits+mlp", 0.0, 10**9, "cudnn", 1.6513, f"{_ENGINE}/llama1b-features.jsonl"),
+    Measured("llama3-8b", 32768, "ac+logits+offload", 0.0, 10**9, "cudnn", 6.7187, f"{_ENGINE}/llama8b-32k.jsonl"),
+    Measured("llama3-8b", 131072, "ac+logits+mlp+offload", 0.3, 10**9, "cudnn", 58.203,
+             f"{_ENGINE}/llama8b-offload0.3.jsonl"),
+    Measured("llama3-8b", 131072, "ac+offload+mlp+logits", 0.15, 268435456, "cudnn", 59.977,
+             f"{_LONG}/llama8b-128k-backends.jsonl"),
+    Measured("llama3-8b", 131072, "ac+offload+mlp+logits", 0.15, 268435456, None, 84.425,
+             f"{_LONG}/llama8b-128k-backends.jsonl"),
+    Measured("llama3-8b", 131072, "ac+offload+mlp+logits+norms", 0.08, 268435456, "cudnn", 59.305,
+             f"{_LONG}/llama8b-128k-mfu.jsonl"),
+    Measured("llama3-8b", 131072, "ac+offload+mlp+logits+norms+attn", 0.08, 268435456, "cudnn", 51.716,
+             f"{_LONG}/llama8b-128k-mfu.jsonl"),
+    Measured("llama3-8b", 131072, "ac+offload+mlp+logits+norms+attn", 0.15, 268435456, "cudnn", 51.037,
+             f"{_LONG}/llama8b-128k-mfu-r015.jsonl"),
+    Measured("llama3-8b", 376832, "ac+offload+mlp+logits+norms+every4", 0.45, 209000000, "cudnn", 438.24,
+             f"{_LONG}/llama8b-376k.jsonl"),
+)
+
+
+def predicted(row: Measured, speeds: DeviceSpeeds = H200) -> StepTime:
+    from lightning_ulysses.plan import memory_options
+    from lightning_ulysses.planner import MODELS
+
+    setup = TrainingSetup(seq_len=row.seq, offload_optimizer=row.offload, sub_group_size=row.sub_group_size,
+                          memory=memory_options(row.features))
+    return predict_step_time(MODELS[row.model], setup, row.kernel, speeds)
+
+
+def calibration_table(speeds: DeviceSpeeds = H200) -> str:
+    lines = [f"{'model':<12}{'seq':>8}  {'features':<36}{'host':>6}{'kernel':>8}{'measured s':>12}{'model s':>10}"
+             f"{'error':>8}"]
+    for row in CALIBRATION:
+        seconds = predicted(row, speeds).total
+        lines.append(f"{row.model:<12}{row.seq:>8}  {row.features:<36}{row.offload:>6.0%}{row.kernel or 'flash':>8}"
+                     f"{row.step_s:>12.3f}{seconds:>10.3f}{seconds / row.step_s - 1:>+8.1%}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(calibration_table())

@@ -1,0 +1,127 @@
+"""memory="auto": the chooser (hand-computed cases, the order features come in, monotonic in length, pins, the
+nothing-fits error) and the step-time model against the committed H200 measurements."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lightning_ulysses.auto import AutoMemory, Layout, choose, coerce_memory
+from lightning_ulysses.memory import MemoryOptions
+from lightning_ulysses.planner import GIB, MODELS, TrainingSetup, plan_memory
+from lightning_ulysses.step_time import CALIBRATION, predict_step_time, predicted
+
+LLAMA_1B, LLAMA_8B = MODELS["llama3.2-1b"], MODELS["llama3-8b"]
+
+
+def _choice(shape, seq, device_gib, host_gib=100.0, **request):
+    return choose(shape, AutoMemory(seq_len=seq, device_margin=0, host_margin=0, **request), Layout(),
+                  (device_gib * GIB, host_gib * GIB))
+
+
+def _on(choice) -> set:
+    m = choice.memory
+    names = {n for n in ("tiled_logits_loss", "low_memory_norms", "tiled_mlp", "activation_checkpointing",
+                         "keep_attention_outputs", "offload_activations") if getattr(m, n)}
+    return names | ({f"every{m.checkpoint_interval}"} if m.checkpoint_interval > 1 else set()) | (
+        {"optimizer offload"} if choice.offload_optimizer else set())
+
+
+def test_plenty_of_memory_switches_nothing_on():
+    # The 1B shape at 32K without any feature: 122.1 GiB (the planner's terms, 120.0 measured on the H200) < 130.
+    plain = plan_memory(LLAMA_1B, TrainingSetup(seq_len=32768, sub_group_size=LLAMA_1B.num_parameters // 40 + 1))
+    assert 122 * GIB < plain.gpu_total < 122.2 * GIB
+    choice = _choice(LLAMA_1B, 32768, 130)
+    assert choice.memory == MemoryOptions() and choice.offload_optimizer == 0
+    assert choice.best.plan.gpu_total == pytest.approx(plain.gpu_total, rel=1e-3)
+    assert "step" in choice.report() and "runner-up" in choice.report()
+
+
+# Tighter and tighter (1B at 32K): the free features first, by bytes saved (low-memory norms: 8 GiB of fp32 norm
+# inputs; tiled logits + loss: 41 GiB of logits), then recomputation (tiled MLP, then layer checkpointing with
+# kept attention outputs), then host transfers (offloaded layer inputs), and the optimizer on the host last.
+LADDER = [(130, set()), (120, {"low_memory_norms"}), (100, {"tiled_logits_loss"}),
+          (78, {"tiled_logits_loss", "low_memory_norms"}), (60, {"tiled_logits_loss", "tiled_mlp"}),
+          (45, {"tiled_logits_loss", "low_memory_norms", "tiled_mlp"}),
+          (35, {"tiled_logits_loss", "activation_checkpointing", "keep_attention_outputs"}),
+          (28, {"tiled_logits_loss", "activation_checkpointing", "keep_attention_outputs", "offload_activations"}),
+          (25, {"tiled_logits_loss", "activation_checkpointing", "keep_attention_outputs", "offload_activations",
+                "optimizer offload"})]
+
+
+def test_tight_memory_brings_features_in_the_documented_order():
+    times = []
+    for device_gib, features in LADDER:
+        choice = _choice(LLAMA_1B, 32768, device_gib)
+        assert _on(choice) == features, (device_gib, choice.report())
+        assert choice.best.plan.gpu_total <= device_gib * GIB
+        times.append(choice.best.time.total)
+    assert times == sorted(times)  # less memory never predicts a faster step
+
+
+def test_monotonic_in_sequence_length():
+    lengths = [4096, 8192, 32768, 65536, 131072, 196608]
+    choices = [_choice(LLAMA_8B, seq, 139, 118) for seq in lengths]
+    per_token = [c.best.time.total for c in choices]
+    assert per_token == sorted(per_token)
+    assert all(c.best.plan.gpu_total <= 139 * GIB and c.best.plan.host_total <= 118 * GIB for c in choices)
+    # 8B at 128K on one H200: optimizer partly on the host, layer checkpointing with kept attention outputs
+    assert {"activation_checkpointing", "keep_attention_outputs", "optimizer offload"} <= _on(choices[4])
+
+
+def test_nothing_fits_names_the_longest_length_that_does():
+    with pytest.raises(ValueError, match=r"nothing fits Llama 3 8B at 1048576 tokens.*The longest length that fits"
+                                         r" is (\d+) tokens") as error:
+        _choice(LLAMA_8B, 1 << 20, 139, 118)
+    longest = int(str(error.value).split("The longest length that fits is ")[1].split()[0])
+    assert 200_000 < longest < 1 << 20 and "raise sequence_parallel_size" in str(error.value)
+    _choice(LLAMA_8B, longest, 139, 118)  # fits
+    with pytest.raises(ValueError, match="not even"):
+        _choice(LLAMA_8B, 4096, 20, 0)  # 8B model states (16 bytes × 8B) on 20 GiB, no host: nothing at all
+
+
+def test_pinned_fields_are_kept_and_reported():
+    choice = _choice(LLAMA_1B, 32768, 60, tiled_mlp=False, low_memory_norms=True)
+    assert not choice.memory.tiled_mlp and choice.memory.low_memory_norms
+    assert "set by you" in choice.reasons["tiled_mlp"] and "set by you" in choice.reasons["low_memory_norms"]
+    assert choice.memory.activation_checkpointing  # the next feature in the order takes tiled MLP's place
+    with pytest.raises(ValueError, match=r"unpin \['activation_checkpointing', 'tiled_logits_loss'\]"):
+        _choice(LLAMA_1B, 32768, 60, tiled_logits_loss=False, activation_checkpointing=False)
+
+
+def test_cpu_layout_never_offloads():
+    choice = choose(LLAMA_1B, AutoMemory(seq_len=32768, device_margin=0), Layout(on_cuda=False, kernel=None),
+                    (40 * GIB, 40 * GIB))
+    assert not choice.memory.offload_activations and choice.offload_optimizer == 0
+
+
+def test_coerce_memory():
+    assert coerce_memory("auto") == AutoMemory()
+    assert coerce_memory({"auto": True, "seq_len": 8, "tiled_mlp": False, "free_memory": [1, 2]}) == AutoMemory(
+        seq_len=8, tiled_mlp=False, free_memory=(1, 2))
+    assert coerce_memory({"auto": False, "tiled_mlp": True}) == MemoryOptions(tiled_mlp=True)
+    assert coerce_memory({"tiled_mlp": True}) == MemoryOptions(tiled_mlp=True)
+    with pytest.raises(ValueError, match="Unknown memory auto field"):
+        coerce_memory({"auto": True, "tile_mlp": True})
+    with pytest.raises(ValueError, match="needs the training length"):
+        choose(LLAMA_1B, AutoMemory(), Layout(), (GIB, GIB))
+
+
+@pytest.mark.parametrize("row", CALIBRATION, ids=lambda r: f"{r.model}-{r.seq}-{r.features}-{r.kernel}")
+def test_step_time_model_within_10_percent_of_the_measurements(row):
+    assert predicted(row).total == pytest.approx(row.step_s, rel=0.10)
+
+
+def test_step_time_model_ranks_what_was_measured():
+    def seconds(features="none", kernel="cudnn", shape=LLAMA_1B, seq=32768, **setup):
+        from lightning_ulysses.plan import memory_options
+
+        return predict_step_time(shape, TrainingSetup(seq_len=seq, memory=memory_options(features), **setup),
+                                 kernel).total
+
+    # 1B at 32K: no features (MFU 0.487) beats checkpointing + tiled logits (0.381), as measured
+    assert seconds("none") < seconds("ac+logits")
+    assert seconds(kernel="cudnn", shape=LLAMA_8B, seq=131072) < seconds(kernel=None, shape=LLAMA_8B, seq=131072)
+    assert seconds("ac+attn", shape=LLAMA_8B, seq=131072) < seconds("ac", shape=LLAMA_8B, seq=131072)
+    assert seconds(offload_optimizer=0.5, sub_group_size=10**7) > seconds(offload_optimizer=0.1, sub_group_size=10**7)
