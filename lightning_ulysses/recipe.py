@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from contextlib import contextmanager
 import logging
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from hydra.utils import instantiate
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -171,6 +172,23 @@ def resume_path(resume: Optional[str], callbacks: list) -> Optional[str]:
         if last.exists() or previous_path(last).is_dir():
             return str(last)
     return None
+
+
+_RESUME_VARIABLE = "LIGHTNING_ULYSSES_RESUME_FROM"
+
+
+@contextmanager
+def resume_decision(resume: Optional[str], callbacks: list) -> Iterator[Optional[str]]:
+    """`resume_path`, decided once by the launching process: the ranks Lightning starts from it inherit the decision
+    through the environment (under `-m` their run folder is not rank 0's, so they would decide otherwise)."""
+    inherited = os.environ.get(_RESUME_VARIABLE)
+    path = (inherited or None) if inherited is not None else resume_path(resume, callbacks)
+    os.environ[_RESUME_VARIABLE] = path or ""
+    try:
+        yield path
+    finally:
+        if inherited is None:
+            os.environ.pop(_RESUME_VARIABLE, None)
 
 
 class _DropMessages(logging.Filter):

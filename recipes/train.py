@@ -22,7 +22,7 @@ import lightning_ulysses  # noqa: F401  (registers the "ulysses" strategy names)
 from lightning_ulysses.callbacks import PROGRESS_BAR_NAMES
 from lightning_ulysses.config import register_resolvers
 from lightning_ulysses.recipe import (apply_runtime_environment, build_callbacks, build_loggers, check_recipe, plan,
-                                      quiet_third_party, resume_path)
+                                      quiet_third_party, resume_decision)
 
 ROOT = Path(__file__).resolve().parents[1]
 register_resolvers()
@@ -48,7 +48,8 @@ def main(cfg: DictConfig) -> None:
     callbacks = build_callbacks(cfg)
     trainer = instantiate(cfg.trainer, strategy=strategy, logger=build_loggers(cfg.loggers, run_dir, cfg.run_name),
                           callbacks=callbacks, default_root_dir=run_dir)
-    trainer.fit(module, datamodule=data, ckpt_path=resume_path(cfg.resume, callbacks))
+    with resume_decision(cfg.resume, callbacks) as checkpoint_path:
+        trainer.fit(module, datamodule=data, ckpt_path=checkpoint_path)
     if trainer.is_global_zero:
         print(f"\nRun directory: {run_dir}")
         print(f"Metrics (CSV): {trainer.loggers[0].log_dir}/metrics.csv")

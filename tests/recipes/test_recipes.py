@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -227,13 +228,13 @@ def test_hf_pretrained_recipe_trains_from_the_pretrained_weights(tiny_pretrained
                      "trainer.limit_val_batches=0", "trainer.enable_checkpointing=false", f"hydra.run.dir={tmp_path}",
                      timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    first = (tmp_path / "logs" / "version_0" / "metrics.csv").read_text().splitlines()[1].split(",")
+    first = _metrics(tmp_path / "logs" / "version_0" / "metrics.csv")[0]["train/loss"]
     dataset = CopyTaskDataset(4096, 32, 16, seed=0)
     indices = list(DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0))[:2]
     input_ids = torch.stack([dataset[i]["input_ids"] for i in indices])
     with torch.no_grad():
         expected = tiny_pretrained.model(input_ids=input_ids, labels=input_ids).loss.item()
-    assert abs(float(first[2]) - expected) < 1e-5, (first, expected)
+    assert abs(first - expected) < 1e-5, (first, expected)
 
 
 def _metrics(csv: Path) -> dict[int, dict[str, float]]:
@@ -248,53 +249,53 @@ def _metrics(csv: Path) -> dict[int, dict[str, float]]:
 
 
 def test_schedule_weight_decay_groups_and_auto_resume(tmp_path):
-    """Three recipe runs (2 CPU ranks, SP 2, ZeRO-3, accumulation 2, warmup + cosine) serve the training-setup claims:
+    """One recipe command (2 CPU ranks, SP 2, ZeRO-3, accumulation 2, warmup + cosine, a checkpoint every 3 steps)
+    launched twice in one named run folder serves the training-setup claims:
 
-    - uninterrupted, 6 optimizer steps: the learning rate of every optimizer step (LearningRateMonitor, both
-      parameter groups) is the schedule's formula with the total from trainer.max_steps; accumulation does not step
-      it twice; the parameter groups `configure_optimizers` built on partitioned ZeRO-3 parameters (`p.shape` [0])
-      exempt exactly the norms and biases from weight decay, on both ranks;
-    - the same run stopped after 3 steps (a checkpoint every 3), then relaunched in the same run folder with
-      `resume=auto` (the default): it continues at step 3, not from warmup, with the losses and learning rates of
-      the uninterrupted run; a logger asked for but not installed is a one-line note, and training goes on.
+    - the first launch trains 6 optimizer steps: the learning rate of every optimizer step (LearningRateMonitor,
+      both parameter groups) is the schedule's formula with the total from trainer.max_steps, so accumulation does
+      not step it twice; the parameter groups `configure_optimizers` built on partitioned ZeRO-3 parameters
+      (`p.shape` [0]) exempt exactly the norms and biases from weight decay, on both ranks;
+    - then the run folder is left as a job killed after step 3 leaves it (its `last.ckpt` is the step-3 save), and
+      the same command again (`resume=auto`, the default) continues at step 3, not from warmup, with the first
+      launch's learning rates and losses; a logger asked for but not installed is a one-line note, training goes on.
     """
     base = 5e-3
-    common = ["data.seq_len=32", "data.batch_size=2", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=0",
-              "trainer.accumulate_grad_batches=2", f"model.learning_rate={base}", "model.weight_decay=0.1",
-              "schedule=cosine", "model.schedule.warmup_steps=2", "model.schedule.min_lr_ratio=0.1",
-              "checkpoint.every_n_train_steps=3"]
-    whole, parts = tmp_path / "whole", tmp_path / "parts"
-    whole.mkdir()
-    runs = [
-        [*common, "trainer.max_steps=6", f"hydra.run.dir={whole}",
-         "+callbacks.groups._target_=tests.recipes.probes.ParameterGroupProbe", f"+callbacks.groups.folder={whole}"],
-        [*common, "trainer.max_steps=3", "model.schedule.total_steps=6", f"hydra.run.dir={parts}"],
-        [*common, "trainer.max_steps=6", "model.schedule.total_steps=6", f"hydra.run.dir={parts}",
-         "loggers.tensorboard=true"],
-    ]
-    results = [_recipe(*overrides, timeout=300) for overrides in runs]
-    for result in results:
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-
-    reference = _metrics(whole / "logs" / "version_0" / "metrics.csv")
+    run = tmp_path / "run"
+    run.mkdir()
+    command = ["data.seq_len=32", "data.batch_size=2", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=0",
+               "trainer.accumulate_grad_batches=2", "trainer.max_steps=6", f"model.learning_rate={base}",
+               "model.weight_decay=0.1", "schedule=cosine", "model.schedule.warmup_steps=2",
+               "model.schedule.min_lr_ratio=0.1", "checkpoint.every_n_train_steps=3", "checkpoint.save_top_k=-1",
+               "loggers.tensorboard=true", f"hydra.run.dir={run}",
+               "+callbacks.groups._target_=tests.recipes.probes.ParameterGroupProbe", f"+callbacks.groups.folder={run}"]
+    whole = _recipe(*command, timeout=300)
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+    reference = _metrics(run / "logs" / "version_0" / "metrics.csv")
+    assert sorted(reference) == list(range(6))
     schedule = LRSchedule("cosine", warmup_steps=2, min_lr_ratio=0.1, total_steps=6)
     for step in range(6):
         assert reference[step]["lr/pg1"] == reference[step]["lr/pg2"] == pytest.approx(base * schedule(step)), step
+    assert "loggers.tensorboard=true but tensorboard or tensorboardX is not installed" in whole.stderr
 
     model = instantiate(_compose([]).model.model).build()
     exempt = {f"model.{n}" for n, p in model.named_parameters() if p.ndim < 2}
     decayed = {f"model.{n}" for n, p in model.named_parameters() if p.ndim >= 2}
     assert exempt and decayed and all("norm" in n or n.endswith("bias") for n in exempt)
     for rank in (0, 1):
-        groups = json.loads((whole / f"groups_rank{rank}.json").read_text())
+        groups = json.loads((run / f"groups_rank{rank}.json").read_text())
         assert [(g["weight_decay"], set(g["parameters"])) for g in groups] == [(0.1, decayed), (0.0, exempt)]
         # Partitioned as configure_optimizers saw them: by p.shape every parameter would have looked 1-D.
         assert all(p["shape"] == [0] and p["ds_shape"] for g in groups for p in g["parameters"].values())
 
-    first, resumed = (_metrics(parts / "logs" / f"version_{v}" / "metrics.csv") for v in (0, 1))
-    assert sorted(first) == [0, 1, 2] and min(resumed) == 3, (sorted(first), sorted(resumed))
-    assert "Restoring states from the checkpoint path at" in results[2].stdout + results[2].stderr
-    for step, row in {**first, **resumed}.items():
+    checkpoints = run / "checkpoints"
+    shutil.rmtree(checkpoints / "last.ckpt")
+    shutil.copytree(checkpoints / "epoch=0-step=3.ckpt", checkpoints / "last.ckpt")
+    again = _recipe(*command, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"Restoring states from the checkpoint path at {checkpoints / 'last.ckpt'}" in again.stdout + again.stderr
+    resumed = _metrics(run / "logs" / "version_1" / "metrics.csv")
+    assert sorted(resumed) == [3, 4, 5]
+    for step, row in resumed.items():
         assert row["lr/pg1"] == pytest.approx(reference[step]["lr/pg1"], rel=1e-12), step
         assert abs(row["train/loss"] - reference[step]["train/loss"]) < 1e-5, (step, row, reference[step])
-    assert "loggers.tensorboard=true but tensorboard or tensorboardX is not installed" in results[2].stderr

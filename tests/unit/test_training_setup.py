@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,7 +18,7 @@ from omegaconf import OmegaConf
 from lightning_ulysses.callbacks import TrainingProgressBar, planned_epochs
 from lightning_ulysses.models.gpt import GPTConfig
 from lightning_ulysses.optim import LRSchedule, parameter_groups, schedule_config
-from lightning_ulysses.recipe import build_loggers, quiet_third_party, resume_path
+from lightning_ulysses.recipe import build_loggers, quiet_third_party, resume_decision, resume_path
 
 
 def test_schedule_factors_by_hand():
@@ -130,6 +131,21 @@ def test_auto_resume_finds_the_last_checkpoint(tmp_path):
     assert resume_path(None, [checkpoint]) is None
     assert resume_path("/elsewhere/step-10.ckpt", []) == "/elsewhere/step-10.ckpt"
     assert resume_path("auto", []) is None  # checkpointing off
+
+
+def test_ranks_started_by_the_launching_process_take_its_resume_decision(tmp_path, monkeypatch):
+    """Under `-m` Lightning's re-run of the script for rank 1 has a run folder of its own: it must not decide."""
+    monkeypatch.delenv("LIGHTNING_ULYSSES_RESUME_FROM", raising=False)
+    (tmp_path / "checkpoints" / "last.ckpt").mkdir(parents=True)
+    launching = [ModelCheckpoint(dirpath=tmp_path / "checkpoints")]
+    with resume_decision("auto", launching) as path:
+        assert path == str(tmp_path / "checkpoints" / "last.ckpt")
+        with resume_decision("auto", [ModelCheckpoint(dirpath=tmp_path / "elsewhere")]) as started:  # rank 1
+            assert started == path
+    assert "LIGHTNING_ULYSSES_RESUME_FROM" not in os.environ  # a later run in this process decides afresh
+    with resume_decision(None, launching) as path:
+        with resume_decision("auto", launching) as started:
+            assert path is None and started is None
 
 
 def test_loggers_csv_always_others_when_installed(tmp_path, caplog, monkeypatch):
