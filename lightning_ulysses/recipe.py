@@ -61,6 +61,7 @@ def check_recipe(cfg: DictConfig, spec: Any) -> ParallelLayout:
     size = size or int(cfg.trainer.get("devices", 1))
     layout = ParallelLayout(world_size=world, sequence_parallel_size=size)
     validate_head_counts(*_heads(spec), size)
+    _check_schedule_applies(cfg)
     seq_len = cfg.data.get("seq_len")
     if seq_len and seq_len % size and cfg.strategy.get("sequence_padding", "pad") == "error":
         raise ValueError(
@@ -68,6 +69,21 @@ def check_recipe(cfg: DictConfig, spec: Any) -> ParallelLayout:
             f" {size} or strategy.sequence_padding=pad"
         )
     return layout
+
+
+def _check_schedule_applies(cfg: DictConfig) -> None:
+    """An optimizer in the DeepSpeed config replaces `configure_optimizers` (Lightning then never calls it), and
+    with it `model.schedule`: refuse a schedule that would be dropped."""
+    schedule = cfg.model.get("schedule")
+    configs = [cfg.strategy.get("config_overrides"), cfg.strategy.get("config")]
+    if schedule is None or (schedule.get("kind") == "constant" and not schedule.get("warmup_steps")):
+        return
+    if any(isinstance(config, DictConfig) and "optimizer" in config for config in configs):
+        raise ValueError(
+            f"schedule {schedule.get('kind')} (warmup {schedule.get('warmup_steps')}) would not apply: the DeepSpeed"
+            " optimizer in the strategy's config replaces configure_optimizers. Use schedule=constant with a"
+            " DeepSpeed `scheduler` block in strategy.config_overrides, or remove the DeepSpeed optimizer."
+        )
 
 
 def _shape(spec: Any) -> ModelShape:

@@ -118,6 +118,7 @@ BAD_OVERRIDES = [
      "num_key_value_heads(3) and sequence_parallel_size(2) must divide one another"),
     (["strategy.sequence_padding=error", "data.seq_len=127"], "data.seq_len=127 is not divisible"),
     (["model=gpt_huge"], "Could not find 'model/gpt_huge'"),
+    (["experiment=llama8b_360k_one_gpu", "schedule=cosine"], "schedule cosine (warmup 100) would not apply"),
 ]
 
 
