@@ -19,6 +19,7 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
 from lightning.fabric.utilities import imports as _fabric_imports
 from lightning.fabric.utilities import seed as _fabric_seed
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
 from lightning.pytorch.strategies.deepspeed import remove_module_hooks as _remove_module_hooks
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
@@ -182,6 +183,9 @@ OVERRIDDEN: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (_MultiProcessingLauncher, "_wrapping_function",
      ("self", "process_idx", "trainer", "function", "args", "kwargs", "return_queue", "global_states")),
     (_MultiProcessingLauncher, "_collect_rank_zero_results", ("self", "trainer", "results")),
+    # The epoch line of the rich progress bar (`callbacks.TrainingProgressBar`): no public hook sets the epoch total,
+    # and Lightning's prints `max_epochs - 1` (`Epoch 0/-2` for a `max_steps` run).
+    (RichProgressBar, "_get_train_description", ("self", "current_epoch")),
 )
 
 

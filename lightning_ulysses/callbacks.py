@@ -13,12 +13,14 @@ the model's shape and the global sequence length instead.
 
 from __future__ import annotations
 
+import math
 import resource
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import RichProgressBar
 from typing_extensions import override
 
 from lightning_ulysses.planner import ModelShape
@@ -42,9 +44,15 @@ def model_flops_per_sequence(shape: ModelShape, seq_len: int) -> float:
     return 6 * shape.num_parameters * seq_len + 6 * shape.num_layers * seq_len**2 * shape.hidden_size
 
 
+# The logger's names (stable: CSV columns, dashboards) and the progress bar's (short enough not to be cut there).
+PROGRESS_BAR_NAMES = {"throughput/tokens_per_s": "tok/s", "throughput/tflops": "TFLOP/s", "throughput/mfu": "MFU",
+                      "memory/peak_gib": "GiB"}
+
+
 class ThroughputCallback(pl.Callback):
     """Logs `throughput/tokens_per_s`, `throughput/tflops`, `throughput/mfu` (when a peak is known) and
-    `memory/peak_gib` (GPU: max allocated; CPU: the process's peak resident memory) every training step.
+    `memory/peak_gib` (GPU: max allocated; CPU: the process's peak resident memory) every training step; the
+    progress bar shows them as `tok/s`, `TFLOP/s`, `MFU` and `GiB`.
 
     Args:
         peak_flops: FLOP/s per device that MFU is measured against; `None`: from the device (Lightning's table).
@@ -94,7 +102,49 @@ class ThroughputCallback(pl.Callback):
         if self.peak_flops:
             metrics["throughput/mfu"] = flops / seconds / (self.peak_flops * trainer.world_size)
         self.last_metrics = dict(metrics, tokens=tokens, flops=flops, seconds=seconds)
-        pl_module.log_dict(metrics, prog_bar=self.prog_bar, on_step=True, on_epoch=False, sync_dist=False)
+        pl_module.log_dict(metrics, logger=True, prog_bar=False, on_step=True, on_epoch=False, sync_dist=False)
+        if self.prog_bar:
+            pl_module.log_dict({PROGRESS_BAR_NAMES[name]: value for name, value in metrics.items()}, logger=False,
+                               prog_bar=True, on_step=True, on_epoch=False, sync_dist=False)
+
+
+def planned_epochs(trainer: "pl.Trainer") -> Optional[int]:
+    """How many epochs `fit` will run: `max_epochs`, or fewer when `max_steps` ends it sooner (an epoch of `b`
+    batches is `ceil(b / accumulate_grad_batches)` optimizer steps); `None` when neither bounds it."""
+    bounds = [trainer.max_epochs] if trainer.max_epochs is not None and trainer.max_epochs > 0 else []
+    batches = trainer.num_training_batches
+    if trainer.max_steps > 0 and math.isfinite(batches) and batches > 0:
+        bounds.append(math.ceil(trainer.max_steps / math.ceil(batches / trainer.accumulate_grad_batches)))
+    return min(bounds, default=None)
+
+
+class TrainingProgressBar(RichProgressBar):
+    """Lightning's rich progress bar with the totals of a `max_steps` run: `Epoch 0/2` counts to the last epoch
+    `max_steps` reaches (Lightning prints `max_epochs - 1`, i.e. `Epoch 0/-2` for `max_epochs=-1`), and the batch
+    total counts micro-batches also under gradient accumulation (Lightning takes the remaining optimizer steps);
+    without the logger's `v_num`."""
+
+    @property
+    @override
+    def total_train_batches(self) -> Union[int, float]:
+        trainer = self.trainer
+        if trainer.max_steps > 0:
+            remaining = (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches
+            return min(trainer.num_training_batches, remaining)
+        return trainer.num_training_batches
+
+    @override
+    def get_metrics(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> dict[str, Union[int, str, float]]:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)  # the logger's version number: the run folder's logs/version_<n> says it
+        return metrics
+
+    @override
+    def _get_train_description(self, current_epoch: int) -> str:  # private: lightning_ulysses._lightning_private
+        epochs = planned_epochs(self.trainer)
+        description = f"Epoch {current_epoch}" + ("" if epochs is None else f"/{epochs - 1}")
+        # Lightning pads to the validation bar's description: equal widths do not flicker.
+        return f"{description:{len(self.validation_description)}}"
 
 
 def _compute_dtype(trainer) -> torch.dtype:

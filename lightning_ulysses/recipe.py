@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+from contextlib import contextmanager
+import logging
 import os
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Optional
 
 from hydra.utils import instantiate
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
+from typing_extensions import override
 
 from lightning_ulysses.attention.core import validate_head_counts
 from lightning_ulysses.layout import ParallelLayout
@@ -55,6 +61,7 @@ def check_recipe(cfg: DictConfig, spec: Any) -> ParallelLayout:
     size = size or int(cfg.trainer.get("devices", 1))
     layout = ParallelLayout(world_size=world, sequence_parallel_size=size)
     validate_head_counts(*_heads(spec), size)
+    _check_schedule_applies(cfg)
     seq_len = cfg.data.get("seq_len")
     if seq_len and seq_len % size and cfg.strategy.get("sequence_padding", "pad") == "error":
         raise ValueError(
@@ -87,6 +94,21 @@ def strategy_memory(cfg: DictConfig) -> Any:
         request.setdefault("micro_batch", int(cfg.data.get("batch_size", 1)))
         return request
     return memory
+
+
+def _check_schedule_applies(cfg: DictConfig) -> None:
+    """An optimizer in the DeepSpeed config replaces `configure_optimizers` (Lightning then never calls it), and
+    with it `model.schedule`: refuse a schedule that would be dropped."""
+    schedule = cfg.model.get("schedule")
+    configs = [cfg.strategy.get("config_overrides"), cfg.strategy.get("config")]
+    if schedule is None or (schedule.get("kind") == "constant" and not schedule.get("warmup_steps")):
+        return
+    if any(isinstance(config, DictConfig) and "optimizer" in config for config in configs):
+        raise ValueError(
+            f"schedule {schedule.get('kind')} (warmup {schedule.get('warmup_steps')}) would not apply: the DeepSpeed"
+            " optimizer in the strategy's config replaces configure_optimizers. Use schedule=constant with a"
+            " DeepSpeed `scheduler` block in strategy.config_overrides, or remove the DeepSpeed optimizer."
+        )
 
 
 def _shape(spec: Any) -> ModelShape:
@@ -138,3 +160,111 @@ def plan(cfg: DictConfig) -> str:
     if offload or memory.offload_activations:
         lines.append(f"CPU/node:     {memory_plan.host_total * devices / gib:.0f} GiB host memory")
     return "\n".join(lines)
+
+
+# -- the training run's callbacks, loggers, resume and console -----------------------------------------------------
+def build_callbacks(cfg: DictConfig) -> list:
+    """The `callbacks` block (by name, `null` entries skipped), the checkpoint callback when the trainer
+    checkpoints, and the progress bar with a max_steps run's totals (when `rich` is installed: Lightning's default
+    bar then is the rich one; its TQDM fallback shows no epoch total to get wrong)."""
+    from lightning_ulysses.callbacks import TrainingProgressBar
+
+    callbacks = [instantiate(callback) for callback in (cfg.get("callbacks") or {}).values() if callback is not None]
+    if cfg.trainer.get("enable_checkpointing", True) and cfg.get("checkpoint") is not None:
+        callbacks.append(instantiate(cfg.checkpoint))
+    if cfg.trainer.get("enable_progress_bar", True) and importlib.util.find_spec("rich") is not None:
+        callbacks.append(TrainingProgressBar())
+    return callbacks
+
+
+def build_loggers(loggers: DictConfig, run_dir: Path, run_name: str) -> list:
+    """CSV always; TensorBoard and W&B as `loggers` asks, each only when its package is installed (a one-line note
+    when one is asked for by name and missing: training goes on with the others)."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
+
+    built = [CSVLogger(save_dir=run_dir, name="logs")]
+    tensorboard = loggers.get("tensorboard", "auto")
+    if tensorboard and _installed("tensorboard", "tensorboardX", asked=tensorboard is True, key="loggers.tensorboard"):
+        built.append(TensorBoardLogger(save_dir=run_dir, name="tensorboard"))
+    if loggers.get("wandb") and _installed("wandb", asked=True, key="loggers.wandb"):
+        built.append(WandbLogger(save_dir=run_dir, name=run_name, project="lightning-ulysses"))
+    return built
+
+
+def _installed(*packages: str, asked: bool, key: str) -> bool:
+    if any(importlib.util.find_spec(package) is not None for package in packages):
+        return True
+    if asked:
+        rank_zero_info(f"lightning_ulysses: {key}=true but {' or '.join(packages)} is not installed: not logging"
+                       f" there (pip install {packages[0]}, or {key}=false).")
+    return False
+
+
+def resume_path(resume: Optional[str], callbacks: list) -> Optional[str]:
+    """The checkpoint `trainer.fit` continues from: `auto` is the checkpoint callback's `last.ckpt` when a save
+    completed there (or the `.previous` one an interrupted save left), else none; `None` starts afresh; anything
+    else is a path."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_ulysses.checkpoint import previous_path
+
+    if resume != "auto":
+        return resume
+    folders = [Path(c.dirpath) for c in callbacks if isinstance(c, ModelCheckpoint) and c.dirpath is not None]
+    for last in (folder / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}" for folder in folders):
+        if last.exists() or previous_path(last).is_dir():
+            return str(last)
+    return None
+
+
+_RESUME_VARIABLE = "LIGHTNING_ULYSSES_RESUME_FROM"
+
+
+@contextmanager
+def resume_decision(resume: Optional[str], callbacks: list) -> Iterator[Optional[str]]:
+    """`resume_path`, decided once by the launching process: the ranks Lightning starts from it inherit the decision
+    through the environment (under `-m` their run folder is not rank 0's, so they would decide otherwise)."""
+    inherited = os.environ.get(_RESUME_VARIABLE)
+    path = (inherited or None) if inherited is not None else resume_path(resume, callbacks)
+    os.environ[_RESUME_VARIABLE] = path or ""
+    try:
+        yield path
+    finally:
+        if inherited is None:
+            os.environ.pop(_RESUME_VARIABLE, None)
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, *prefixes: str) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    @override
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+_QUIET_FILTER = _DropMessages("💡 Tip:")
+
+
+def quiet_third_party() -> None:
+    """Silence, each at its source, what third-party libraries print that nobody can act on; their warnings about
+    anything else, every error and everything of ours stay.
+
+    - DeepSpeed probes whether its async-I/O op could be built by compiling a test program with setuptools'
+      compiler, which logs each `gcc ... -laio` command at INFO on the `compilers` logger (shown because Hydra's
+      job logging sets the root logger to INFO): that logger now shows warnings and errors only.
+    - Lightning's `💡 Tip:` advertisements (litlogger, litmodels), logged through its rank-zero logger: dropped by a
+      filter on that logger, for those messages only.
+    - Deprecations inside DeepSpeed's and Lightning's own code, repeated once per collective or per step
+      (`torch.distributed.*` is deprecated, `LeafSpec`): ignored by message.
+    - Lightning's note at every ZeRO-3 save pointing to its own single-file conversion: the recipe prints the
+      export command of the project's checkpoints (`python -m lightning_ulysses checkpoint export`) instead.
+    """
+    logging.getLogger("compilers").setLevel(logging.WARNING)
+    rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if _QUIET_FILTER not in rank_zero_logger.filters:
+        rank_zero_logger.addFilter(_QUIET_FILTER)
+    warnings.filterwarnings("ignore", message=r"`torch.distributed.\w+` is deprecated")
+    warnings.filterwarnings("ignore", message=r".*LeafSpec.*is deprecated")
+    warnings.filterwarnings("ignore", message="When saving the DeepSpeed Stage 3 checkpoint, each worker will save")

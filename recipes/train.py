@@ -10,19 +10,19 @@
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 
 import hydra
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig
 
 import lightning_ulysses  # noqa: F401  (registers the "ulysses" strategy names)
+from lightning_ulysses.callbacks import PROGRESS_BAR_NAMES
 from lightning_ulysses.config import register_resolvers
-from lightning_ulysses.recipe import apply_runtime_environment, check_recipe, export_callbacks, plan, strategy_memory
+from lightning_ulysses.recipe import (apply_runtime_environment, build_callbacks, build_loggers, check_recipe,
+                                      export_callbacks, plan, quiet_third_party, resume_decision, strategy_memory)
 
 ROOT = Path(__file__).resolve().parents[1]
 register_resolvers()
@@ -36,9 +36,8 @@ def main(cfg: DictConfig) -> None:
     # DeepSpeed JIT-builds ops on first use: keep the cache in the project's ignored folders.
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
     apply_runtime_environment(cfg.runtime)
-    # Deprecation chatter from DeepSpeed's and Lightning's internals, once per collective; nothing users can act on.
-    warnings.filterwarnings("ignore", message=r"`torch.distributed.\w+` is deprecated")
-    warnings.filterwarnings("ignore", message=r".*LeafSpec.*is deprecated")
+    if cfg.console.quiet_third_party:
+        quiet_third_party()
     L.seed_everything(cfg.seed, workers=True)
 
     module = instantiate(cfg.model)
@@ -46,19 +45,24 @@ def main(cfg: DictConfig) -> None:
     data = instantiate(cfg.data)
     strategy = instantiate(cfg.strategy, memory=strategy_memory(cfg))  # memory=auto gets data.seq_len
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    callbacks = build_callbacks(cfg)
     exports = export_callbacks(cfg.export, module.spec, run_dir)
-    trainer = instantiate(cfg.trainer, strategy=strategy, logger=CSVLogger(save_dir=run_dir, name="logs"),
-                          default_root_dir=run_dir, callbacks=exports)
-    trainer.fit(module, datamodule=data)
+    trainer = instantiate(cfg.trainer, strategy=strategy, logger=build_loggers(cfg.loggers, run_dir, cfg.run_name),
+                          callbacks=callbacks + exports, default_root_dir=run_dir)
+    with resume_decision(cfg.resume, callbacks) as checkpoint_path:
+        trainer.fit(module, datamodule=data, ckpt_path=checkpoint_path)
     if trainer.is_global_zero:
         print(f"\nRun directory: {run_dir}")
-        print(f"Metrics (CSV): {trainer.logger.log_dir}/metrics.csv")
+        print(f"Metrics (CSV): {trainer.loggers[0].log_dir}/metrics.csv")
         checkpoint = trainer.checkpoint_callback
         if checkpoint is not None and (checkpoint.last_model_path or checkpoint.best_model_path):
-            print(f"Checkpoint:    {checkpoint.last_model_path or checkpoint.best_model_path}")
+            path = checkpoint.last_model_path or checkpoint.best_model_path
+            print(f"Checkpoint:    {path} (weights: python -m lightning_ulysses checkpoint export {path} <folder>)")
         for export in exports:
             print(f"Export:        {export.directory}")
-        print(f"Final metrics: { {k: round(float(v), 4) for k, v in sorted(trainer.callback_metrics.items())} }")
+        metrics = {k: round(float(v), 4) for k, v in sorted(trainer.callback_metrics.items())
+                   if k not in PROGRESS_BAR_NAMES.values()}  # the progress bar's copies of the throughput numbers
+        print(f"Final metrics: {metrics}")
 
 
 if __name__ == "__main__":

@@ -10,10 +10,12 @@ from typing import Any, Mapping, Optional, Protocol
 
 import lightning as L
 import torch
+from typing_extensions import override
 
 from lightning_ulysses.loss import sequence_parallel_cross_entropy
 from lightning_ulysses.models.hf import PretrainedCausalLM
 from lightning_ulysses.models.lora import LoraSettings, with_lora
+from lightning_ulysses.optim import LRSchedule, parameter_groups, schedule_config
 
 
 class ModelSpec(Protocol):
@@ -26,7 +28,10 @@ class CausalLMModule(L.LightningModule):
     """Args:
         model: what to build (`GPTConfig`, `HuggingFaceCausalLM` or `PretrainedCausalLM`, see `from_pretrained`);
             built in `configure_model`, i.e. partitioned from the start under ZeRO-3 (pretrained weights too).
-        learning_rate, weight_decay, betas: AdamW settings.
+        learning_rate, weight_decay, betas: AdamW settings; norms, biases and other 1-D parameters get no weight
+            decay, frozen parameters are left out (`lightning_ulysses.optim.parameter_groups`).
+        schedule: the learning-rate schedule per optimizer step (`lightning_ulysses.optim.LRSchedule`); `None`:
+            constant.
         activation_checkpointing: recompute every layer in backward.
         report_loss_split: also log the loss of the targets before and after this position (`loss_first`,
             `loss_second`): the copy task's random half and copied half.
@@ -43,6 +48,7 @@ class CausalLMModule(L.LightningModule):
         activation_checkpointing: bool = False,
         report_loss_split: Optional[int] = None,
         lora: Optional[Mapping[str, Any]] = None,
+        schedule: Optional[LRSchedule] = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["model"])
@@ -57,6 +63,7 @@ class CausalLMModule(L.LightningModule):
         `configure_model`; `kwargs`: this class's other arguments (`conf/model/hf_pretrained.yaml`)."""
         return cls(PretrainedCausalLM(pretrained, attn_implementation, torch_dtype, rope_scaling, config), **kwargs)
 
+    @override
     def configure_model(self) -> None:
         if self.model is not None:  # configure_model runs again for validate/test after fit
             return
@@ -108,8 +115,8 @@ class CausalLMModule(L.LightningModule):
             sequence_parallel_cross_entropy(logits, labels.masked_fill(~second, -100), group),
         )
 
+    @override
     def configure_optimizers(self):
-        return torch.optim.AdamW(
-            [p for p in self.parameters() if p.requires_grad], lr=self.hparams.learning_rate, weight_decay=self.hparams.weight_decay,
-            betas=tuple(self.hparams.betas),
-        )
+        optimizer = torch.optim.AdamW(parameter_groups(self, self.hparams.weight_decay),
+                                      lr=self.hparams.learning_rate, betas=tuple(self.hparams.betas))
+        return schedule_config(optimizer, self.hparams.schedule, self.trainer)

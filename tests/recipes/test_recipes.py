@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,12 +17,13 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from lightning_ulysses.config import register_resolvers
+from lightning_ulysses.optim import LRSchedule
 from lightning_ulysses.recipe import plan
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
-GROUP_OPTIONS = [(group, p.stem) for group in ("model", "data", "strategy", "trainer")
+GROUP_OPTIONS = [(group, p.stem) for group in ("model", "schedule", "data", "strategy", "trainer")
                  for p in sorted((CONF / group).glob("*.yaml"))]
 REQUIRED = {"text": ["data.paths=[README.md]"], "tokens": ["data.path=/nonexistent.bin"]}
 
@@ -136,6 +138,7 @@ BAD_OVERRIDES = [
      "num_key_value_heads(3) and sequence_parallel_size(2) must divide one another"),
     (["strategy.sequence_padding=error", "data.seq_len=127"], "data.seq_len=127 is not divisible"),
     (["model=gpt_huge"], "Could not find 'model/gpt_huge'"),
+    (["experiment=llama8b_360k_one_gpu", "schedule=cosine"], "schedule cosine (warmup 100) would not apply"),
 ]
 
 
@@ -188,6 +191,12 @@ def test_bad_overrides_fail_before_training(in_one_process, overrides, message):
     assert "Trainer.fit" not in result.stdout + result.stderr
 
 
+# What the main job printed before the console was quieted: DeepSpeed's async-I/O build probe (setuptools' compiler
+# commands), Lightning's tips, Lightning's ZeRO-3 save note, its epoch total of a max_steps run, the logger version.
+QUIET_CONSOLE_NOISE = [r"gcc .*-laio", r"compilers\.C", "💡", "Tip:", "When saving the DeepSpeed Stage 3", "Epoch 0/-2",
+                       "v_num", r"is deprecated"]
+
+
 def test_main_job_learns_across_shards(tmp_path):
     """The README's main job (experiment=tiny_cpu: 2 CPU ranks, SP 2, GPT-tiny, copy task), end to end.
 
@@ -203,6 +212,13 @@ def test_main_job_learns_across_shards(tmp_path):
     assert random_half > 0.9 * chance
     assert copied_half < 0.5 * chance
     assert (tmp_path / "logs" / "version_0" / "metrics.csv").is_file()
+    # The console (both ranks' stdout and stderr): the throughput fields by their short names and the run's real
+    # epoch total, none of the third-party noise (lightning_ulysses.recipe.quiet_third_party).
+    console = result.stdout + result.stderr
+    for field in ("tok/s:", "TFLOP/s:", "GiB:", "Epoch 0/0 "):
+        assert field in console, field
+    for noise in QUIET_CONSOLE_NOISE:
+        assert not re.search(noise, console), noise
 
 
 def test_multirun_keeps_every_rank_of_a_job_in_one_directory(tmp_path):
@@ -216,7 +232,7 @@ def test_multirun_keeps_every_rank_of_a_job_in_one_directory(tmp_path):
     for job in ("0", "1"):
         # Rank 0's job directory is the one its logger wrote into.
         (metrics,) = tmp_path.glob(f"*/{job}/logs/version_0/metrics.csv")
-        shards = sorted(p.name for p in metrics.parent.glob("checkpoints/*/checkpoint/*model_states.pt"))
+        shards = sorted(p.name for p in metrics.parents[2].glob("checkpoints/*/checkpoint/*model_states.pt"))
         assert shards == ["zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"]
 
 
@@ -233,10 +249,74 @@ def test_hf_pretrained_recipe_trains_from_the_pretrained_weights(tiny_pretrained
                      "trainer.limit_val_batches=0", "trainer.enable_checkpointing=false", f"hydra.run.dir={tmp_path}",
                      timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    first = (tmp_path / "logs" / "version_0" / "metrics.csv").read_text().splitlines()[1].split(",")
+    first = _metrics(tmp_path / "logs" / "version_0" / "metrics.csv")[0]["train/loss"]
     dataset = CopyTaskDataset(4096, 32, 16, seed=0)
     indices = list(DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0))[:2]
     input_ids = torch.stack([dataset[i]["input_ids"] for i in indices])
     with torch.no_grad():
         expected = tiny_pretrained.model(input_ids=input_ids, labels=input_ids).loss.item()
-    assert abs(float(first[2]) - expected) < 1e-5, (first, expected)
+    assert abs(first - expected) < 1e-5, (first, expected)
+
+
+def _metrics(csv: Path) -> dict[int, dict[str, float]]:
+    """metrics.csv by optimizer step: every column that has a value at that step (rows of one step merged)."""
+    import csv as csv_module
+
+    steps: dict[int, dict[str, float]] = {}
+    with open(csv) as handle:
+        for row in csv_module.DictReader(handle):
+            steps.setdefault(int(row["step"]), {}).update({k: float(v) for k, v in row.items() if v and k != "step"})
+    return steps
+
+
+def test_schedule_weight_decay_groups_and_auto_resume(tmp_path):
+    """One recipe command (2 CPU ranks, SP 2, ZeRO-3, accumulation 2, warmup + cosine, a checkpoint every 3 steps)
+    launched twice in one named run folder serves the training-setup claims:
+
+    - the first launch trains 6 optimizer steps: the learning rate of every optimizer step (LearningRateMonitor,
+      both parameter groups) is the schedule's formula with the total from trainer.max_steps, so accumulation does
+      not step it twice; the parameter groups `configure_optimizers` built on partitioned ZeRO-3 parameters
+      (`p.shape` [0]) exempt exactly the norms and biases from weight decay, on both ranks;
+    - then the run folder is left as a job killed after step 3 leaves it (its `last.ckpt` is the step-3 save), and
+      the same command again (`resume=auto`, the default) continues at step 3, not from warmup, with the first
+      launch's learning rates and losses; a logger asked for but not installed is a one-line note, training goes on.
+    """
+    base = 5e-3
+    run = tmp_path / "run"
+    run.mkdir()
+    command = ["data.seq_len=32", "data.batch_size=2", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=0",
+               "trainer.accumulate_grad_batches=2", "trainer.max_steps=6", f"model.learning_rate={base}",
+               "model.weight_decay=0.1", "schedule=cosine", "model.schedule.warmup_steps=2",
+               "model.schedule.min_lr_ratio=0.1", "checkpoint.every_n_train_steps=3", "checkpoint.save_top_k=-1",
+               "loggers.tensorboard=true", f"hydra.run.dir={run}",
+               "+callbacks.groups._target_=tests.recipes.probes.ParameterGroupProbe", f"+callbacks.groups.folder={run}"]
+    whole = _recipe(*command, timeout=300)
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+    reference = _metrics(run / "logs" / "version_0" / "metrics.csv")
+    assert sorted(reference) == list(range(6))
+    schedule = LRSchedule("cosine", warmup_steps=2, min_lr_ratio=0.1, total_steps=6)
+    for step in range(6):
+        assert reference[step]["lr/pg1"] == reference[step]["lr/pg2"] == pytest.approx(base * schedule(step)), step
+    assert "loggers.tensorboard=true but tensorboard or tensorboardX is not installed" in whole.stderr
+
+    model = instantiate(_compose([]).model.model).build()
+    exempt = {f"model.{n}" for n, p in model.named_parameters() if p.ndim < 2}
+    decayed = {f"model.{n}" for n, p in model.named_parameters() if p.ndim >= 2}
+    assert exempt and decayed and all("norm" in n or n.endswith("bias") for n in exempt)
+    for rank in (0, 1):
+        groups = json.loads((run / f"groups_rank{rank}.json").read_text())
+        assert [(g["weight_decay"], set(g["parameters"])) for g in groups] == [(0.1, decayed), (0.0, exempt)]
+        # Partitioned as configure_optimizers saw them: by p.shape every parameter would have looked 1-D.
+        assert all(p["shape"] == [0] and p["ds_shape"] for g in groups for p in g["parameters"].values())
+
+    checkpoints = run / "checkpoints"
+    shutil.rmtree(checkpoints / "last.ckpt")
+    shutil.copytree(checkpoints / "epoch=0-step=3.ckpt", checkpoints / "last.ckpt")
+    again = _recipe(*command, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"Restoring states from the checkpoint path at {checkpoints / 'last.ckpt'}" in again.stdout + again.stderr
+    resumed = _metrics(run / "logs" / "version_1" / "metrics.csv")
+    assert sorted(resumed) == [3, 4, 5]
+    for step, row in resumed.items():
+        assert row["lr/pg1"] == pytest.approx(reference[step]["lr/pg1"], rel=1e-12), step
+        assert abs(row["train/loss"] - reference[step]["train/loss"]) < 1e-5, (step, row, reference[step])

@@ -208,3 +208,7 @@ def test_throughput_callback_on_cpu():
     assert 0 < last["throughput/mfu"] < 1 and last["memory/peak_gib"] > 0.01
     assert set(trainer.callback_metrics) >= {"throughput/tokens_per_s", "throughput/tflops", "throughput/mfu",
                                              "memory/peak_gib"}
+    # The progress bar shows the same numbers under short names (the logger's would be cut there).
+    assert trainer.progress_bar_metrics == pytest.approx({  # logged as float32 tensors
+        "tok/s": last["throughput/tokens_per_s"], "TFLOP/s": last["throughput/tflops"], "MFU": last["throughput/mfu"],
+        "GiB": last["memory/peak_gib"]}, rel=1e-6)

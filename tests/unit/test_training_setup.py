@@ -1,0 +1,181 @@
+"""The recipes' training setup without processes: learning-rate schedules, weight-decay groups, the progress bar's
+totals, auto-resume, loggers and the quiet console (through `recipes/train.py`: tests/recipes/test_recipes.py)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from omegaconf import OmegaConf
+
+from lightning_ulysses.callbacks import TrainingProgressBar, planned_epochs
+from lightning_ulysses.models.gpt import GPTConfig
+from lightning_ulysses.optim import LRSchedule, parameter_groups, schedule_config
+from lightning_ulysses.recipe import build_loggers, quiet_third_party, resume_decision, resume_path
+
+
+def test_schedule_factors_by_hand():
+    cosine = LRSchedule("cosine", warmup_steps=4, min_lr_ratio=0.1, total_steps=12)
+    assert [cosine(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert cosine(8) == pytest.approx(0.1 + 0.9 * 0.5)  # half-way through the decay: cos(pi/2) = 0
+    assert cosine(12) == pytest.approx(0.1) and cosine(50) == pytest.approx(0.1)  # the floor after the end
+    linear = LRSchedule("linear", warmup_steps=0, min_lr_ratio=0.0, total_steps=10)
+    assert [linear(s) for s in (0, 5, 10)] == [1.0, 0.5, 0.0]
+    assert LRSchedule("constant", warmup_steps=2)(1) == 1.0 and LRSchedule("constant")(10**6) == 1.0
+    with pytest.raises(ValueError, match="model.schedule.total_steps"):
+        LRSchedule("cosine").resolved(math.inf)
+    with pytest.raises(ValueError, match="constant, cosine or linear"):
+        LRSchedule("exponential")
+
+
+def test_schedule_state_resumes_the_curve_it_started_on():
+    """A scheduler rebuilt for a resume (here with another trainer length) takes the saved step and total."""
+    def scheduler(max_steps):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+        config = schedule_config(optimizer, LRSchedule("cosine", warmup_steps=2),
+                                 SimpleNamespace(estimated_stepping_batches=max_steps))
+        assert config["lr_scheduler"]["interval"] == "step"
+        return optimizer, config["lr_scheduler"]["scheduler"]
+
+    optimizer, first = scheduler(10)
+    seen = []
+    for _ in range(10):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        first.step()
+        if len(seen) == 4:
+            state = first.state_dict()
+    assert seen == [2.0 * LRSchedule("cosine", 2, 0.0, 10)(s) for s in range(10)]
+    optimizer, resumed = scheduler(1000)
+    resumed.load_state_dict(state)
+    resumed_lrs = []
+    for _ in range(6):
+        optimizer.step()
+        resumed.step()
+        resumed_lrs.append(optimizer.param_groups[0]["lr"])
+    assert resumed_lrs == pytest.approx(seen[5:] + [2.0 * 0.0])
+
+
+def _names(module, groups):
+    names = {id(p): n for n, p in module.named_parameters()}
+    return [(group["weight_decay"], sorted(names[id(p)] for p in group["params"])) for group in groups]
+
+
+def test_no_weight_decay_on_norms_and_biases_frozen_left_out():
+    model = GPTConfig(vocab_size=16, hidden_size=8, num_layers=1, num_heads=2).build()
+    model.blocks[0].mlp.requires_grad_(False)
+    names = dict(model.named_parameters())
+    frozen = {n for n, p in names.items() if not p.requires_grad}
+    assert frozen, "the test needs frozen parameters"
+    (decay, decayed), (no_decay, exempt) = _names(model, parameter_groups(model, 0.1))
+    assert (decay, no_decay) == (0.1, 0.0)
+    assert set(exempt) == {n for n, p in names.items() if p.requires_grad and p.ndim < 2} and exempt
+    assert set(decayed) == {n for n, p in names.items() if p.requires_grad and p.ndim >= 2} and decayed
+    assert all("norm" in n or n.endswith("bias") for n in exempt)
+    assert not frozen & set(decayed + exempt)
+
+
+def test_groups_read_the_real_shape_of_zero3_partitions():
+    """Under ZeRO-3 `configure_optimizers` sees `p.shape == [0]` (`deepspeed.zero.Init` partitioned it) and the real
+    shape in `p.ds_shape`; by `p.shape` every parameter would look 1-D and lose its weight decay."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    for parameter in model.parameters():
+        parameter.ds_shape = parameter.shape
+        parameter.data = torch.empty(0)
+    assert _names(model, parameter_groups(model, 0.1)) == [(0.1, ["0.weight"]),
+                                                             (0.0, ["0.bias", "1.bias", "1.weight"])]
+
+
+def test_tied_parameters_appear_once():
+    embedding = torch.nn.Embedding(16, 8)
+    head = torch.nn.Linear(8, 16, bias=False)
+    head.weight = embedding.weight
+    model = torch.nn.ModuleDict({"embedding": embedding, "head": head})
+    groups = parameter_groups(model, 0.1)
+    assert [len(group["params"]) for group in groups] == [1]
+
+
+def _fake_trainer(max_steps, batches, accumulate=1, max_epochs=-1, global_step=0):
+    return SimpleNamespace(max_steps=max_steps, max_epochs=max_epochs, num_training_batches=batches,
+                           accumulate_grad_batches=accumulate, global_step=global_step, is_global_zero=True)
+
+
+def test_progress_bar_totals_of_a_max_steps_run():
+    assert planned_epochs(_fake_trainer(400, 2048)) == 1
+    assert planned_epochs(_fake_trainer(400, 100)) == 4
+    assert planned_epochs(_fake_trainer(400, 100, accumulate=3)) == 12  # 34 optimizer steps per epoch
+    assert planned_epochs(_fake_trainer(-1, 100, max_epochs=5)) == 5
+    assert planned_epochs(_fake_trainer(-1, math.inf)) is None
+    bar = TrainingProgressBar()
+    bar.setup(_fake_trainer(400, 2048, accumulate=2, global_step=100), None, "fit")
+    assert bar._get_train_description(0).strip() == "Epoch 0/0"  # Lightning's own: "Epoch 0/-2"
+    assert bar.total_train_batches == 600  # micro-batches of the 300 steps left
+    bar.setup(_fake_trainer(400, 100), None, "fit")
+    assert bar._get_train_description(2).strip() == "Epoch 2/3" and bar.total_train_batches == 100
+
+
+def test_auto_resume_finds_the_last_checkpoint(tmp_path):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_last=True)
+    assert resume_path("auto", [checkpoint]) is None  # a fresh run folder: start afresh
+    (tmp_path / "checkpoints" / "last.ckpt.previous").mkdir(parents=True)  # a save interrupted between renames
+    assert resume_path("auto", [checkpoint]) == str(tmp_path / "checkpoints" / "last.ckpt")
+    (tmp_path / "checkpoints" / "last.ckpt").mkdir()
+    assert resume_path("auto", [checkpoint]) == str(tmp_path / "checkpoints" / "last.ckpt")
+    assert resume_path(None, [checkpoint]) is None
+    assert resume_path("/elsewhere/step-10.ckpt", []) == "/elsewhere/step-10.ckpt"
+    assert resume_path("auto", []) is None  # checkpointing off
+
+
+def test_ranks_started_by_the_launching_process_take_its_resume_decision(tmp_path, monkeypatch):
+    """Under `-m` Lightning's re-run of the script for rank 1 has a run folder of its own: it must not decide."""
+    monkeypatch.delenv("LIGHTNING_ULYSSES_RESUME_FROM", raising=False)
+    (tmp_path / "checkpoints" / "last.ckpt").mkdir(parents=True)
+    launching = [ModelCheckpoint(dirpath=tmp_path / "checkpoints")]
+    with resume_decision("auto", launching) as path:
+        assert path == str(tmp_path / "checkpoints" / "last.ckpt")
+        with resume_decision("auto", [ModelCheckpoint(dirpath=tmp_path / "elsewhere")]) as started:  # rank 1
+            assert started == path
+    assert "LIGHTNING_ULYSSES_RESUME_FROM" not in os.environ  # a later run in this process decides afresh
+    with resume_decision(None, launching) as path:
+        with resume_decision("auto", launching) as started:
+            assert path is None and started is None
+
+
+def test_loggers_csv_always_others_when_installed(tmp_path, caplog, monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # nothing optional installed
+    with caplog.at_level(logging.INFO):
+        auto = build_loggers(OmegaConf.create({"tensorboard": "auto", "wandb": False}), tmp_path, "run")
+    assert [type(logger).__name__ for logger in auto] == ["CSVLogger"] and not caplog.records
+    with caplog.at_level(logging.INFO):
+        asked = build_loggers(OmegaConf.create({"tensorboard": True, "wandb": True}), tmp_path, "run")
+    assert [type(logger).__name__ for logger in asked] == ["CSVLogger"]
+    notes = [record.getMessage() for record in caplog.records]
+    assert len(notes) == 2 and "loggers.tensorboard=true but tensorboard or tensorboardX is not installed" in notes[0]
+    assert "loggers.wandb=true but wandb is not installed" in notes[1]
+
+
+def test_quiet_console_drops_third_party_noise_only(caplog):
+    quiet_third_party()
+    with caplog.at_level(logging.INFO):
+        logging.getLogger("compilers.C.base").info("gcc /tmp/x/test.o -laio -o /tmp/x/a.out")
+        logging.getLogger("compilers.C.base").error("gcc failed")
+        rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+        rank_zero.info("💡 Tip: For seamless cloud logging, try installing litlogger")
+        rank_zero.info("lightning_ulysses: dp(1) × sp(2) = world_size(2)")
+    assert [record.getMessage() for record in caplog.records] == ["gcc failed",
+                                                                  "lightning_ulysses: dp(1) × sp(2) = world_size(2)"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        quiet_third_party()  # the recipe's filters go in front of the default ones
+        warnings.warn("`torch.distributed.reduce_op` is deprecated", FutureWarning)
+        warnings.warn("lightning_ulysses: a warning of ours", UserWarning)
+    assert [str(w.message) for w in caught] == ["lightning_ulysses: a warning of ours"]
