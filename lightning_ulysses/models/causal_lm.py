@@ -119,4 +119,6 @@ class CausalLMModule(L.LightningModule):
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(parameter_groups(self, self.hparams.weight_decay),
                                       lr=self.hparams.learning_rate, betas=tuple(self.hparams.betas))
+        if self.hparams.schedule is None:  # no Trainer needed (the optimizer alone, e.g. built outside fit)
+            return optimizer
         return schedule_config(optimizer, self.hparams.schedule, self.trainer)
