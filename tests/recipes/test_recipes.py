@@ -43,9 +43,17 @@ def _instantiate_everything(cfg) -> None:
     instantiate(cfg.trainer, accelerator="cpu", devices=1, num_nodes=1, logger=False)
 
 
+# Experiments that start from a user's model folder and data files: given the tiny ones of `finetune_folder`.
+FINETUNE_DATA = {"finetune_cpu": "text", "llama8b_extend_128k": "text", "sft_long_chat": "chat"}
+
+
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
-def test_every_experiment_composes_and_instantiates(experiment):
-    _instantiate_everything(_compose([f"experiment={experiment}"]))
+def test_every_experiment_composes_and_instantiates(experiment, request):
+    required = []
+    if experiment in FINETUNE_DATA:
+        folder = request.getfixturevalue("finetune_folder")
+        required = [f"model.pretrained={folder.model}", f"data.files={getattr(folder, FINETUNE_DATA[experiment])}"]
+    _instantiate_everything(_compose([f"experiment={experiment}", *required]))
 
 
 @pytest.fixture(scope="session")
