@@ -57,6 +57,21 @@ def _from_groups(name: str) -> property:
     return property(lambda self: getattr(self.parallel_groups, name), doc=f"`parallel_groups.{name}`")
 
 
+def skip_shared_memory_all_reduce_build() -> None:
+    """On CPU, DeepSpeed's backend compiles its shared-memory all-reduce op when the process group starts
+    (`deepspeed/comm/torch.py: build_shm_op`): C++ against torch's headers, ~140 s of CPU on the first run of a
+    machine, with every rank waiting on the build lock, and a compiler required. Only DeepSpeed-inference's
+    `inference_all_reduce` uses it, which training never calls. Marked incompatible, the op is not built and
+    `inference_all_reduce` falls back to torch's all-reduce; the flag is DeepSpeed's own (`__compatible_ops__`,
+    which `build_shm_op` reads)."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
+
 class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     """DeepSpeed (ZeRO) with DeepSpeed-Ulysses sequence parallelism.
 
@@ -250,6 +265,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         assert self.parallel_devices is not None
         if isinstance(self.accelerator, CUDAAccelerator):
             lightning_private.validate_device_index_selection(self.parallel_devices)  # CPU devices have no index
+        else:
+            skip_shared_memory_all_reduce_build()
         reset_seed()
         self.set_world_ranks()
         lightning_private.init_deepspeed_distributed(self)

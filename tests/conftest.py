@@ -21,3 +21,12 @@ def pytest_collection_finish(session):
     pool = sys.modules.get("tests.distributed.pool")
     if pool is not None:
         pool.POOL.selected_modules = {item.module.__name__ for item in session.items if item.module is not None}
+
+
+def pytest_unconfigure(config):
+    """Reap the server the launches fork their ranks from (tests/distributed/harness.py), with their CPU time."""
+    import sys
+
+    harness = sys.modules.get("tests.distributed.harness")
+    if harness is not None:
+        harness.stop_forkserver()

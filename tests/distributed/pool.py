@@ -6,8 +6,9 @@ of that world size whose file has a selected test (harness.launch_parts); the ot
 ranks' results from that launch. A failed launch fails every test that depends on it, with the launch's error
 (the log of every rank, each part's start marked): it is not run again.
 
-Why: each rank of a launch is a fresh interpreter that imports torch, Lightning, DeepSpeed and transformers
-(10-20 s of CPU); on a machine of 2 cores, 4 ranks start in ~30 s whatever they then do.
+Why: every launch sets up a process group, and every rank pays once for what its first Trainer and ZeRO engine set
+up; ranks forked from harness.py's server no longer import torch, Lightning, DeepSpeed and transformers each (that
+was 15-17 s of CPU per rank), but one launch for many jobs still starts fewer of them.
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ import os
 import pytest
 
 from tests.distributed.families import FAMILIES
-from tests.distributed.harness import ROOT, launch
+from tests.distributed.harness import ROOT
+from tests.distributed.pool import shared
 from tests.distributed.reference import assert_training_matches, reference_training
 
 WORKER = ROOT / "tests" / "distributed" / "workers" / "families.py"
@@ -33,9 +34,8 @@ TABLE = ROOT / "docs" / "model-families.md"
 SIZES = (2, 4)
 
 
-@pytest.fixture(scope="module")
-def outcome(tmp_path_factory):
-    spec = {
+def _spec() -> dict:
+    return {
         "sequence_parallel_sizes": list(SIZES),
         "families": [{"family": name, "eval": overrides.pop("eval", False), "float64": overrides.pop("float64", False),
                       "overrides": overrides, "left_padded": name in LEFT_PADDED,
@@ -53,7 +53,11 @@ def outcome(tmp_path_factory):
             for family in MEMORY_FAMILIES
         ],
     }
-    return launch(WORKER, 4, spec, tmp_path_factory.mktemp("families"), timeout=600)
+
+
+@pytest.fixture(scope="module")
+def outcome(tmp_path_factory):
+    return JOB.ranks(tmp_path_factory)
 
 
 # Left-padded rows too: positions numbered from the mask (OPT), counted from RoPE's arange (Llama), chunks from the
@@ -72,6 +76,10 @@ MEMORY = {"activation_checkpointing": True, "offload_activations": True, "tiled_
 MIXER_FAMILIES = ("qwen3_next", "qwen3_5_text", "kimi_linear", "minimax", "lfm2", "mamba", "mamba2", "jamba",
                   "falcon_h1", "granitemoehybrid", "nemotron_h", "bamba", "zamba2", "olmo_hybrid", "recurrent_gemma",
                   "rwkv")
+
+
+# In the shared 4-rank launch (pool.py): its ranks' start-up (4 × ~17 s of CPU) is paid once for every job.
+JOB = shared(4, "families", WORKER, _spec(), timeout=600)
 
 
 def test_every_token_mixer_layer_is_exact_on_its_own(outcome):

@@ -19,8 +19,10 @@ WORKER = Path(__file__).parent / "workers" / "optimizer_offload.py"
 CONFIG = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
           "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}
 SUB_GROUP_SIZE = 1000
-# In the shared 2-rank launch (pool.py).
-JOB = shared(2, "optimizer_offload", WORKER, {"config": CONFIG, "sub_group_size": SUB_GROUP_SIZE, "ratio": 1.0})
+# In the shared 2-rank launch (pool.py). On a clone's first run this part JIT-builds DeepSpeed's CPU Adam (~150 s of
+# CPU on 2 cores); on a busy machine that alone ran past the default 300 s.
+JOB = shared(2, "optimizer_offload", WORKER, {"config": CONFIG, "sub_group_size": SUB_GROUP_SIZE, "ratio": 1.0},
+             timeout=600)
 
 
 def test_host_buffers_of_offloaded_optimizer_match_the_planner(tmp_path_factory):

@@ -76,6 +76,28 @@ def test_single_rank_runs_in_a_notebook_and_several_ranks_point_to_ulysses_noteb
         L.Trainer(strategy=UlyssesDeepSpeedStrategy(), accelerator="cpu", devices=2, logger=False)
 
 
+def test_on_cpu_the_process_group_starts_without_building_deepspeeds_shared_memory_op(monkeypatch):
+    """DeepSpeed's CPU backend would compile its shared-memory all-reduce (inference only) when the group starts."""
+    import deepspeed.ops
+    import lightning as L
+    from deepspeed.comm.torch import build_shm_op
+
+    from lightning_ulysses import _lightning_private
+
+    class Started(Exception):
+        pass
+
+    def init_deepspeed_distributed(strategy):  # what DeepSpeed's TorchBackend would build at this point
+        raise Started(build_shm_op())
+
+    monkeypatch.setitem(deepspeed.ops.__compatible_ops__, "deepspeed_shm_comm", True)  # whatever ran before
+    monkeypatch.setattr(_lightning_private, "init_deepspeed_distributed", init_deepspeed_distributed)
+    trainer = L.Trainer(strategy=UlyssesDeepSpeedStrategy(), accelerator="cpu", devices=1, logger=False)
+    with pytest.raises(Started) as started:
+        trainer.strategy.setup_distributed()
+    assert started.value.args == (None,)
+
+
 @pytest.mark.parametrize("hook", ["training_step", "backward", "validation_step", "test_step", "predict_step"])
 def test_sdpa_kernel_priority_holds_in_every_step_and_backward(hook, monkeypatch):
     """Forward and backward (where checkpointed layers recompute) run under the same SDPA kernel order."""

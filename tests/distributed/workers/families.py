@@ -180,11 +180,21 @@ def _first(output):
 
 
 def main():
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    workdir = Path(sys.argv[2])
-    warnings.filterwarnings("ignore")
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    dist.init_process_group("gloo")
+    # A part of the shared launch (workers/parts.py): the parts after it keep their warnings and transformers' logs.
+    transformers_logger = logging.getLogger("transformers")
+    level = transformers_logger.level
+    transformers_logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            run(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]))
+    finally:
+        transformers_logger.setLevel(level)
+
+
+def run(spec: dict, workdir: Path) -> None:
+    if not dist.is_initialized():  # a part of a shared launch (workers/parts.py) may find it set up
+        dist.init_process_group("gloo")
     import transformers
 
     output = {"families": {}, "seconds": {}, "transformers_version": transformers.__version__}
@@ -207,7 +217,6 @@ def main():
                               for case in spec["training_cases"]}
         output["seconds"]["training"] = time.monotonic() - start
     torch.save(output, workdir / f"result_{dist.get_rank()}.pt")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Worker: the jobs of several workers, one after the other in this one process (harness.launch_parts).
 
-Start-up (a fresh interpreter importing torch, Lightning, DeepSpeed and transformers) costs each rank 10-20 s of
-CPU; the jobs themselves are often shorter. Each part runs its script as `__main__` with the arguments a launch of
+A rank's first process group, Trainer and ZeRO engine cost more than the jobs themselves, which are often short
+(its imports are the server's, harness.py). Each part runs its script as `__main__` with the arguments a launch of
 its own would give it (`<workdir>/<part>/spec.json <workdir>/<part>`), in that folder, and saves its results there.
 The process group, once set up by the first part that needs one, is shared by the parts after it. A part that runs
 past its timeout dumps every thread's stack and ends this rank: the launch fails instead of hanging. The heap is
