@@ -30,6 +30,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
+from benchmarks.memory_engine import host_rss  # noqa: E402
 from lightning_ulysses import UlyssesDeepSpeedStrategy  # noqa: E402
 from lightning_ulysses.models import CausalLMModule, HuggingFaceCausalLM  # noqa: E402
 
@@ -45,13 +46,6 @@ SHAPES = {
 }
 MEMORY = dict(tiled_mlp=True, tiled_logits_loss=True, activation_checkpointing=True, offload_activations=True,
               keep_attention_outputs=True, low_memory_norms=True, expandable_segments=True)
-
-
-def host_rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 class RandomTokens(Dataset):

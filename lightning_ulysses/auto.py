@@ -134,25 +134,26 @@ def measure_free_memory(device, local_ranks: int = 1) -> tuple[float, float]:
     return host, host
 
 
-def _resident_bytes() -> float:
+def _proc_bytes(path: str, field: str) -> float | None:
+    """A `<field>: <n> kB` line of a /proc file in bytes; None where there is no such file or line."""
     try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
+        with open(path) as lines:
+            for line in lines:
+                if line.startswith(field + ":"):
                     return float(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0.0
+    return None
+
+
+def _resident_bytes() -> float:
+    return _proc_bytes("/proc/self/status", "VmRSS") or 0.0
 
 
 def _available_host_bytes() -> float:
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
+    available = _proc_bytes("/proc/meminfo", "MemAvailable")
+    if available is not None:
+        return available
     import os
 
     return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))

@@ -73,19 +73,9 @@ def test_every_group_option_composes_and_instantiates(group, option, request):
     if option == "hf_pretrained":
         required = [f"model.pretrained={request.getfixturevalue('tiny_pretrained').folder}"]
     if option == "hf_dataset":
-        files = request.getfixturevalue("finetune_files")
-        required = [f"data.files={files.text}", f"data.tokenizer={files.tokenizer}"]
+        folder = request.getfixturevalue("finetune_folder")  # tests/recipes/conftest.py
+        required = [f"data.files={folder.text}", f"data.tokenizer={folder.model}"]
     _instantiate_everything(_compose([f"{group}={option}", *required]))
-
-
-@pytest.fixture(scope="session")
-def finetune_files(tmp_path_factory) -> SimpleNamespace:
-    """A tiny tokenizer folder and a text jsonl, as a fine-tuning user has them."""
-    from tests.finetune_fixtures import save_tiny_tokenizer, write_text_jsonl
-
-    folder = tmp_path_factory.mktemp("finetune_files")
-    save_tiny_tokenizer(folder / "tokenizer")
-    return SimpleNamespace(tokenizer=folder / "tokenizer", text=write_text_jsonl(folder / "text.jsonl", lines=20))
 
 
 def test_hf_dataset_tokenizer_is_the_pretrained_folder_and_null_without_one():
