@@ -35,7 +35,7 @@ def run(args) -> tuple[list[float], dict]:
     import lightning as L
 
     from lightning_ulysses import UlyssesDeepSpeedStrategy
-    from lightning_ulysses.models import CausalLMModule
+    from lightning_ulysses.models import CausalLMModule, HuggingFaceCausalLM
     from lightning_ulysses.plan import memory_options
 
     class Module(CausalLMModule):
@@ -53,7 +53,7 @@ def run(args) -> tuple[list[float], dict]:
     config = llama_config(args.shape, args.seq)
     options = {key: value for key, value in config.to_dict().items() if key in SHAPES[args.shape]
                or key in ("max_position_embeddings", "rope_theta")}
-    module = Module(model={"model_type": "llama", **options}, attn_implementation="sdpa")
+    module = Module(HuggingFaceCausalLM("llama", attn_implementation="sdpa", **options))
     if args.variant == "auto":
         kwargs = {"memory": {"auto": True, "seq_len": args.seq}}
     else:

@@ -152,7 +152,7 @@ def run_lightning(args, config) -> list[float]:
     import lightning as L
 
     from lightning_ulysses import UlyssesDeepSpeedStrategy
-    from lightning_ulysses.models import CausalLMModule
+    from lightning_ulysses.models import CausalLMModule, HuggingFaceCausalLM
 
     class Module(CausalLMModule):
         def configure_model(self):
@@ -169,7 +169,7 @@ def run_lightning(args, config) -> list[float]:
     dp = world // args.sequence_parallel_size
     options = {key: value for key, value in config.to_dict().items() if key in SHAPES[args.shape]
                or key in ("max_position_embeddings", "rope_theta")}
-    module = Module(model={"model_type": "llama", **options}, attn_implementation="sdpa")
+    module = Module(HuggingFaceCausalLM("llama", attn_implementation="sdpa", **options))
     timer = step_timer(StepProfiler(args))
     if args.variant == "lightning-stock":  # Lightning's own DeepSpeedStrategy: isolates Lightning's share of the cost
         from lightning.pytorch.strategies import DeepSpeedStrategy

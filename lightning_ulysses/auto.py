@@ -73,7 +73,10 @@ class AutoMemory:
     sub_group_size: Optional[int] = None
     mlp_tile_tokens: int = 8192
     logits_tile_tokens: int = 4096
-    expandable_segments: bool = False
+    # On by default: the planner counts allocated bytes, and at long lengths the caching allocator's fragmentation
+    # is what breaks the fit (8B shape at 128K on the H200: out of memory at 130.6 GiB allocated, 6.4 GiB reserved
+    # but unallocated, against a predicted 133.6 GiB peak; benchmarks/results/2026-12-02-h200-memory-auto/).
+    expandable_segments: bool = True
 
     def __post_init__(self) -> None:
         if self.seq_len is not None and int(self.seq_len) < 1:

@@ -91,6 +91,26 @@ class LRSchedule:
         return replace(self, total_steps=int(trainer_steps))
 
 
+def optimizer_on_host(trainer: Any) -> bool:
+    """Whether the trainer's strategy runs the optimizer step on the host: a DeepSpeed config with
+    `zero_optimization.offload_optimizer.device: cpu` (set by you, or by `memory="auto"` before
+    `configure_optimizers` runs). `False` without a trainer or a DeepSpeed strategy."""
+    config = getattr(getattr(trainer, "strategy", None), "config", None) or {}
+    offload = (config.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    return offload.get("device") == "cpu"
+
+
+def adamw(groups: list[dict[str, Any]], lr: float, betas: tuple[float, float], on_host: bool) -> torch.optim.Optimizer:
+    """AdamW over `groups`: torch's, or DeepSpeed's CPU Adam in AdamW mode (the same update) where the optimizer runs
+    on the host — DeepSpeed refuses a torch optimizer for its offload (`zero_force_ds_cpu_optimizer`), and partial
+    offload (`offload_optimizer.ratio`) steps its host share with this one."""
+    if not on_host:
+        return torch.optim.AdamW(groups, lr=lr, betas=betas)
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    return DeepSpeedCPUAdam(groups, lr=lr, betas=betas, adamw_mode=True)
+
+
 def schedule_config(optimizer: torch.optim.Optimizer, schedule: Optional[LRSchedule],
                     trainer: Any) -> Any:
     """What `configure_optimizers` returns: the optimizer alone without a schedule, else the optimizer with a

@@ -15,7 +15,7 @@ from typing_extensions import override
 from lightning_ulysses.loss import sequence_parallel_cross_entropy
 from lightning_ulysses.models.hf import PretrainedCausalLM
 from lightning_ulysses.models.lora import LoraSettings, with_lora
-from lightning_ulysses.optim import LRSchedule, parameter_groups, schedule_config
+from lightning_ulysses.optim import LRSchedule, adamw, optimizer_on_host, parameter_groups, schedule_config
 
 
 class ModelSpec(Protocol):
@@ -117,8 +117,12 @@ class CausalLMModule(L.LightningModule):
 
     @override
     def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(parameter_groups(self, self.hparams.weight_decay),
-                                      lr=self.hparams.learning_rate, betas=tuple(self.hparams.betas))
+        try:
+            trainer = self.trainer
+        except RuntimeError:  # built outside fit: no trainer, no strategy, torch's AdamW
+            trainer = None
+        optimizer = adamw(parameter_groups(self, self.hparams.weight_decay), self.hparams.learning_rate,
+                          tuple(self.hparams.betas), on_host=optimizer_on_host(trainer))
         if self.hparams.schedule is None:  # no Trainer needed (the optimizer alone, e.g. built outside fit)
             return optimizer
         return schedule_config(optimizer, self.hparams.schedule, self.trainer)

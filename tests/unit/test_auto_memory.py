@@ -33,7 +33,7 @@ def test_plenty_of_memory_switches_nothing_on():
     plain = plan_memory(LLAMA_1B, TrainingSetup(seq_len=32768, sub_group_size=LLAMA_1B.num_parameters // 40 + 1))
     assert 122 * GIB < plain.gpu_total < 122.2 * GIB
     choice = _choice(LLAMA_1B, 32768, 130)
-    assert choice.memory == MemoryOptions() and choice.offload_optimizer == 0
+    assert choice.memory == MemoryOptions(expandable_segments=True) and choice.offload_optimizer == 0
     assert choice.best.plan.gpu_total == pytest.approx(plain.gpu_total, rel=1e-3)
     assert "step" in choice.report() and "runner-up" in choice.report()
 
@@ -88,6 +88,12 @@ def test_pinned_fields_are_kept_and_reported():
     assert choice.memory.activation_checkpointing  # the next feature in the order takes tiled MLP's place
     with pytest.raises(ValueError, match=r"unpin \['activation_checkpointing', 'tiled_logits_loss'\]"):
         _choice(LLAMA_1B, 32768, 60, tiled_logits_loss=False, activation_checkpointing=False)
+
+
+def test_expandable_segments_are_on_unless_switched_off():
+    # Without them the 8B shape at 128K ran out of memory on the H200 below its predicted peak (fragmentation).
+    assert _choice(LLAMA_8B, 131072, 139, 118).memory.expandable_segments
+    assert not _choice(LLAMA_8B, 131072, 139, 118, expandable_segments=False).memory.expandable_segments
 
 
 def test_cpu_layout_never_offloads():

@@ -102,6 +102,37 @@ def test_tied_parameters_appear_once():
     assert [len(group["params"]) for group in groups] == [1]
 
 
+def test_module_steps_with_cpu_adam_where_the_strategy_offloads_the_optimizer():
+    """DeepSpeed refuses torch's AdamW for its optimizer offload, which `memory="auto"` may switch on: the recipes'
+    module then builds DeepSpeed's CPU Adam in AdamW mode with the same groups, and it makes the same update."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    from lightning_ulysses.models import CausalLMModule
+
+    spec = GPTConfig(vocab_size=16, hidden_size=8, num_layers=1, num_heads=2)
+    modules = []
+    for device in (None, "cpu"):
+        module = CausalLMModule(spec, learning_rate=0.1, weight_decay=0.1)
+        module.configure_model()
+        module.load_state_dict(modules[0].state_dict()) if modules else None
+        strategy = SimpleNamespace(config={"zero_optimization": {"offload_optimizer": {"device": device}}})
+        module.trainer = SimpleNamespace(strategy=strategy, lightning_module=module)
+        modules.append(module)
+    optimizers = [module.configure_optimizers() for module in modules]
+    assert type(optimizers[0]) is torch.optim.AdamW and isinstance(optimizers[1], DeepSpeedCPUAdam)
+    assert [g["weight_decay"] for g in optimizers[1].param_groups] == [0.1, 0.0]
+    start = [p.detach().clone() for p in modules[0].parameters()]
+    tokens = torch.arange(8).view(1, 8) % 16
+    for module, optimizer in zip(modules, optimizers):
+        for _ in range(2):
+            optimizer.zero_grad()
+            module.model(input_ids=tokens, labels=tokens).loss.backward()
+            optimizer.step()
+    for a, b, before in zip(modules[0].parameters(), modules[1].parameters(), start):
+        torch.testing.assert_close(b - before, a - before, rtol=1e-4, atol=1e-7)  # the same update
+    assert any(not torch.equal(a, before) for a, before in zip(modules[0].parameters(), start))
+
+
 def _fake_trainer(max_steps, batches, accumulate=1, max_epochs=-1, global_step=0):
     return SimpleNamespace(max_steps=max_steps, max_epochs=max_epochs, num_training_batches=batches,
                            accumulate_grad_batches=accumulate, global_step=global_step, is_global_zero=True)
