@@ -74,6 +74,9 @@ class AutoMemory:
     mlp_tile_tokens: int = 8192
     logits_tile_tokens: int = 4096
     expandable_segments: bool = False
+    # Passed through as set, never chosen: the step-time model has no measured cost for it yet.
+    fused_elementwise: bool = False
+    fused_backend: str = "inductor"
 
     def __post_init__(self) -> None:
         if self.seq_len is not None and int(self.seq_len) < 1:
@@ -295,6 +298,8 @@ def _option_sets(request: AutoMemory, layout: Layout) -> list[MemoryOptions]:
             options.append(MemoryOptions(mlp_tile_tokens=request.mlp_tile_tokens,
                                          logits_tile_tokens=request.logits_tile_tokens,
                                          expandable_segments=request.expandable_segments,
+                                         fused_elementwise=request.fused_elementwise,
+                                         fused_backend=request.fused_backend,
                                          **dict(zip(axes, combination))))
         except ValueError:  # e.g. offload or an interval without checkpointing
             continue

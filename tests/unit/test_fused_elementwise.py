@@ -184,3 +184,29 @@ def test_compiles_under_the_kept_attention_dispatch_mode():
         fused = call_compiled(gated_activation, CHEAP, "silu", gate, up)
     assert _unique_graphs() == 1
     assert torch.equal(fused, gated_activation("silu", gate, up))
+
+
+def test_benchmark_syntax_auto_pass_through_and_the_step_time_hook():
+    """`fused` in the features syntax; memory="auto" keeps it as set and never chooses it; the step-time model's
+    factor (uncalibrated, 1.0) is the only term it changes."""
+    import dataclasses
+
+    from lightning_ulysses.auto import AutoMemory, Layout, choose
+    from lightning_ulysses.plan import memory_options
+    from lightning_ulysses.planner import GIB, MODELS, TrainingSetup
+    from lightning_ulysses.step_time import H200, predict_step_time
+
+    assert memory_options("ac,norms,fused") == MemoryOptions(activation_checkpointing=True, low_memory_norms=True,
+                                                             fused_elementwise=True)
+    shape = MODELS["llama3.2-1b"]
+    for fused in (False, True):
+        request = AutoMemory(seq_len=32768, device_margin=0, host_margin=0, fused_elementwise=fused)
+        assert choose(shape, request, Layout(), (100 * GIB, 100 * GIB)).memory.fused_elementwise is fused
+
+    setup = TrainingSetup(seq_len=32768, memory=memory_options("ac,attn,norms,fused"))
+    plain = predict_step_time(shape, dataclasses.replace(setup, memory=memory_options("ac,attn,norms"))).terms
+    assert predict_step_time(shape, setup).terms == plain  # factor 1.0: no modelled gain yet
+    halved = predict_step_time(shape, setup, speeds=dataclasses.replace(H200, fused_elementwise_factor=0.5)).terms
+    assert halved["elementwise kernels"] == 0.5 * plain["elementwise kernels"]
+    changed = {name for name in plain if halved[name] != plain[name]}
+    assert changed == {"elementwise kernels", "recompute: layer forwards"}  # a recompute runs the fused kernels too
