@@ -27,12 +27,13 @@ CHEAP = "aot_eager"
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
-    torch._dynamo.reset()  # every test counts its own compiled graphs, within dynamo's per-function cache limit
+    torch._dynamo.reset()  # every test compiles afresh, within dynamo's per-function cache limit
     yield
     torch._dynamo.reset()
 
 
 def _unique_graphs() -> int:
+    """Graphs dynamo compiled in this process so far (`reset` does not clear the count)."""
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
@@ -68,6 +69,27 @@ def test_inductor_kernels_equal_eager_forward_and_backward():
             actual.backward(grad)
             for index, (a, b) in enumerate(zip(fused_inputs, expected_inputs)):
                 torch.testing.assert_close(a.grad, b.grad, **tolerance, msg=f"{name} {dtype} gradient {index}")
+    # What inductor's partitioner keeps for backward (bf16, the graphs compiled above): the norm its 16-bit input, its
+    # weight and an fp32 rstd per token, as low_memory_norms does (eager: also fp32 copies); the gate `gate` and `up`
+    # (eager: also act(gate)).
+    hidden, weight, gate = (torch.randn(shape, dtype=torch.bfloat16, requires_grad=True) for shape in
+                            ((2, 5, 16), (16,), (2, 5, 24)))
+    assert sorted(_saved(FUNCTIONS["rms_norm"][1], hidden, weight)) == sorted(
+        [((2, 5, 16), torch.bfloat16), ((16,), torch.bfloat16), ((2, 5, 1), torch.float32)])
+    assert _saved(FUNCTIONS["silu_gate"][1], gate, gate.detach().clone().requires_grad_()) == [
+        ((2, 5, 24), torch.bfloat16)] * 2
+
+
+def _saved(fused, *inputs) -> list[tuple]:
+    saved = []
+
+    def pack(tensor):
+        saved.append((tuple(tensor.shape), tensor.dtype))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        fused("inductor", *inputs)
+    return saved
 
 
 # Every other memory feature too: the fused norms and gates run under layer checkpointing (forward without
@@ -84,13 +106,13 @@ def test_fused_llama_equals_plain_model(case):
     plain = tiny_llama(2).train()
     input_ids, labels = _batch()
     expected = _loss_and_grads(plain, input_ids, labels)
-    model = copy.deepcopy(plain)
+    model, graphs = copy.deepcopy(plain), _unique_graphs()
     apply_memory_options(model, MemoryOptions(fused_elementwise=True, fused_backend=CHEAP, **CASES[case]))
     layers = [f"model.layers.{i}" for i in range(2)]
     norms = [f"{layer}.{norm}" for layer in layers for norm in ("input_layernorm", "post_attention_layernorm")]
     assert {*norms, "model.norm", *(f"{layer}.mlp" for layer in layers)} <= set(_replaced(model))
     _assert_same(expected, _loss_and_grads(model, input_ids, labels))
-    assert _unique_graphs() > 0  # the compiled functions ran (not the eager path)
+    assert _unique_graphs() > graphs  # the compiled functions ran (not the eager path)
 
 
 def test_fused_low_memory_norm_keeps_only_its_16_bit_input():
@@ -179,10 +201,10 @@ def test_compiles_under_the_kept_attention_dispatch_mode():
     skips its code for good after such a first call: layer checkpointing's `_AttentionOutputs` must ignore them."""
     from lightning_ulysses.memory.checkpointing import _AttentionOutputs
 
-    gate, up = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    gate, up, graphs = torch.randn(2, 3, 8), torch.randn(2, 3, 8), _unique_graphs()
     with _AttentionOutputs(None):
         fused = call_compiled(gated_activation, CHEAP, "silu", gate, up)
-    assert _unique_graphs() == 1
+    assert _unique_graphs() == graphs + 1
     assert torch.equal(fused, gated_activation("silu", gate, up))
 
 
