@@ -77,6 +77,9 @@ class AutoMemory:
     # is what breaks the fit (8B shape at 128K on the H200: out of memory at 130.6 GiB allocated, 6.4 GiB reserved
     # but unallocated, against a predicted 133.6 GiB peak; benchmarks/results/2026-12-02-h200-memory-auto/).
     expandable_segments: bool = True
+    # Passed through as set, never chosen: the step-time model has no measured cost for it yet.
+    fused_elementwise: bool = False
+    fused_backend: str = "inductor"
 
     def __post_init__(self) -> None:
         if self.seq_len is not None and int(self.seq_len) < 1:
@@ -298,6 +301,8 @@ def _option_sets(request: AutoMemory, layout: Layout) -> list[MemoryOptions]:
             options.append(MemoryOptions(mlp_tile_tokens=request.mlp_tile_tokens,
                                          logits_tile_tokens=request.logits_tile_tokens,
                                          expandable_segments=request.expandable_segments,
+                                         fused_elementwise=request.fused_elementwise,
+                                         fused_backend=request.fused_backend,
                                          **dict(zip(axes, combination))))
         except ValueError:  # e.g. offload or an interval without checkpointing
             continue

@@ -19,7 +19,8 @@ from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.planner import GIB, MODELS, TrainingSetup, longest_sequence, plan_memory, published_176b_comparison
 
 FEATURES = {"ac": "activation_checkpointing", "offload": "offload_activations", "mlp": "tiled_mlp",
-            "logits": "tiled_logits_loss", "attn": "keep_attention_outputs", "norms": "low_memory_norms"}
+            "logits": "tiled_logits_loss", "attn": "keep_attention_outputs", "norms": "low_memory_norms",
+            "fused": "fused_elementwise"}
 
 
 def memory_options(features: str, mlp_tile_tokens: int = 8192, logits_tile_tokens: int = 4096) -> MemoryOptions:
@@ -55,7 +56,7 @@ def main(argv=None) -> None:
     parser.add_argument("--pin-memory", action=argparse.BooleanOptionalAction, default=True,
                         help="offload_optimizer.pin_memory (pinned blocks are rounded up to powers of two)")
     parser.add_argument("--features", default="none",
-                        help="comma-separated: ac, offload, mlp, logits, norms, attn, everyK (or none)")
+                        help="comma-separated: ac, offload, mlp, logits, norms, attn, fused, everyK (or none)")
     parser.add_argument("--longest", action="store_true", help="find the longest sequence that fits")
     parser.add_argument("--gpu-gib", type=float, default=134.0, help="usable GPU memory per GPU (GiB)")
     parser.add_argument("--host-gib", type=float, default=float("inf"), help="usable host memory per GPU (GiB)")

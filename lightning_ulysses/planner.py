@@ -197,7 +197,7 @@ class MemoryPlan:
     def _features(self) -> str:
         m = self.setup.memory
         names = [n for n in ("tiled_mlp", "tiled_logits_loss", "activation_checkpointing", "offload_activations",
-                             "keep_attention_outputs", "low_memory_norms") if getattr(m, n)]
+                             "keep_attention_outputs", "low_memory_norms", "fused_elementwise") if getattr(m, n)]
         if m.checkpoint_interval > 1:
             names.append(f"checkpoint_interval={m.checkpoint_interval}")
         return "features: " + (", ".join(names) if names else "none")

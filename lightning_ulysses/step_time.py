@@ -19,6 +19,7 @@ measurement). What the model counts:
 - optimizer: GPU Adam per element kept on the GPU; CPU Adam per offloaded element (with its gradient and parameter
   copies); with any offload, ZeRO-3's 16-bit gradients of every element cross the host link;
 - a fixed cost per step (the hooks and launches that do not grow with the sequence).
+`fused_elementwise` scales the elementwise term by `fused_elementwise_factor` (uncalibrated: 1.0).
 Tiled logits + loss and low-memory norms cost no modelled time (measured within noise); on equal predicted times
 `memory="auto"` takes the configuration with fewer features.
 """
@@ -45,6 +46,9 @@ class DeviceSpeeds:
     cpu_adam_elements: float
     step_overhead_s: float
     elementwise_s: float  # per layer, token and hidden value, forward + backward (norms, RoPE, SiLU, residuals)
+    # The elementwise term's share left with `fused_elementwise` (compiled norms and gated activations).
+    # UNCALIBRATED: 1.0 (no gain) until a measured row says otherwise, so `memory="auto"` is not swayed by it.
+    fused_elementwise_factor: float = 1.0
 
 
 # Attention rates: `benchmarks/results/2026-11-29-h200-long-sequence/attention-kernels.jsonl` (causal, 32 heads,
@@ -100,7 +104,8 @@ def predict_step_time(shape: ModelShape, setup: TrainingSetup, kernel: Optional[
     terms = {"matmuls (forward + backward)": 3 * forward / speeds.matmul_flops,
              "attention forward": attention_forward / speeds.attention_forward_flops[kernel],
              "attention backward": 2 * attention_forward / speeds.attention_backward_flops[kernel],
-             "elementwise kernels": speeds.elementwise_s * shape.num_layers * tokens * shape.hidden_size}
+             "elementwise kernels": speeds.elementwise_s * shape.num_layers * tokens * shape.hidden_size
+                                    * (speeds.fused_elementwise_factor if m.fused_elementwise else 1.0)}
     if m.activation_checkpointing:
         extra_forwards = 1 + (m.checkpoint_interval - 1) / m.checkpoint_interval
         # a third of the matmuls and of the elementwise work is forward

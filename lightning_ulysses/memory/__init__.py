@@ -21,6 +21,10 @@ dropout and with `use_cache=True`.
 - `low_memory_norms`: every Llama-style RMSNorm of a Hugging Face model keeps only its 16-bit input and an fp32
   rstd per token for backward (not an fp32 copy of its input); other RMSNorms are refused; a no-op for the native
   GPT, whose LayerNorms keep only their input already.
+- `fused_elementwise`: every Llama-style RMSNorm and every gated MLP's `act(gate) * up` run through `torch.compile`d
+  pure functions (`fused_backend`, default inductor), weights passed at call time; composes with every option above
+  (with `low_memory_norms` the low-memory norm itself is compiled); a model with neither is refused. RoPE is not
+  fused (see `memory/fused.py`).
 - `expandable_segments`: the CUDA allocator grows segments in place instead of fragmenting
   (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` unless that variable is set already).
 
@@ -41,6 +45,7 @@ import torch
 from torch import nn
 
 from lightning_ulysses.memory.checkpointing import HostActivationStore, checkpoint_layers
+from lightning_ulysses.memory.fused import check_backend, gated_mlp_activation, use_fused_gated_mlp, use_fused_norm
 from lightning_ulysses.memory.logits_loss import TiledLogitsLoss, fuse_head_with_loss, fuse_hugging_face_loss
 from lightning_ulysses.memory.norms import llama_style_norms, use_low_memory_norm
 from lightning_ulysses.memory.tiled_mlp import tile_mlp
@@ -57,6 +62,8 @@ class MemoryOptions:
     checkpoint_interval: int = 1
     keep_attention_outputs: bool = False
     low_memory_norms: bool = False
+    fused_elementwise: bool = False
+    fused_backend: str = "inductor"
     expandable_segments: bool = False
 
     def __post_init__(self) -> None:
@@ -86,7 +93,8 @@ class MemoryOptions:
 
     @property
     def changes_models(self) -> bool:
-        return self.tiled_mlp or self.tiled_logits_loss or self.activation_checkpointing or self.low_memory_norms
+        return (self.tiled_mlp or self.tiled_logits_loss or self.activation_checkpointing or self.low_memory_norms
+                or self.fused_elementwise)
 
 
 def apply_allocator_settings(options: MemoryOptions) -> None:
@@ -118,6 +126,23 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
+def _fused_mlps(model: nn.Module, layers: list[nn.Module], norms: list[nn.Module],
+                options: MemoryOptions) -> list[tuple[nn.Module, str]]:
+    """The decoder layers' gated MLPs `fused_elementwise` fuses, with their activations; refuses a model where it
+    recognises neither a norm nor a gated MLP."""
+    if not options.fused_elementwise:
+        return []
+    check_backend(options.fused_backend)
+    mlps = [(layer.mlp, gated_mlp_activation(layer.mlp)) for layer in layers
+            if isinstance(getattr(layer, "mlp", None), nn.Module)]
+    mlps = [(mlp, activation) for mlp, activation in mlps if activation is not None]
+    if not norms and not mlps:
+        raise ValueError(f"fused_elementwise fuses Llama-style RMSNorms and gated MLPs (`act(gate_proj(x)) *"
+                         f" up_proj(x)`); {type(model).__name__} has neither. Switch it off for this model"
+                         " (MemoryOptions(fused_elementwise=False); recipes: strategy.memory.fused_elementwise=false).")
+    return mlps
+
+
 def apply_memory_options(model: nn.Module, options: MemoryOptions,
                          store: Optional[HostActivationStore] = None) -> list[Callable[[], None]]:
     """Apply `options` to one causal LM (Hugging Face or native GPT); return the callables that undo it.
@@ -146,7 +171,9 @@ def apply_memory_options(model: nn.Module, options: MemoryOptions,
         raise ValueError(f"{type(model).__name__} already has its own gradient checkpointing enabled; with the memory"
                          " option activation_checkpointing=True every layer would be recomputed twice. Disable one of"
                          " them (for the recipes: model.activation_checkpointing=false).")
-    low_memory_norms = llama_style_norms(model) if options.low_memory_norms else []  # refuses what it can't replace
+    norm_options = tuple(name for name in ("low_memory_norms", "fused_elementwise") if getattr(options, name))
+    norms = llama_style_norms(model, norm_options) if norm_options else []  # refuses what it can't replace
+    fused_mlps = _fused_mlps(model, layers, norms, options)
     try:
         if options.tiled_logits_loss:  # first: it refuses models whose logits are transformed before the loss
             loss = TiledLogitsLoss(options.logits_tile_tokens)
@@ -154,7 +181,13 @@ def apply_memory_options(model: nn.Module, options: MemoryOptions,
                 restores += [fuse_head_with_loss(model.lm_head, loss), model.use_logits_loss(loss)]
             else:
                 restores.append(fuse_hugging_face_loss(model, loss))
-        restores += [use_low_memory_norm(norm) for norm in low_memory_norms]
+        fused = options.fused_backend if options.fused_elementwise else None
+        if options.low_memory_norms:
+            restores += [use_low_memory_norm(norm, fused) for norm in norms]
+        elif fused is not None:
+            restores += [use_fused_norm(norm, fused) for norm in norms]
+        # Before tiling: a tiled MLP runs the fused forward on each tile.
+        restores += [use_fused_gated_mlp(mlp, activation, fused) for mlp, activation in fused_mlps]
         if options.tiled_mlp:
             restores += [tile_mlp(layer.mlp, options.mlp_tile_tokens) for layer in layers]
         if options.activation_checkpointing:

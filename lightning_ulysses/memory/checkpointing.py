@@ -219,6 +219,14 @@ class _AttentionOutputs(TorchDispatchMode):
         self.recorded: list[tuple] = []  # (kernel, outputs, device, generator state after the kernel)
         self.next_replayed: Optional[int] = None  # None while recording
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Without this, dynamo runs every torch.compile'd function called under the mode eagerly, and a function's
+        # first call under it marks its code "skip" for good (torch 2.13, `inline_torch_dispatch_torch_compile`):
+        # `fused_elementwise` would silently compile nothing. The mode is then off while dynamo compiles and on when
+        # the compiled code runs; what is compiled holds no attention kernel (the kernels it records run eagerly).
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func not in _ATTENTION_KERNELS:
             return func(*args, **(kwargs or {}))

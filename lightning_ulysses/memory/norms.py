@@ -32,49 +32,72 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from lightning_ulysses.memory.fused import call_compiled
+
+
+def _forward_body(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face's op sequence; also returns the fp32 rstd `[..., 1]` the backward recomputes from."""
+    input_dtype = hidden_states.dtype
+    upcast = hidden_states.to(torch.float32)
+    rstd = torch.rsqrt(upcast.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (upcast * rstd).to(input_dtype), rstd
+
+
+def _backward_body(grad_output: torch.Tensor, hidden_states: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
+                   needs_input_grad: bool, needs_weight_grad: bool) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    input_dtype = hidden_states.dtype
+    upcast = hidden_states.to(torch.float32)  # a transient: it lives only in this backward
+    grad_weight = None
+    if needs_weight_grad:
+        normalized = (upcast * rstd).to(input_dtype)  # bit-identical to the forward's
+        # As autograd does for `weight * normalized`: the product in the promoted dtype, summed to weight's shape.
+        grad_weight = (grad_output * normalized).sum_to_size(weight.shape).to(weight.dtype)
+        del normalized
+    if not needs_input_grad:
+        return None, grad_weight
+    # Hugging Face's op sequence differentiated step by step (rounding included): the cast back to the input
+    # dtype, `upcast * rstd`, `rsqrt(variance + eps)`, `mean(-1)` and `pow(2)`.
+    grad_normalized = (grad_output * weight).to(input_dtype).to(torch.float32)
+    grad_rstd = (grad_normalized * upcast).sum(-1, keepdim=True)
+    grad_upcast = grad_normalized.mul_(rstd)  # in place: grad_normalized is not needed any more
+    grad_variance = -0.5 * grad_rstd * rstd.pow(3)
+    grad_squares = grad_variance / upcast.size(-1)  # one value per token: mean's backward, before broadcasting
+    grad_upcast.add_((2.0 * upcast).mul_(grad_squares))
+    return grad_upcast.to(input_dtype), grad_weight
+
+
+def _run(body: Callable, fused_backend: Optional[str], *args):
+    return body(*args) if fused_backend is None else call_compiled(body, fused_backend, *args)
+
 
 class _LowMemoryRMSNorm(torch.autograd.Function):
-    """Llama's RMSNorm saving `(x, rstd, weight)`; `x` in its own dtype, `rstd` fp32 `[..., 1]`."""
+    """Llama's RMSNorm saving `(x, rstd, weight)`; `x` in its own dtype, `rstd` fp32 `[..., 1]`. With a
+    `fused_backend` (`fused_elementwise`) both bodies run `torch.compile`d: what is saved stays the same."""
 
     @staticmethod
-    def forward(ctx, hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
-        upcast = hidden_states.to(torch.float32)
-        rstd = torch.rsqrt(upcast.pow(2).mean(-1, keepdim=True) + eps)
+    def forward(ctx, hidden_states: torch.Tensor, weight: torch.Tensor, eps: float,
+                fused_backend: Optional[str] = None) -> torch.Tensor:
+        output, rstd = _run(_forward_body, fused_backend, hidden_states, weight, eps)
         ctx.save_for_backward(hidden_states, rstd, weight)
-        return weight * (upcast * rstd).to(input_dtype)
+        ctx.fused_backend = fused_backend
+        return output
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         hidden_states, rstd, weight = ctx.saved_tensors
-        input_dtype = hidden_states.dtype
-        upcast = hidden_states.to(torch.float32)  # a transient: it lives only in this backward
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            normalized = (upcast * rstd).to(input_dtype)  # bit-identical to the forward's
-            # As autograd does for `weight * normalized`: the product in the promoted dtype, summed to weight's shape.
-            grad_weight = (grad_output * normalized).sum_to_size(weight.shape).to(weight.dtype)
-            del normalized
-        if not ctx.needs_input_grad[0]:
-            return None, grad_weight, None
-        # Hugging Face's op sequence differentiated step by step (rounding included): the cast back to the input
-        # dtype, `upcast * rstd`, `rsqrt(variance + eps)`, `mean(-1)` and `pow(2)`.
-        grad_normalized = (grad_output * weight).to(input_dtype).to(torch.float32)
-        grad_rstd = (grad_normalized * upcast).sum(-1, keepdim=True)
-        grad_upcast = grad_normalized.mul_(rstd)  # in place: grad_normalized is not needed any more
-        grad_variance = -0.5 * grad_rstd * rstd.pow(3)
-        grad_squares = grad_variance / upcast.size(-1)  # one value per token: mean's backward, before broadcasting
-        grad_upcast.add_((2.0 * upcast).mul_(grad_squares))
-        return grad_upcast.to(input_dtype), grad_weight, None
+        grad_input, grad_weight = _run(_backward_body, ctx.fused_backend, grad_output, hidden_states, rstd, weight,
+                                       ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        return grad_input, grad_weight, None, None
 
 
-def low_memory_rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def low_memory_rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float,
+                        fused_backend: Optional[str] = None) -> torch.Tensor:
     """`LlamaRMSNorm`'s forward as a function, keeping only `hidden_states` and an fp32 rstd per token."""
-    return _LowMemoryRMSNorm.apply(hidden_states, weight, eps)
+    return _LowMemoryRMSNorm.apply(hidden_states, weight, eps, fused_backend)
 
 
-def _low_memory_forward(norm: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    return low_memory_rms_norm(hidden_states, norm.weight, norm.variance_epsilon)
+def _low_memory_forward(norm: nn.Module, fused_backend: Optional[str], hidden_states: torch.Tensor) -> torch.Tensor:
+    return low_memory_rms_norm(hidden_states, norm.weight, norm.variance_epsilon, fused_backend)
 
 
 def _looks_like_rms_norm(module: nn.Module) -> bool:
@@ -129,8 +152,9 @@ def _why_not_llama_style(norm: nn.Module) -> Optional[str]:
     return _probe(norm)
 
 
-def llama_style_norms(model: nn.Module) -> list[nn.Module]:
-    """The Llama-style RMSNorms of `model` (see the module docstring); raises if an RMSNorm-like module is not one.
+def llama_style_norms(model: nn.Module, options: tuple[str, ...] = ("low_memory_norms",)) -> list[nn.Module]:
+    """The Llama-style RMSNorms of `model` (see the module docstring); raises if an RMSNorm-like module is not one,
+    naming the memory `options` that replace them (to switch off).
 
     Reads no weight values and changes nothing.
     """
@@ -140,16 +164,20 @@ def llama_style_norms(model: nn.Module) -> list[nn.Module]:
             continue
         reason = _why_not_llama_style(module)
         if reason is not None:
+            named = " and ".join(options)
             raise ValueError(
-                f"low_memory_norms replaces Llama-style RMSNorms (`weight * normalized(x).to(x.dtype)`), but"
-                f" {name or 'the model'} ({type(module).__name__}) is not one: {reason}. Switch low_memory_norms off"
-                f" for this model (MemoryOptions(low_memory_norms=False); recipes: strategy.memory.low_memory_norms=false)."
+                f"{named} replace{'s' if len(options) == 1 else ''} Llama-style RMSNorms (`weight *"
+                f" normalized(x).to(x.dtype)`), but {name or 'the model'} ({type(module).__name__}) is not one:"
+                f" {reason}. Switch {named} off for this model (MemoryOptions("
+                + ", ".join(f"{option}=False" for option in options) + "); recipes: "
+                + ", ".join(f"strategy.memory.{option}=false" for option in options) + ")."
             )
         norms.append(module)
     return norms
 
 
-def use_low_memory_norm(norm: nn.Module) -> Callable[[], None]:
-    """Make a Llama-style RMSNorm (checked by `llama_style_norms`) keep only its input; return the undo."""
-    norm.forward = functools.partial(_low_memory_forward, norm)
+def use_low_memory_norm(norm: nn.Module, fused_backend: Optional[str] = None) -> Callable[[], None]:
+    """Make a Llama-style RMSNorm (checked by `llama_style_norms`) keep only its input; return the undo.
+    `fused_backend`: run it `torch.compile`d with that backend (`fused_elementwise`)."""
+    norm.forward = functools.partial(_low_memory_forward, norm, fused_backend)
     return functools.partial(norm.__dict__.pop, "forward", None)

@@ -24,6 +24,10 @@ ALL_FEATURES = {"tiled_mlp": True, "mlp_tile_tokens": 3, "tiled_logits_loss": Tr
 
 
 SPARSE_FEATURES = {**ALL_FEATURES, "checkpoint_interval": 2, "keep_attention_outputs": True}
+# fused_elementwise compiled with aot_eager (dynamo capture and AOT autograd, no C++ builds in 4 ranks; the inductor
+# kernels are checked against eager in tests/unit/test_fused_elementwise.py): with low-memory norms (their bodies
+# compiled) and without (the compiled norm), under ZeRO-3's hooks, tiles, host offload and the kept-attention mode.
+FUSED = {"fused_elementwise": True, "fused_backend": "aot_eager"}
 
 
 # memory="auto" planning 4096-token rows (the rows trained are shorter) with the least of the ranks' free memory,
@@ -39,7 +43,7 @@ AUTO_CHOSEN = {"tiled_mlp": True, "mlp_tile_tokens": 3, "logits_tile_tokens": 4,
 def _case(name, sp, stage, model="llama", memory=ALL_FEATURES, wrapped=None):
     wrapped = wrapped or {"llama": ["LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "LlamaRMSNorm", "Linear"],
                           "gpt": ["Block", "MLP", "_Linear"]}[model]
-    if memory not in (ALL_FEATURES, SPARSE_FEATURES, AUTO, AUTO_CHOSEN):  # tiled logits + loss only: the model's
+    if set(memory) <= {"tiled_logits_loss", "logits_tile_tokens"}:  # tiled logits + loss only: the model's
         wrapped = ["LlamaForCausalLM", "Linear"]  # forward and its head
     return {"name": name, "wrapped": wrapped, "world_size": WORLD, "sp": sp, "stage": stage, "kv_heads": 2, "model": model,
             "steps": STEPS, "batch_size": 1, "seq_len": SEQ_LEN, "dataset_kwargs": {"odd_rows_shorter_by": 4},
@@ -51,6 +55,9 @@ CASES = [
     _case("zero3-sp2-gpt-all", 2, 3, model="gpt"),
     _case("zero2-sp2-llama-all", 2, 2),
     _case("zero3-sp1-llama-all", 1, 3),
+    _case("zero3-sp2-llama-all-fused", 2, 3, memory={**ALL_FEATURES, **FUSED}),
+    _case("zero3-sp2-llama-stretch-kept-attention-fused", 2, 3,
+          memory={**SPARSE_FEATURES, "low_memory_norms": False, **FUSED}),
     _case("zero3-sp2-llama-logits-only", 2, 3, memory={"tiled_logits_loss": True, "logits_tile_tokens": 3}),
     # sparser checkpoints (both layers of the tiny models in one stretch: the second layer's input is recomputed
     # in backward, with ZeRO-3 gathering the first layer's parameters again) and replayed attention outputs
@@ -83,6 +90,8 @@ def test_memory_features_match_plain_reference(case, tmp_path_factory):
     with sdpa_priority(check_sdpa_kernel_priority(case["strategy_kwargs"].get("sdpa_kernel_priority"))):
         expected = [tuple(torch._C._get_sdp_priority_order())]
     assert all(rank["sdpa_orders"] == expected for rank in ranks), (ranks[0]["sdpa_orders"], expected)
+    # fused_elementwise compiled its functions (an ambient dispatch mode would make dynamo run them eagerly).
+    assert all((rank["compiled_graphs"] > 0) == memory["fused_elementwise"] for rank in ranks)
     steps, lengths = [], set()
     for step in range(STEPS):
         by_dp = {}

@@ -81,6 +81,7 @@ def run_case(case: dict, world_size: int) -> dict:
                       in_configure_model=case.get("in_configure_model", False), step=case.get("step", "batch"),
                       pretrained=pretrained)
     strategy_kwargs = dict(case.get("strategy_kwargs", {}))
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # this case's, in a process of many
     if "free_memory_by_rank" in case:  # memory="auto" with this rank's own free memory (the ranks agree on the least)
         strategy_kwargs["memory"] = dict(strategy_kwargs["memory"], free_memory=case["free_memory_by_rank"][dist.get_rank()])
     strategy = lightning_ulysses.UlyssesDeepSpeedStrategy(
@@ -135,6 +136,7 @@ def run_case(case: dict, world_size: int) -> dict:
         "export": str(Path(case["workdir"]) / f"{case['name']}.export") if case.get("export") else None,
         "memory_choice": strategy.memory_choice and strategy.memory_choice.as_dict(),
         "memory": dataclasses.asdict(strategy.memory),
+        "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before,
     }
 
 
