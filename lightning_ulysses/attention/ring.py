@@ -58,7 +58,8 @@ def block_kernel_kind(device_type: str, dtype: torch.dtype, order: tuple[str, ..
 
 def lse_from_cudnn(lse: torch.Tensor) -> torch.Tensor:
     """cuDNN's log-sum-exp `[batch, heads, rows, 1]` (torch's meta registration; older torch: `[batch, heads,
-    rows]`) → the ring's `[batch, heads, rows]`. Both are natural-log and include the softmax scale, as flash's.
+    rows]`) → the ring's `[batch, heads, rows]`. The values are flash's: natural log, softmax scale included
+(measured on an H200, torch 2.11, cuDNN 9.19; there also fp32 and contiguous).
     Only the trailing 1 is dropped: `squeeze(-1)` would also drop the rows of a one-row block."""
     return lse[..., 0] if lse.dim() == 4 else lse
 
