@@ -24,10 +24,20 @@ Modes (each on this rank's shard `[batch, heads, seq/P, head_dim]`, except sdpa)
 - `hybrid`: `ulysses_size = P / 2` × `ring_size = 2` (Ulysses over neighbouring ranks, a ring across the two
   halves); needs an even number of processes, at least 4.
 
+`--ring-kernels flash cudnn`: one `ring`/`hybrid` variant per block kernel (the ring takes the first of cuDNN and
+flash in the SDPA priority in force, so each variant runs with its kernel first); `block_kernel` says what ran.
+The ring's block kernels against SDPA + cuDNN on one H200 (Llama-3-8B attention, ~2 minutes):
+
+    python benchmarks/attention_layer.py --modes sdpa ring --ring-kernels flash cudnn --sdpa-kernel cudnn \
+        --seq 32768 131072 --kv-heads 8 --warmup 3 --iters 20 --check yes
+
 Timing: CUDA events around each forward+backward, `--warmup` untimed iterations, median (and p10/p90) of
 `--iters`; ranks are barrier-synchronised before the timed loop. `speedup_vs_sdpa` = sdpa median / mode median
 at the same length (SP 2 target: ≥ 1.92× at 32K, ≥ 1.98× at 128K). One JSON line per (mode, length) on rank 0.
-`--check` (default for lengths ≤ 32K) also reports the largest deviation from full SDPA on the same inputs.
+`--check` (default for lengths ≤ 32K) also reports the largest deviation of the output and of the q/k/v gradients
+from full SDPA on the same inputs (absolute, and relative to the largest reference value), and on CUDA how far SDPA's
+own flash and cuDNN kernels are apart (`sdpa_flash_vs_cudnn`, in the sdpa line): `within_tolerance` holds when every
+relative deviation is at most twice that spread or 2^-7 (half a bf16 step at the largest value), whichever is larger.
 """
 
 from __future__ import annotations
@@ -46,7 +56,8 @@ import torch.nn.functional as F
 from lightning_ulysses.attention.backends import SDPA_KERNELS, sdpa_priority
 from lightning_ulysses.attention.all_to_all import start_exchange
 from lightning_ulysses.attention.core import UlyssesAttention
-from lightning_ulysses.attention.ring import ring_attention
+from lightning_ulysses.attention import ring
+from lightning_ulysses.attention.ring import block_kernel_kind, ring_attention, sdpa_kernel_order
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, ShardOrder
 
 MODES = ("sdpa", "local", "exchange", "ulysses", "ulysses_separate", "ulysses_stack_cat", "ring", "hybrid")
@@ -75,6 +86,8 @@ def parse_args() -> argparse.Namespace:
                              " priority")
     parser.add_argument("--sdpa-kernel", choices=("default",) + tuple(SDPA_KERNELS), default="default",
                         help="SDPA kernel tried first for every mode (default: torch's own order)")
+    parser.add_argument("--ring-kernels", nargs="+", choices=("flash", "cudnn"), default=None,
+                        help="ring and hybrid modes: one variant per block kernel (default: the SDPA priority's)")
     parser.add_argument("--profile", default=None,
                         help="folder: also trace 2 iterations of each variant (CUDA kernels) and report how long NCCL"
                              " kernels ran beside compute kernels; the traces are written there")
@@ -173,13 +186,17 @@ def high_priority_group(device: torch.device):
     return dist.new_group(list(range(dist.get_world_size())), pg_options=options)
 
 
+def causal_sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.size(1) != k.size(1))
+
+
+def checking(seq_len, args) -> bool:
+    return args.check == "yes" or (args.check == "auto" and seq_len <= 32768)
+
+
 def build_attention(mode: str, base_groups: SequenceParallelGroups, args, head_groups: int = 1, group=None):
     """(attention callable on local shards, shard order, (ulysses_size, ring_size)) or None when not applicable."""
     world = base_groups.sequence_parallel_world_size
-
-    def causal_sdpa(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.size(1) != k.size(1))
-
     if mode in ("local", "ulysses_separate", "ulysses_stack_cat") and args.kv_heads % world:
         return None  # these cut the KV heads like the query heads: no KV replication
     if mode in ("sdpa", "local"):  # local: measure() hands it one rank's share of the heads, all tokens
@@ -251,14 +268,58 @@ def kernel_overlap(step, mode, seq_len, rank, args) -> dict:
             "nccl_beside_compute_ms": _intersection(nccl, compute) / 2e3}
 
 
-def measure(mode, attention, order, seq_len, groups, device, args):
-    dtype, rank = DTYPES[args.dtype], groups.sequence_parallel_rank
-    generator = torch.Generator(device=device).manual_seed(1234 + seq_len)  # the same full tensors on every rank
+def full_inputs(seq_len, device, args) -> list[torch.Tensor]:
+    """q, k, v and the output gradient on the whole sequence, the same on every rank and for every mode."""
+    generator = torch.Generator(device=device).manual_seed(1234 + seq_len)
 
     def full(heads):
-        return torch.randn(args.batch, heads, seq_len, args.head_dim, device=device, dtype=dtype, generator=generator)
+        return torch.randn(args.batch, heads, seq_len, args.head_dim, device=device, dtype=DTYPES[args.dtype],
+                           generator=generator)
 
-    q_full, k_full, v_full, grad_full = full(args.heads), full(args.kv_heads), full(args.kv_heads), full(args.heads)
+    return [full(args.heads), full(args.kv_heads), full(args.kv_heads), full(args.heads)]
+
+
+def _output_and_gradients(attention, inputs, grad_out) -> dict:
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = attention(*leaves)
+    out.backward(grad_out)
+    return {"out": out.detach(), **{f"grad_{name}": t.grad for name, t in zip("qkv", leaves)}}
+
+
+def deviations(mine: dict, reference: dict) -> dict:
+    """Largest absolute deviation per tensor and relative to the reference's largest value, worst over ranks."""
+    result = {}
+    for name, tensor in reference.items():
+        worst = torch.stack([(mine[name].float() - tensor.float()).abs().max(), tensor.float().abs().max()])
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        result[name] = {"abs": worst[0].item(), "rel": (worst[0] / worst[1]).item()}
+    return result
+
+
+def sdpa_kernel_spread(seq_len, device, args) -> dict:
+    """How far SDPA's flash and cuDNN kernels are apart on the same inputs: the yardstick of an exact bf16 kernel."""
+    q, k, v, grad = full_inputs(seq_len, device, args)
+    runs = []
+    for kernel in ("flash", "cudnn"):
+        with sdpa_priority((kernel,)):
+            runs.append(_output_and_gradients(causal_sdpa, (q, k, v), grad))
+    return deviations(*runs)
+
+
+def check_against_sdpa(attention, local, grad_out, full, order, rank, spread, args) -> dict:
+    reference = _output_and_gradients(causal_sdpa, full[:3], full[3])
+    if order is not None:
+        reference = {name: order.shard(t, rank, dim=2) for name, t in reference.items()}
+    found = deviations(_output_and_gradients(attention, local, grad_out), reference)
+    floor = 2.0**-7
+    bounds = {name: max(2 * spread[name]["rel"], floor) if spread else floor for name in found}
+    return {"max_error_vs_sdpa": found["out"]["abs"], "errors_vs_sdpa": found,
+            "within_tolerance": all(found[name]["rel"] <= bounds[name] for name in found)}
+
+
+def measure(mode, attention, order, seq_len, groups, device, args, spread=None):
+    rank = groups.sequence_parallel_rank
+    q_full, k_full, v_full, grad_full = full_inputs(seq_len, device, args)
     if mode == "local":  # what one Ulysses rank attends over: heads/P heads, every token
         world = groups.sequence_parallel_world_size
         local = [t[:, : t.size(1) // world].contiguous() for t in (q_full, k_full, v_full)]
@@ -276,17 +337,10 @@ def measure(mode, attention, order, seq_len, groups, device, args):
             tensor.grad = None
         attention(*local).backward(grad_out)
 
-    error = None
-    if mode not in ("local", "exchange") and (args.check == "yes" or (args.check == "auto" and seq_len <= 32768)):
-        with torch.no_grad():
-            reference = F.scaled_dot_product_attention(q_full, k_full, v_full, is_causal=True,
-                                                       enable_gqa=args.heads != args.kv_heads)
-            mine = attention(*[t.detach() for t in local])
-            expected = reference if order is None else order.shard(reference, rank, dim=2)
-            error = (mine.float() - expected.float()).abs().max()
-            dist.all_reduce(error, op=dist.ReduceOp.MAX)
-            error = error.item()
-        del reference, mine, expected
+    checked = {"max_error_vs_sdpa": None}
+    if mode not in ("local", "exchange") and checking(seq_len, args):
+        checked = check_against_sdpa(attention, local, grad_out, [q_full, k_full, v_full, grad_full], order, rank,
+                                     spread, args)
     del q_full, k_full, v_full, grad_full
 
     if device.type == "cuda":
@@ -306,11 +360,19 @@ def measure(mode, attention, order, seq_len, groups, device, args):
     return {**overlap,
         "median_ms": median.item(), "slowest_rank_median_ms": slowest.item(),
         "p10_ms": times[len(times) // 10], "p90_ms": times[(9 * len(times)) // 10],
-        "peak_memory_gib": peak, "max_error_vs_sdpa": error,
+        "peak_memory_gib": peak, **checked,
     }
 
 
-def run_variant(mode, head_groups, stream, group, seq_len, sdpa_ms, base_groups, device, args):
+def block_kernels_ran(device, args) -> dict:
+    """The ring's block kernel under the SDPA priority in force, and what it settled for cuDNN (per heads)."""
+    decided = {f"{heads} heads, {kv_heads} KV heads": kind + (", KV heads unrepeated" if unrepeated else "")
+               for (_, _, heads, kv_heads, _), (kind, unrepeated) in ring._decided.items()}
+    return {"block_kernel": block_kernel_kind(device.type, DTYPES[args.dtype], sdpa_kernel_order()),
+            "cudnn_decisions": decided}
+
+
+def run_variant(mode, head_groups, stream, ring_kernel, group, seq_len, sdpa_ms, spread, base_groups, device, args):
     """Measure one variant at one length, print its JSON line; returns the sdpa baseline time (set by mode sdpa)."""
     world = dist.get_world_size()
     built = build_attention(mode, base_groups, args, head_groups, group)
@@ -319,6 +381,8 @@ def run_variant(mode, head_groups, stream, group, seq_len, sdpa_ms, base_groups,
              "sdpa_kernel": args.sdpa_kernel, "label": args.label}
     if mode in ("ulysses", "exchange"):
         point.update(head_groups=head_groups, nccl_stream=stream)
+    if mode == "sdpa" and spread:
+        point["sdpa_flash_vs_cudnn"] = spread
     if built is None:
         point["skipped"] = {"exchange": "MHA only", "hybrid": "needs an even number of ranks, at least 4"}.get(
             mode, "KV heads must be divisible by the number of processes (no KV replication in this mode)")
@@ -329,7 +393,11 @@ def run_variant(mode, head_groups, stream, group, seq_len, sdpa_ms, base_groups,
             point["skipped"] = f"seq_len must be a multiple of {needed}"
         else:
             point.update(ulysses_size=ulysses_size, ring_size=ring_size, warmup=args.warmup, iters=args.iters)
-            point.update(measure(mode, attention, order, seq_len, base_groups, device, args))
+            # a ring variant runs with its block kernel first in SDPA's priority, which is what the ring follows
+            with sdpa_priority(None if ring_kernel is None else (ring_kernel,)):
+                point.update(measure(mode, attention, order, seq_len, base_groups, device, args, spread))
+                if mode in ("ring", "hybrid"):
+                    point.update(ring_kernel=ring_kernel, **block_kernels_ran(device, args))
             # causal forward 2·B·H·N²·D flops (two matmuls, half the scores), backward 2.5× that
             flops = 3.5 * 2 * args.batch * args.heads * seq_len**2 * args.head_dim
             gpus = {"sdpa": 1, "local": 1}.get(mode, world)  # local: the flops of its heads only
@@ -359,14 +427,18 @@ def main() -> None:
     if args.high_priority_streams:
         streams["high"] = high_priority_group(device)
     ulysses_variants = [(g, stream) for stream in streams for g in args.head_groups]
-    variants = [(mode, g, stream) for mode in modes
-                for g, stream in (ulysses_variants if mode in ("ulysses", "exchange") else [(1, "normal")])]
+    ring_kernels = args.ring_kernels or [None]
+    variants = [(mode, g, stream, kernel) for mode in modes
+                for g, stream in (ulysses_variants if mode in ("ulysses", "exchange") else [(1, "normal")])
+                for kernel in (ring_kernels if mode in ("ring", "hybrid") else [None])]
     with sdpa_priority(None if args.sdpa_kernel == "default" else (args.sdpa_kernel,)):
         for seq_len in args.seq:
             sdpa_ms = None
-            for mode, head_groups, stream in variants:
-                sdpa_ms = run_variant(mode, head_groups, stream, streams[stream], seq_len, sdpa_ms, base_groups,
-                                      device, args)
+            spread = sdpa_kernel_spread(seq_len, device, args) if checking(seq_len, args) and device.type == "cuda" \
+                else None
+            for mode, head_groups, stream, kernel in variants:
+                sdpa_ms = run_variant(mode, head_groups, stream, kernel, streams[stream], seq_len, sdpa_ms, spread,
+                                      base_groups, device, args)
     dist.destroy_process_group()
 
 

@@ -23,37 +23,93 @@ compute so that it overlaps it (on GPU, NCCL runs it on its own stream).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 
 _aten = torch.ops.aten
 
 
+def sdpa_kernel_order() -> tuple[str, ...]:
+    """The fused SDPA kernels enabled now, in the priority torch tries them (under the strategy's
+    `sdpa_kernel_priority` its order), by the names `sdpa_kernel_priority` takes."""
+    from torch.nn.attention import SDPBackend
+
+    enabled = {"cudnn": torch.backends.cuda.cudnn_sdp_enabled(), "flash": torch.backends.cuda.flash_sdp_enabled()}
+    # torch's private getter; without it (an older torch), torch's default order, flash before cuDNN
+    order = getattr(torch._C, "_get_sdp_priority_order", lambda: [int(SDPBackend.FLASH_ATTENTION),
+                                                                 int(SDPBackend.CUDNN_ATTENTION)])()
+    names = {int(SDPBackend.CUDNN_ATTENTION): "cudnn", int(SDPBackend.FLASH_ATTENTION): "flash"}
+    return tuple(names[value] for value in order if value in names and enabled[names[value]])
+
+
+def block_kernel_kind(device_type: str, dtype: torch.dtype, order: tuple[str, ...]) -> str:
+    """Which fused kernel attends the ring's blocks: the first of cuDNN and flash in SDPA's `order` on CUDA in
+    fp16/bf16 (flash when neither is enabled: what the ring always used), memory-efficient in fp32, flash on CPU."""
+    if device_type == "cpu":
+        return "cpu_flash"
+    if device_type != "cuda":
+        raise NotImplementedError(f"ring attention runs on CPU and CUDA tensors, got a {device_type} tensor")
+    if dtype not in (torch.float16, torch.bfloat16):
+        return "cuda_efficient"
+    return "cuda_cudnn" if order[:1] == ("cudnn",) else "cuda_flash"
+
+
+def lse_from_cudnn(lse: torch.Tensor) -> torch.Tensor:
+    """cuDNN's log-sum-exp `[batch, heads, rows, 1]` (torch's meta registration; older torch: `[batch, heads,
+    rows]`) → the ring's `[batch, heads, rows]`. The values are flash's: natural log, softmax scale included
+(measured on an H200, torch 2.11, cuDNN 9.19; there also fp32 and contiguous).
+    Only the trailing 1 is dropped: `squeeze(-1)` would also drop the rows of a one-row block."""
+    return lse[..., 0] if lse.dim() == 4 else lse
+
+
+def lse_to_cudnn(lse: torch.Tensor, kernel_dim: int) -> torch.Tensor:
+    """The ring's merged `[batch, heads, rows]` log-sum-exp (a row slice of it, so strided) → what cuDNN's backward
+    reads: contiguous, with the trailing 1 when its forward returned one (`kernel_dim` 4)."""
+    lse = lse.contiguous()
+    return lse.unsqueeze(-1) if kernel_dim == 4 else lse
+
+
+# aten's cuDNN ops, looked up here so that CPU tests can stand in for them (they only run on CUDA)
+_cudnn_forward = _aten._scaled_dot_product_cudnn_attention
+_cudnn_backward = _aten._scaled_dot_product_cudnn_attention_backward
+_log = logging.getLogger("lightning.pytorch.ulysses")
+# (device, dtype, heads, kv_heads, head_dim) → (kind, whether cuDNN takes the KV heads unrepeated), per process
+_decided: dict[tuple, tuple[str, bool]] = {}
+
+
 class BlockAttentionKernel:
     """Forward and backward of softmax attention on one (query rows × key block), with the rows' log-sum-exp.
 
-    q: `[batch, heads, rows, dim]`, k/v: `[batch, kv_heads, cols, dim]`; KV heads are repeated up to the query
-    heads here, per block, so the ring passes only the model's own KV heads around. The kernel is PyTorch's own
-    fused SDPA kernel for the device and dtype: flash (CPU any dtype; CUDA fp16/bf16) or memory-efficient (CUDA fp32).
+    q: `[batch, heads, rows, dim]`, k/v: `[batch, kv_heads, cols, dim]`; the ring passes only the model's own KV
+    heads around. The kernel is PyTorch's own fused SDPA kernel for the device, dtype and SDPA priority
+    (`block_kernel_kind`): cuDNN (CUDA fp16/bf16 with cuDNN first, e.g. the strategy's `sdpa_kernel_priority` on
+    Hopper), flash (CPU any dtype; CUDA fp16/bf16 otherwise) or memory-efficient (CUDA fp32). KV heads are repeated
+    up to the query heads per block, except for cuDNN where it takes them as they are.
     """
 
-    def __init__(self, query: torch.Tensor, scale: float | None):
-        self.scale = scale
-        if query.device.type == "cpu":
-            self.kind = "cpu_flash"
-        elif query.device.type == "cuda":
-            self.kind = "cuda_flash" if query.dtype in (torch.float16, torch.bfloat16) else "cuda_efficient"
-        else:
-            raise NotImplementedError(f"ring attention runs on CPU and CUDA tensors, got a {query.device.type} tensor")
+    def __init__(self, kind: str, scale: float | None, native_gqa: bool = False):
+        self.kind, self.scale = kind, scale
+        self.native_gqa = native_gqa  # the kernel takes fewer KV heads than query heads
         # What the CUDA kernels' backward wants back from their forward: (cum_seq_q, cum_seq_k, max_q, max_k, seed,
-        # offset) for flash, (seed, offset) for efficient. Without dropout and for dense inputs the backward reads
-        # none of them; it only needs well-formed values, the same for every block.
+        # offset) for flash, (seed, offset) for efficient and cuDNN. Without dropout and for dense inputs the backward
+        # reads none of them; it only needs well-formed values, the same for every block.
         self._extras: tuple = ()
+        self._lse_dim = 3  # cuDNN: the dimensions of the log-sum-exp its forward returned
 
-    @staticmethod
-    def _repeat_kv(tensor: torch.Tensor, heads: int) -> torch.Tensor:
+    @classmethod
+    def for_inputs(cls, query: torch.Tensor, key: torch.Tensor, scale: float | None, group=None):
+        """The kernel for these inputs under the SDPA priority in force; cuDNN as `_decide_cudnn` settles it."""
+        kind = block_kernel_kind(query.device.type, query.dtype, sdpa_kernel_order())
+        if kind != "cuda_cudnn":
+            return cls(kind, scale)
+        kind, native_gqa = _decide_cudnn(query, key, scale, group)
+        return cls(kind, scale, native_gqa)
+
+    def _repeat_kv(self, tensor: torch.Tensor, heads: int) -> torch.Tensor:
         groups = heads // tensor.size(1)
-        return tensor if groups == 1 else tensor.repeat_interleave(groups, dim=1)
+        return tensor if groups == 1 or self.native_gqa else tensor.repeat_interleave(groups, dim=1)
 
     @staticmethod
     def _sum_kv(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -65,6 +121,11 @@ class BlockAttentionKernel:
         k, v = self._repeat_kv(k, q.size(1)), self._repeat_kv(v, q.size(1))
         if self.kind == "cpu_flash":
             out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=self.scale)
+        elif self.kind == "cuda_cudnn":
+            out, lse, _, _, _, _, seed, offset, _ = _cudnn_forward(q, k, v, None, True, 0.0, is_causal, False,
+                                                                   scale=self.scale)
+            self._extras, self._lse_dim = (seed, offset), lse.dim()
+            lse = lse_from_cudnn(lse)
         elif self.kind == "cuda_flash":
             out, lse, *extras = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=self.scale)
             self._extras = tuple(extras[:6])
@@ -84,6 +145,10 @@ class BlockAttentionKernel:
             dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 grad_out, q, k, v, out, lse, 0.0, is_causal, scale=self.scale
             )
+        elif self.kind == "cuda_cudnn":
+            seed, offset = self._extras
+            dq, dk, dv = _cudnn_backward(grad_out, q, k, v, out, lse_to_cudnn(lse, self._lse_dim), seed, offset, None,
+                                         None, None, q.size(2), k.size(2), 0.0, is_causal, scale=self.scale)
         elif self.kind == "cuda_flash":
             cum_q, cum_k, max_q, max_k, seed, offset = self._extras
             dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
@@ -98,6 +163,45 @@ class BlockAttentionKernel:
                 scale=self.scale,
             )
         return dq, self._sum_kv(dk, kv_heads), self._sum_kv(dv, kv_heads)
+
+
+def _cudnn_runs(query: torch.Tensor, key: torch.Tensor, scale: float | None, native_gqa: bool) -> bool:
+    """Whether cuDNN runs the ring's three block shapes (causal square, all rows × the first half of the columns,
+    the second half of the rows × all columns) forward and backward at these heads, head dim and dtype, on small
+    blocks of zeros (no random draws: the caller's RNG stream stays as it was)."""
+    kernel = BlockAttentionKernel("cuda_cudnn", scale, native_gqa)
+    q = torch.zeros(1, query.size(1), 128, query.size(-1), dtype=query.dtype, device=query.device)
+    k = v = torch.zeros(1, key.size(1), 128, query.size(-1), dtype=query.dtype, device=query.device)
+    try:
+        for rows, columns, causal in ((slice(0, 128), slice(0, 128), True), (slice(0, 128), slice(0, 64), False),
+                                      (slice(64, 128), slice(0, 128), False)):
+            out, lse = kernel.forward(q[:, :, rows], k[:, :, columns], v[:, :, columns], causal)
+            kernel.backward(torch.ones_like(out), q[:, :, rows], k[:, :, columns], v[:, :, columns], out, lse, causal)
+    except RuntimeError:  # what a refused shape raises (torch's checks and cuDNN's own)
+        return False
+    return True
+
+
+def _decide_cudnn(query: torch.Tensor, key: torch.Tensor, scale: float | None, group) -> tuple[str, bool]:
+    """(kind, native_gqa) for cuDNN-first blocks, once per process and shape: cuDNN with the KV heads as they are if
+    it takes them, else repeated, else flash. The ring's ranks agree on the least any of them can run, so all run
+    the same kernel; one log line (global rank 0) says which."""
+    grouped = query.size(1) != key.size(1)
+    signature = (query.device, query.dtype, query.size(1), key.size(1), query.size(-1))
+    if signature not in _decided:
+        # 2: cuDNN, KV heads unrepeated; 1: cuDNN, KV heads repeated (or none to repeat); 0: flash
+        level = 2 if grouped and _cudnn_runs(query, key, scale, True) else int(_cudnn_runs(query, key, scale, False))
+        if group is not None and dist.get_world_size(group) > 1:
+            agreed = torch.tensor([level], device=query.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+            level = int(agreed.item())
+        _decided[signature] = ("cuda_cudnn", level == 2) if level else ("cuda_flash", False)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            what = {2: "cuDNN, KV heads unrepeated", 1: "cuDNN" + (", KV heads repeated" if grouped else ""),
+                    0: "flash (cuDNN refused these blocks)"}[level]
+            _log.info(f"lightning_ulysses: ring attention blocks ({query.size(1)} heads, {key.size(1)} KV heads, head"
+                      f" dim {query.size(-1)}, {str(query.dtype).removeprefix('torch.')}) run on {what}.")
+    return _decided[signature]
 
 
 class _RingExchange:
@@ -157,7 +261,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, group, is_causal: bool, scale: float | None):
         ring = _RingExchange(group)
-        kernel = BlockAttentionKernel(query, scale)
+        kernel = BlockAttentionKernel.for_inputs(query, key, scale, group)
         length = query.size(2)
         if is_causal and ring.size > 1 and (length % 2 or key.size(2) != length):
             raise ValueError(
