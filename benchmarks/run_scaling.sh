@@ -14,5 +14,10 @@ torchrun --nproc_per_node "$gpus" benchmarks/scaling.py --mode weak --model "$mo
 # Ulysses SP = GPUs + ZeRO-3 against pure ZeRO-3 (DP = GPUs) at one length.
 torchrun --nproc_per_node "$gpus" benchmarks/scaling.py --mode compare --model "$model" --seq 131072 --steps 4 \
   > "$out/compare_${gpus}gpu.log" 2>&1
+# The longest sequence memory="auto" trains at SP = GPUs (LONGEST=1; 8B at its limit: minutes per step).
+if [ "${LONGEST:-0}" = 1 ]; then
+  torchrun --nproc_per_node "$gpus" benchmarks/scaling.py --mode longest --model "$model" --steps 1 \
+    > "$out/longest_${gpus}gpu.log" 2>&1
+fi
 grep -h '^{' "$out"/*.log > "$out/results.jsonl"
 cat "$out/results.jsonl"; tail -n 5 "$out"/*.log

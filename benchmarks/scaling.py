@@ -7,6 +7,10 @@
   the share of step time spent in NCCL all-to-all kernels (torch.profiler over one step).
 - compare: the write-ups' comparison at one sequence length on the same N GPUs: Ulysses SP = N + ZeRO-3 against pure
   ZeRO-3 (SP 1, DP = N, every GPU holding the whole sequence): memory per GPU and tokens/s (pure ZeRO-3 may OOM).
+- longest: SP = N with `memory="auto"` at the longest length the planner says auto can fit (`auto.longest_fit`, from
+  the GPUs' and the host's total memory, equal on every rank), then at --fractions of it until one step trains:
+  the predicted limit against the measured one (issue 18's one-GPU ≥ 500K, issue 19's 8-GPU ≥ 4M tokens).
+--memory auto lets the strategy choose the features in weak/compare too (default: the fixed set below).
 One JSON line per configuration on rank 0. Llama 3 8B shape (or --model), random init, bf16, memory features on.
 """
 
@@ -33,6 +37,18 @@ MEMORY = {"tiled_mlp": True, "tiled_logits_loss": True, "activation_checkpointin
           "offload_activations": True, "expandable_segments": True}
 
 
+def predicted_longest(args, devices: int) -> int:
+    """auto's longest length at SP = devices from total (not free) memory, so that every rank computes the same."""
+    from lightning_ulysses.auto import AutoMemory, Layout, longest_fit
+
+    total_device = torch.cuda.get_device_properties(0).total_memory
+    with open("/proc/meminfo") as meminfo:
+        total_host = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemTotal:"))
+    longest, _ = longest_fit(MODELS[args.model], AutoMemory(), Layout(sequence_parallel_size=devices),
+                             (total_device * args.usable, total_host * args.usable / devices))
+    return longest
+
+
 def run(args, sequence_parallel_size: int, seq_len: int, devices: int) -> dict:
     shape = MODELS[args.model]
     spec = HuggingFaceCausalLM("llama", vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
@@ -42,8 +58,9 @@ def run(args, sequence_parallel_size: int, seq_len: int, devices: int) -> dict:
     module = CausalLMModule(spec)
     ids = torch.randint(0, shape.vocab_size, (args.steps * devices, seq_len))
     data = DataLoader([{"input_ids": row, "labels": row} for row in ids], batch_size=1)
+    memory = {"auto": True, "seq_len": seq_len} if args.memory == "auto" else MEMORY
     strategy = lightning_ulysses.UlyssesDeepSpeedStrategy(sequence_parallel_size=sequence_parallel_size, stage=3,
-                                                         memory=MEMORY)
+                                                         memory=memory)
     throughput, all_to_all = ThroughputCallback(peak_flops=772e12, prog_bar=False), _AllToAllShare()
     trainer = L.Trainer(accelerator="cuda", devices=devices, strategy=strategy, precision="bf16-true",
                         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -55,6 +72,10 @@ def run(args, sequence_parallel_size: int, seq_len: int, devices: int) -> dict:
                       all_to_all_share=all_to_all.share)
     except torch.OutOfMemoryError:
         result.update(status="oom")
+    except ValueError as refused:  # memory="auto" found nothing that fits the free memory at start-up
+        result.update(status="refused", reason=str(refused))
+    if strategy.memory_choice is not None:
+        result.update(choice=strategy.memory_choice.as_dict())
     return result
 
 
@@ -81,13 +102,31 @@ class _AllToAllShare(L.Callback):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["weak", "compare"], default="weak")
+    parser.add_argument("--mode", choices=["weak", "compare", "longest"], default="weak")
+    parser.add_argument("--memory", choices=["engine", "auto"], default="engine",
+                        help='engine: the fixed feature set MEMORY; auto: memory="auto" (always, in --mode longest)')
+    parser.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.95, 0.9],
+                        help="longest: the shares of the predicted limit tried, in order, until one trains")
+    parser.add_argument("--usable", type=float, default=0.97,
+                        help="longest: the share of total GPU/host memory taken as free for the prediction")
     parser.add_argument("--model", default="llama3-8b", choices=sorted(MODELS))
     parser.add_argument("--tokens-per-gpu", type=int, default=32768)
     parser.add_argument("--seq", type=int, default=131072)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     devices = int(os.environ.get("WORLD_SIZE", torch.cuda.device_count()))  # the processes torchrun started
+    if args.mode == "longest":
+        args.memory = "auto"
+        longest = predicted_longest(args, devices)
+        step = 64 * devices
+        for fraction in args.fractions:
+            result = run(args, devices, int(longest * fraction) // step * step, devices)
+            result.update(predicted_longest=longest, fraction=fraction)
+            if torch.distributed.get_rank() == 0:
+                print(json.dumps(result), flush=True)
+            if result["status"] == "ok":
+                break
+        return
     configs = ([(devices, args.tokens_per_gpu * devices)] if args.mode == "weak"
                else [(devices, args.seq), (1, args.seq)])
     for sequence_parallel_size, seq_len in configs:

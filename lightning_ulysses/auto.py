@@ -405,8 +405,16 @@ def _reasons(shape, request, layout, budget, offloads, best: Candidate) -> dict[
     return reasons
 
 
-def _nothing_fits(shape, request, layout, budget, offloads) -> str:
-    """The longest length the most memory-saving allowed configurations fit, and what to change."""
+def longest_fit(shape: ModelShape, request: AutoMemory, layout: Layout,
+                free: tuple[float, float]) -> tuple[int, Optional[TrainingSetup]]:
+    """The longest length `memory="auto"` can train in `free` (device, host bytes per rank, less the margins), with
+    the most memory-saving configuration it may choose, and that configuration; `(0, None)` when not even the
+    shortest length fits. A multiple of 64 tokens × the SP size (`request.seq_len` is not needed)."""
+    budget = Budget(free[0] * (1 - request.device_margin), free[1] * (1 - request.host_margin), not layout.on_cuda)
+    return _longest_fit(shape, request, layout, budget, _offload_choices(request, layout, shape))
+
+
+def _longest_fit(shape, request, layout, budget, offloads) -> tuple[int, Optional[TrainingSetup]]:
     def saving(o: MemoryOptions) -> tuple:
         return (o.activation_checkpointing, o.checkpoint_interval, o.tiled_mlp, o.tiled_logits_loss,
                 o.low_memory_norms, not o.keep_attention_outputs)
@@ -414,13 +422,19 @@ def _nothing_fits(shape, request, layout, budget, offloads) -> str:
     options = _option_sets(request, layout)
     most = max(map(saving, options))
     most_saving = [o for o in options if saving(o) == most]  # with and without host offload of the kept inputs
-    shares = offloads[::5] + offloads[-1:] if len(offloads) > 5 else offloads
     longest, how = 0, None
-    for option, (share, cut) in itertools.product(most_saving, shares):
+    short = request.seq_len is not None and request.seq_len < 64 * layout.sequence_parallel_size
+    for option, (share, cut) in itertools.product(most_saving, offloads):  # every share: the limit `choose` has
         setup = _setup(request, layout, option, share, cut, seq_len=1)
-        seq = _longest(shape, setup, budget, 64 if request.seq_len >= 64 * layout.sequence_parallel_size else 1)
+        seq = _longest(shape, setup, budget, 1 if short else 64)
         if seq > longest:
             longest, how = seq, setup
+    return longest, (None if how is None else dataclasses.replace(how, seq_len=longest))
+
+
+def _nothing_fits(shape, request, layout, budget, offloads) -> str:
+    """The longest length the most memory-saving allowed configurations fit, and what to change."""
+    longest, how = _longest_fit(shape, request, layout, budget, offloads)
     where = (f"{shape.name} at {request.seq_len} tokens × micro-batch {request.micro_batch} on sp"
              f" {layout.sequence_parallel_size} × dp {layout.data_parallel_size}, ZeRO-{layout.zero_stage}, with"
              f" {budget.device / GIB:.2f} GiB of device memory" + ("" if budget.shared else

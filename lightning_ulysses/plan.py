@@ -87,12 +87,18 @@ def main(argv=None) -> None:
 
 
 def _auto(args, shape) -> int:
-    from lightning_ulysses.auto import AutoMemory, Layout, choose
+    from lightning_ulysses.auto import AutoMemory, Layout, choose, longest_fit
 
     pins = {name: True for name in FEATURES.values() if getattr(memory_options(args.features), name)}
     request = AutoMemory(seq_len=args.seq, micro_batch=args.micro_batch, **pins)
     layout = Layout(sequence_parallel_size=args.sp, data_parallel_size=args.dp, zero_stage=args.zero,
                     kernel=args.kernel)
+    if args.longest:  # the longest length auto can train, then its choice there
+        args.seq, _ = longest_fit(shape, request, layout, (args.gpu_gib * GIB, args.host_gib * GIB))
+        print(f'longest sequence memory="auto" fits: {args.seq} tokens')
+        if not args.seq:
+            return 1
+        request = dataclasses.replace(request, seq_len=args.seq)
     try:
         print(choose(shape, request, layout, (args.gpu_gib * GIB, args.host_gib * GIB)).report())
     except ValueError as error:

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from lightning_ulysses.auto import AutoMemory, Layout, choose, coerce_memory
+from lightning_ulysses.auto import AutoMemory, Layout, choose, coerce_memory, longest_fit
 from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.planner import GIB, MODELS, TrainingSetup, plan_memory
 from lightning_ulysses.step_time import CALIBRATION, predict_step_time, predicted
@@ -88,6 +88,16 @@ def test_pinned_fields_are_kept_and_reported():
     assert choice.memory.activation_checkpointing  # the next feature in the order takes tiled MLP's place
     with pytest.raises(ValueError, match=r"unpin \['activation_checkpointing', 'tiled_logits_loss'\]"):
         _choice(LLAMA_1B, 32768, 60, tiled_logits_loss=False, activation_checkpointing=False)
+
+
+def test_longest_fit_is_where_the_chooser_stops():
+    free = (139 * GIB, 118 * GIB)
+    longest, setup = longest_fit(LLAMA_8B, AutoMemory(), Layout(), free)
+    assert longest % 64 == 0 and longest > 131072 and setup.seq_len == longest
+    assert choose(LLAMA_8B, AutoMemory(seq_len=longest), Layout(), free).best.setup.seq_len == longest
+    with pytest.raises(ValueError, match=f"The longest length that fits is {longest} tokens"):
+        choose(LLAMA_8B, AutoMemory(seq_len=longest + 64), Layout(), free)
+    assert longest_fit(LLAMA_8B, AutoMemory(), Layout(), (GIB, GIB)) == (0, None)
 
 
 def test_expandable_segments_are_on_unless_switched_off():
