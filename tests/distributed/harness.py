@@ -62,7 +62,7 @@ _PRELOAD = ["lightning_ulysses", "deepspeed.runtime.zero.muon.muon_optimizer", "
 
 
 @functools.cache
-def start_forkserver() -> multiprocessing.context.BaseContext:
+def _forkserver() -> multiprocessing.context.BaseContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_PRELOAD)
     # The server imports _PRELOAD with its own sys.path, built from PYTHONPATH: this checkout's package first, not an
@@ -72,17 +72,9 @@ def start_forkserver() -> multiprocessing.context.BaseContext:
     return context
 
 
-# Ranks not yet waited for: a launch still running in the background (pool.py) when the session ends is killed.
-_LIVE: set["_Rank"] = set()
-
-
 def stop_forkserver() -> None:
-    """End the server (tests/conftest.py, at the end of the session): it is reaped, with the CPU time of its ranks;
-    a rank still running first."""
-    for rank in list(_LIVE):
-        rank.kill()
-        rank.wait()
-    if start_forkserver.cache_info().currsize:
+    """End the server (tests/conftest.py, at the end of the session): it is reaped, with the CPU time of its ranks."""
+    if _forkserver.cache_info().currsize:
         multiprocessing.forkserver._forkserver._stop()
 
 
@@ -106,10 +98,13 @@ def _as_script(script: str, args: list[str], env: dict, cwd: str, log: str, erro
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    for descriptor, path in ((1, log), (2, error_log or log)):
-        output = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(output, descriptor)
+    output = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(output, 1)
+    if error_log is not None:  # (else both into one open file, one offset: no output overwrites another)
         os.close(output)
+        output = os.open(error_log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(output, 2)
+    os.close(output)
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # what a fresh interpreter takes from OMP_NUM_THREADS
     sys.argv = [script, *args]
     # A fresh interpreter's path: the script's folder, then PYTHONPATH, then the rest.
@@ -124,10 +119,9 @@ class _Rank:
     """One rank forked from the server, with the part of `subprocess.Popen` that run_ranks uses."""
 
     def __init__(self, script: Path, args: list[str], env: dict, cwd: Path, log: Path, error_log: Optional[Path] = None):
-        self.process = start_forkserver().Process(
+        self.process = _forkserver().Process(
             target=_as_script, args=(str(script), args, env, str(cwd), str(log), error_log and str(error_log)))
         self.process.start()
-        _LIVE.add(self)
 
     @property
     def returncode(self) -> Optional[int]:
@@ -141,7 +135,6 @@ class _Rank:
 
     def wait(self) -> int:
         self.process.join()
-        _LIVE.discard(self)
         return self.process.exitcode
 
 
@@ -163,13 +156,10 @@ def run_script(script: Path, args: list[str], env: dict, cwd: Path, timeout: flo
 
 
 def run_ranks(script: Path, world_size: int, spec: dict, workdir: Path, timeout: float = 300,
-              stop_on_first_failure: bool = True, launcher_variables=torchrun_variables,
-              environ: Optional[dict] = None) -> LaunchOutcome:
+              stop_on_first_failure: bool = True, launcher_variables=torchrun_variables) -> LaunchOutcome:
     """Run `script` on `world_size` ranks; return their exit statuses and logs. Ranks still running at the timeout
     (or, with `stop_on_first_failure`, shortly after one rank fails) are killed. `launcher_variables(rank,
-    world_size)` gives the variables a launcher would set (torchrun's by default; SLURM's srun in a test).
-    `environ`: the environment the ranks start from (this process's now by default; a launch in the background
-    takes the one it was started with, whatever a test running meanwhile sets)."""
+    world_size)` gives the variables a launcher would set (torchrun's by default; SLURM's srun in a test)."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec))
@@ -177,7 +167,7 @@ def run_ranks(script: Path, world_size: int, spec: dict, workdir: Path, timeout:
     processes = []
     start = time.monotonic()
     for rank in range(world_size):
-        env = dict(os.environ if environ is None else environ)
+        env = dict(os.environ)
         env.update(
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
@@ -202,7 +192,7 @@ def run_ranks(script: Path, world_size: int, spec: dict, workdir: Path, timeout:
     for p in processes:
         if p.poll() is None:
             p.kill()
-        p.wait()
+            p.wait()
     if failure is None and any(p.returncode != 0 for p in processes):
         failure = "a rank failed"
     texts = [(workdir / f"rank_{rank}.log").read_text() for rank in range(world_size)]
@@ -215,9 +205,8 @@ def launch(script: Path, world_size: int, spec: dict, workdir: Path, timeout: fl
     return [torch.load(workdir / f"result_{rank}.pt") for rank in range(world_size)]
 
 
-def _run_or_raise(script: Path, world_size: int, spec: dict, workdir: Path, timeout: float,
-                  environ: Optional[dict] = None) -> None:
-    outcome = run_ranks(script, world_size, spec, workdir, timeout, environ=environ)
+def _run_or_raise(script: Path, world_size: int, spec: dict, workdir: Path, timeout: float) -> None:
+    outcome = run_ranks(script, world_size, spec, workdir, timeout)
     if outcome.failure:
         tails = [f"--- rank {rank} (exit {code}){_last_part(text)} ---\n{text[-4000:]}"
                  for rank, (code, text) in enumerate(zip(outcome.returncodes, outcome.logs))]
@@ -233,8 +222,7 @@ def _last_part(log: str) -> str:
 PARTS_WORKER = ROOT / "tests" / "distributed" / "workers" / "parts.py"
 
 
-def launch_parts(world_size: int, parts: dict[str, tuple[Path, dict, float]], workdir: Path,
-                 environ: Optional[dict] = None) -> dict[str, list[dict]]:
+def launch_parts(world_size: int, parts: dict[str, tuple[Path, dict, float]], workdir: Path) -> dict[str, list[dict]]:
     """Several workers' jobs in ONE launch: each rank runs `parts[name] = (script, spec, timeout)` one after the
     other in the same process (workers/parts.py), each as if launched alone, with `workdir / name` as its workdir.
     Returns, per part, what each rank saved there. A part running past its own timeout ends its rank (with every
@@ -246,5 +234,5 @@ def launch_parts(world_size: int, parts: dict[str, tuple[Path, dict, float]], wo
         (workdir / name / "spec.json").write_text(json.dumps(spec))
         listed.append({"name": name, "script": str(script), "timeout": timeout})
     total = sum(timeout for _, _, timeout in parts.values()) + 60
-    _run_or_raise(PARTS_WORKER, world_size, {"parts": listed}, workdir, timeout=total, environ=environ)
+    _run_or_raise(PARTS_WORKER, world_size, {"parts": listed}, workdir, timeout=total)
     return {name: [torch.load(workdir / name / f"result_{rank}.pt") for rank in range(world_size)] for name in parts}

@@ -1,13 +1,10 @@
 """Launches shared between test files: one launch per world size runs the jobs of every test file that asks.
 
 A test file registers its job when it is imported (`shared(world_size, name, script, spec)`), i.e. at collection,
-before any test runs. When the session's first test starts, every registered job of each world size whose file has
-a selected test is started in ONE launch (harness.launch_parts) in the background (`start_in_background`, from
-tests/conftest.py), one world size after the other; the files' tests then read their ranks' results from that
-launch, waiting for it if it is still running. tests/conftest.py runs those tests after the others, so that the
-unit tests (in pytest's own process, on one core) and the other launches run while the shared ones do: a shared
-launch's ranks spend much of their time waiting on one another. A failed launch fails every test that depends on
-it, with the launch's error (the log of every rank, each part's start marked): it is not run again.
+before any test runs. The first test that needs a job of world size N launches, in one go, every registered job
+of that world size whose file has a selected test (harness.launch_parts); the other files' tests then read their
+ranks' results from that launch. A failed launch fails every test that depends on it, with the launch's error
+(the log of every rank, each part's start marked): it is not run again.
 
 Why: every launch sets up a process group, and every rank pays once for what its first Trainer and ZeRO engine set
 up; ranks forked from harness.py's server no longer import torch, Lightning, DeepSpeed and transformers each (that
@@ -17,13 +14,11 @@ was 15-17 s of CPU per rank), but one launch for many jobs still starts fewer of
 from __future__ import annotations
 
 import inspect
-import os
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from tests.distributed.harness import launch_parts, start_forkserver
+from tests.distributed.harness import launch_parts
 
 
 @dataclass
@@ -42,16 +37,6 @@ class _Pool:
     # world size -> {name: (ranks' results, the job's workdir)}, or the launch's error
     outcomes: dict[int, object] = field(default_factory=dict)
     selected_modules: Optional[set[str]] = None  # set by tests/conftest.py once the selection is known
-    # world size -> the launch started in the background (start_in_background), until its outcome is read
-    started: dict[int, Future] = field(default_factory=dict)
-
-    def modules(self) -> set[str]:
-        """The test modules that registered a job."""
-        return {job.module for jobs in self.jobs.values() for job in jobs.values()}
-
-    def selected_jobs(self, world: int) -> list[_Job]:
-        return [job for job in self.jobs[world].values()
-                if self.selected_modules is None or job.module in self.selected_modules]
 
 
 POOL = _Pool()
@@ -72,11 +57,14 @@ class SharedJob:
 
     def _outcome(self, tmp_path_factory) -> tuple[list[dict], Path]:
         world = self.job.world_size
-        if world in POOL.started:
-            POOL.outcomes[world] = POOL.started.pop(world).result()
         if world not in POOL.outcomes:
-            jobs = [job for job in POOL.selected_jobs(world) if job is not self.job] + [self.job]
-            POOL.outcomes[world] = _launch_or_error(world, jobs, tmp_path_factory.mktemp(f"shared_world{world}"))
+            jobs = [job for job in POOL.jobs[world].values()
+                    if POOL.selected_modules is None or job.module in POOL.selected_modules or job is self.job]
+            workdir = tmp_path_factory.mktemp(f"shared_world{world}")
+            try:
+                POOL.outcomes[world] = _launch(world, jobs, workdir)
+            except Exception as error:  # noqa: BLE001 - every dependent test reports it
+                POOL.outcomes[world] = error
         outcome = POOL.outcomes[world]
         if isinstance(outcome, Exception):
             raise outcome
@@ -85,34 +73,9 @@ class SharedJob:
         return outcome[self.job.name]
 
 
-def _launch(world_size: int, jobs: list[_Job], workdir: Path, environ: Optional[dict] = None
-            ) -> dict[str, tuple[list[dict], Path]]:
-    results = launch_parts(world_size, {job.name: (job.script, job.spec, job.timeout) for job in jobs}, workdir,
-                           environ)
+def _launch(world_size: int, jobs: list[_Job], workdir: Path) -> dict[str, tuple[list[dict], Path]]:
+    results = launch_parts(world_size, {job.name: (job.script, job.spec, job.timeout) for job in jobs}, workdir)
     return {name: (ranks, workdir / name) for name, ranks in results.items()}
-
-
-def _launch_or_error(world_size: int, jobs: list[_Job], workdir: Path, environ: Optional[dict] = None):
-    try:
-        return _launch(world_size, jobs, workdir, environ)
-    except Exception as error:  # noqa: BLE001 - every dependent test reports it
-        return error
-
-
-def start_in_background(tmp_path_factory) -> None:
-    """Start the launch of every world size with a selected job, largest world first, one after the other in a
-    thread. Their folders, the forkserver and the environment the ranks get are taken here, before any test runs
-    (a unit test may set variables such as MASTER_PORT in this process while a launch starts)."""
-    plans = [(world, POOL.selected_jobs(world)) for world in sorted(POOL.jobs, reverse=True)]
-    plans = [(world, jobs, tmp_path_factory.mktemp(f"shared_world{world}")) for world, jobs in plans if jobs]
-    if not plans:
-        return
-    start_forkserver()
-    environ = dict(os.environ)
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shared-launches")
-    for world, jobs, workdir in plans:
-        POOL.started[world] = executor.submit(_launch_or_error, world, jobs, workdir, environ)
-    executor.shutdown(wait=False)
 
 
 def shared(world_size: int, name: str, script: Path, spec: dict, timeout: float = 300) -> SharedJob:
