@@ -19,6 +19,7 @@ from hydra.utils import instantiate
 from lightning_ulysses.config import register_resolvers
 from lightning_ulysses.optim import LRSchedule
 from lightning_ulysses.recipe import plan
+from tests.distributed.harness import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
@@ -118,9 +119,15 @@ def _env() -> dict:
     return env
 
 
-def _recipe(*overrides: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "recipes" / "train.py"), *overrides], env=_env(), cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+def _recipe(*overrides: str, timeout: float = 60, fresh: bool = False) -> subprocess.CompletedProcess:
+    """`python recipes/train.py <overrides>`, its output captured. Its first process is forked from the server that
+    imported the libraries once (tests/distributed/harness.py run_script: ~15 s of CPU less per run); `fresh`: a new
+    interpreter, for the tests that pin what a user's own command prints and does from its very start."""
+    command = [str(ROOT / "recipes" / "train.py"), *overrides]
+    if fresh:
+        return subprocess.run([sys.executable, *command], env=_env(), cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout)
+    return run_script(Path(command[0]), command[1:], _env(), ROOT, timeout)
 
 
 PLANS = [
@@ -144,14 +151,15 @@ BAD_OVERRIDES = [
 def in_one_process(tmp_path_factory):
     """The command lines that start no rank (plans, refused overrides), run one after the other in ONE process
     (run_recipes.py: each exactly as `python recipes/train.py <overrides>`, its own stdout, stderr and exit status),
-    so that the interpreter and its imports start once. Keyed by the overrides, without hydra.run.dir."""
+    so that the interpreter and its imports start once (forked from the server that made them, harness.run_script).
+    Keyed by the overrides, without hydra.run.dir."""
     outdir = tmp_path_factory.mktemp("recipes_in_one_process")
     runs = [[*overrides, "plan=true"] for overrides, _, _ in PLANS] + [ONE_GPU_PLAN]
     runs += [overrides for overrides, _ in BAD_OVERRIDES]
     (outdir / "runs.json").write_text(json.dumps(
         [[*overrides, f"hydra.run.dir={tmp_path_factory.mktemp('run')}"] for overrides in runs]))
-    driver = subprocess.run([sys.executable, str(Path(__file__).parent / "run_recipes.py"), str(outdir / "runs.json"),
-                             str(outdir)], env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=60 * len(runs))
+    driver = run_script(Path(__file__).parent / "run_recipes.py", [str(outdir / "runs.json"), str(outdir)], _env(), ROOT,
+                        timeout=60 * len(runs))
     assert driver.returncode == 0, driver.stdout[-3000:] + driver.stderr[-3000:]
     codes = json.loads((outdir / "results.json").read_text())
     return {tuple(overrides): SimpleNamespace(returncode=code["returncode"], stdout=(outdir / f"{i}.out").read_text(),
@@ -202,7 +210,7 @@ def test_main_job_learns_across_shards(tmp_path):
     half lives on the other SP rank from the tokens it copies, so its loss can fall below that only through
     the all-to-all; we require less than half of ln 16 (it reaches ~0.05 in this run).
     """
-    result = _recipe(f"hydra.run.dir={tmp_path}", timeout=300)
+    result = _recipe(f"hydra.run.dir={tmp_path}", timeout=300, fresh=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     metrics = dict(re.findall(r"'(val/loss_\w+)': ([\d.]+)", result.stdout))
     random_half, copied_half = float(metrics["val/loss_first"]), float(metrics["val/loss_second"])
@@ -225,7 +233,7 @@ def test_multirun_keeps_every_rank_of_a_job_in_one_directory(tmp_path):
     directory (Lightning broadcasts rank 0's checkpoint path)."""
     sweep = f"{tmp_path}/" + "${now:%H-%M-%S-%f}"
     result = _recipe("-m", "data.seq_len=64,128", "trainer.max_steps=3", "trainer.val_check_interval=3",
-                     "trainer.limit_val_batches=1", f"hydra.sweep.dir={sweep}", timeout=300)
+                     "trainer.limit_val_batches=1", f"hydra.sweep.dir={sweep}", timeout=300, fresh=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for job in ("0", "1"):
         # Rank 0's job directory is the one its logger wrote into.
