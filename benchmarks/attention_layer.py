@@ -44,7 +44,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_ulysses.attention.backends import SDPA_KERNELS, sdpa_priority
-from lightning_ulysses.attention.all_to_all import start_exchange
+from lightning_ulysses.attention import copy_engine
+from lightning_ulysses.attention.all_to_all import start_exchange, use_transport
 from lightning_ulysses.attention.core import UlyssesAttention
 from lightning_ulysses.attention.ring import ring_attention
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, ShardOrder
@@ -70,6 +71,9 @@ def parse_args() -> argparse.Namespace:
                         help="compare with full SDPA (auto: lengths <= 32K)")
     parser.add_argument("--head-groups", type=int, nargs="+", default=[1],
                         help="ulysses and exchange modes: one variant per count of pipelined head groups (overlap_head_groups)")
+    parser.add_argument("--exchange", nargs="+", choices=("nccl", "copy_engine"), default=["nccl"],
+                        help="ulysses and exchange modes: one variant per all-to-all transport (the strategy's exchange);"
+                             " copy_engine on CPU runs its gloo emulation (a smoke test of the plan, not a timing)")
     parser.add_argument("--high-priority-streams", action="store_true",
                         help="ulysses and exchange modes: also run each variant over an SP group whose NCCL stream has high"
                              " priority")
@@ -310,15 +314,32 @@ def measure(mode, attention, order, seq_len, groups, device, args):
     }
 
 
-def run_variant(mode, head_groups, stream, group, seq_len, sdpa_ms, base_groups, device, args):
+def exchange_transport(exchange: str, group, device: torch.device):
+    """The transport `exchange` names for `group`, refused as the strategy refuses it (`choose_exchange`); on CPU
+    the copy engine's gloo emulation."""
+    if exchange == "nccl":
+        return None
+    if device.type == "cpu":
+        return copy_engine.EmulatedCopyTransport()
+    world, local = dist.get_world_size(group), int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    devices = [device] + [torch.device("cuda", i) for i in range(world) if i != device.index]
+    probe = copy_engine.probe_copy_engine(devices, group_on_one_host=local >= world)
+    copy_engine.choose_exchange("copy_engine", copy_engine.agreed_failure(probe, group, device))
+    return copy_engine.SymmetricMemoryTransport()
+
+
+def run_variant(mode, head_groups, stream, group, seq_len, sdpa_ms, base_groups, device, args, exchange="nccl"):
     """Measure one variant at one length, print its JSON line; returns the sdpa baseline time (set by mode sdpa)."""
     world = dist.get_world_size()
+    exchange_group = group if group is not None else base_groups.ulysses_group
+    if world > 1:
+        use_transport(exchange_group, exchange_transport(exchange, exchange_group, device))
     built = build_attention(mode, base_groups, args, head_groups, group)
     point = {"mode": mode, "world_size": world, "seq_len": seq_len, "batch": args.batch, "heads": args.heads,
              "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": args.dtype, "device": device.type,
              "sdpa_kernel": args.sdpa_kernel, "label": args.label}
     if mode in ("ulysses", "exchange"):
-        point.update(head_groups=head_groups, nccl_stream=stream)
+        point.update(head_groups=head_groups, nccl_stream=stream, exchange=exchange)
     if built is None:
         point["skipped"] = {"exchange": "MHA only", "hybrid": "needs an even number of ranks, at least 4"}.get(
             mode, "KV heads must be divisible by the number of processes (no KV replication in this mode)")
@@ -345,6 +366,7 @@ def run_variant(mode, head_groups, stream, group, seq_len, sdpa_ms, base_groups,
         if args.output:
             with open(args.output, "a") as file:
                 file.write(line + "\n")
+    use_transport(exchange_group, None)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return sdpa_ms
@@ -358,15 +380,15 @@ def main() -> None:
     streams = {"normal": None}
     if args.high_priority_streams:
         streams["high"] = high_priority_group(device)
-    ulysses_variants = [(g, stream) for stream in streams for g in args.head_groups]
-    variants = [(mode, g, stream) for mode in modes
-                for g, stream in (ulysses_variants if mode in ("ulysses", "exchange") else [(1, "normal")])]
+    ulysses_variants = [(g, stream, x) for stream in streams for g in args.head_groups for x in args.exchange]
+    variants = [(mode, g, stream, x) for mode in modes
+                for g, stream, x in (ulysses_variants if mode in ("ulysses", "exchange") else [(1, "normal", "nccl")])]
     with sdpa_priority(None if args.sdpa_kernel == "default" else (args.sdpa_kernel,)):
         for seq_len in args.seq:
             sdpa_ms = None
-            for mode, head_groups, stream in variants:
+            for mode, head_groups, stream, exchange in variants:
                 sdpa_ms = run_variant(mode, head_groups, stream, streams[stream], seq_len, sdpa_ms, base_groups,
-                                      device, args)
+                                      device, args, exchange)
     dist.destroy_process_group()
 
 

@@ -93,7 +93,7 @@ class _Start(torch.autograd.Function):
 class _Finish(torch.autograd.Function):
     @staticmethod
     def forward(ctx, receive, exchange: _Exchange):
-        ctx.exchange = exchange
+        ctx.exchange, ctx.receive_shape = exchange, receive.shape
         exchange.wait()
         output = exchange.join(receive, exchange.join_dim).contiguous()
         # A fresh tensor even when the layout needs no copy: an output aliasing an input of a custom Function
@@ -106,7 +106,8 @@ class _Finish(torch.autograd.Function):
         # launched here and waited for by `_Start.backward`, so the gradient's exchange overlaps what runs between.
         exchange = ctx.exchange
         exchange.receive = exchange.launch(grad, exchange.join_dim)
-        return grad.new_zeros(()).expand(exchange.receive.shape), None
+        # (the forward receive's shape: a copy transport receives in the joined layout, whose shape differs by direction)
+        return grad.new_zeros(()).expand(ctx.receive_shape), None
 
 
 class InFlightExchange:

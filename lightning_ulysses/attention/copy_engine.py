@@ -299,3 +299,18 @@ def agreed_failure(probe: CopyEngineProbe, group, device) -> int:
     code = torch.tensor([probe.failure()], device=device)
     dist.all_reduce(code, op=dist.ReduceOp.MAX, group=group)
     return int(code.item())
+
+
+def probe_copy_engine(devices: list[torch.device], group_on_one_host: bool) -> CopyEngineProbe:
+    """This rank's facts: `devices` are the SP group's devices on this host, this rank's first."""
+    cuda = all(device.type == "cuda" for device in devices) and torch.cuda.is_available()
+    mine = devices[0].index if cuda else None
+    return CopyEngineProbe(
+        cuda=cuda, group_on_one_host=group_on_one_host,
+        peer_access=cuda and all(torch.cuda.can_device_access_peer(mine, d.index) for d in devices[1:] if d.index != mine),
+        symmetric_memory=symmetric_memory_importable(), multicast_off=multicast_is_off())
+
+
+def transport_for(choice: str):
+    """The transport of an agreed choice (`choose_exchange`)."""
+    return SymmetricMemoryTransport() if choice == "copy_engine" else None

@@ -120,3 +120,58 @@ def test_multicast_must_be_off_as_given():
     assert copy_engine.multicast_is_off(on)
     assert not copy_engine.multicast_is_off(dict(on, NCCL_NVLS_ENABLE="1"))
     assert not copy_engine.multicast_is_off({k: v for k, v in on.items() if k != "NVSHMEM_DISABLE_NVLS"})
+
+
+class _Groups:
+    ulysses_group, ulysses_size = "sp-group", 2
+
+
+def decide(monkeypatch, requested, accelerator, ranks=(0, 1), failure=None, probe=None):
+    """`UlyssesDeepSpeedStrategy._decide_exchange` on a stand-in strategy, the probe and the all-reduce faked."""
+    from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
+
+    from lightning_ulysses import strategy as strategy_module
+
+    seen = {}
+    monkeypatch.setattr(strategy_module.torch.distributed, "get_process_group_ranks", lambda group: list(ranks))
+    monkeypatch.setattr(copy_engine, "probe_copy_engine",
+                        lambda devices, on_host: seen.setdefault("probe", (devices, on_host)) and probe)
+    monkeypatch.setattr(copy_engine, "agreed_failure", lambda p, group, device: failure)
+    monkeypatch.setattr(strategy_module, "use_transport", lambda group, t: seen.setdefault("transport", (group, t)))
+    fake = type("Fake", (), {})()
+    fake.parallel_groups, fake._requested_exchange, fake._transport_group = _Groups(), requested, None
+    fake.accelerator = CUDAAccelerator() if accelerator == "cuda" else CPUAccelerator()
+    fake.node_rank, fake.num_processes, fake.global_rank = 0, 2, 0
+    fake.parallel_devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    fake.root_device = torch.device("cuda", 0)
+    strategy_module.UlyssesDeepSpeedStrategy._decide_exchange(fake)
+    return fake, seen
+
+
+def test_strategy_takes_the_agreed_copy_engine(monkeypatch):
+    fake, seen = decide(monkeypatch, "auto", "cuda", failure=0)
+    assert fake.exchange == "copy_engine" and fake._transport_group == "sp-group"
+    assert seen["probe"] == ([torch.device("cuda", 0), torch.device("cuda", 1)], True)  # mine first, then the peer's
+    assert isinstance(seen["transport"][1], copy_engine.SymmetricMemoryTransport)
+
+
+def test_strategy_on_cpu_keeps_gloo_and_refuses_copy_engine(monkeypatch):
+    fake, seen = decide(monkeypatch, "auto", "cpu")
+    assert fake.exchange == "nccl" and "probe" not in seen and "transport" not in seen  # no collective
+    with pytest.raises(RuntimeError, match='not on CUDA devices. Use exchange="nccl"'):
+        decide(monkeypatch, "copy_engine", "cpu")
+
+
+def test_strategy_sees_a_group_across_hosts(monkeypatch):
+    fake, seen = decide(monkeypatch, "auto", "cuda", ranks=(0, 2), failure=2)
+    assert seen["probe"] == ([torch.device("cuda", 0)], False) and fake.exchange == "nccl"
+    with pytest.raises(RuntimeError, match="spans hosts"):
+        decide(monkeypatch, "copy_engine", "cuda", ranks=(0, 2), failure=2)
+
+
+def test_strategy_exchange_argument_is_checked():
+    from lightning_ulysses import UlyssesDeepSpeedStrategy
+
+    assert UlyssesDeepSpeedStrategy()._requested_exchange == "auto"
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        UlyssesDeepSpeedStrategy(exchange="nvlink")
