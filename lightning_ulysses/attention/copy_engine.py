@@ -106,19 +106,86 @@ def destination_view(buffer: torch.Tensor, copy: PeerCopy) -> torch.Tensor:
     return buffer.as_strided(copy.sizes, copy.destination_strides, buffer.storage_offset() + copy.destination_offset)
 
 
-def block_copies(destination: torch.Tensor, source: torch.Tensor, copy: PeerCopy) -> None:
-    """`destination_view(destination).copy_(source_view(source))` as the contiguous rows of `copy.blocks()`: each
-    row a contiguous copy (on CUDA a memcpy, run by a copy engine, never a kernel on the SMs)."""
+@dataclasses.dataclass(frozen=True)
+class Copy2D:
+    """One `cudaMemcpy2DAsync`: `height` rows of `width` bytes, row i read at `source_offset + i·source_pitch` and
+    written at `destination_offset + i·destination_pitch` (bytes from the start of the source view / buffer)."""
+
+    source_offset: int
+    source_pitch: int
+    destination_offset: int
+    destination_pitch: int
+    width: int
+    height: int
+
+
+def copies_2d(copy: PeerCopy, element_size: int) -> list[Copy2D]:
+    """`copy` as the 2-D memcpys the copy engines run: rows are the merged contiguous last dimension (one element
+    wide when the last dimension is strided), the next dimension is the rows' pitch, the outer ones a loop."""
     sizes, source_strides, destination_strides = copy.blocks()
-    row = sizes[-1] if source_strides[-1] == destination_strides[-1] == 1 else 1
-    rows = sizes if row == 1 else sizes[:-1]
-    for index in range(math.prod(rows)):
-        source_offset, destination_offset, rest = copy.source_offset, copy.destination_offset, index
-        for n, s, d in reversed(list(zip(rows, source_strides, destination_strides))):
+    if source_strides[-1] == destination_strides[-1] == 1:
+        width, sizes = sizes[-1] * element_size, sizes[:-1]
+        source_strides, destination_strides = source_strides[:-1], destination_strides[:-1]
+    else:
+        width = element_size
+    if not sizes:  # one contiguous block: one row (cudaMemcpy2DAsync wants pitches of at least the width)
+        sizes, source_strides, destination_strides = (1,), (width // element_size,), (width // element_size,)
+    height, source_pitch, destination_pitch = sizes[-1], source_strides[-1], destination_strides[-1]
+    calls = []
+    for index in range(math.prod(sizes[:-1])):
+        source, destination, rest = copy.source_offset, copy.destination_offset, index
+        for n, step, target in reversed(list(zip(sizes[:-1], source_strides[:-1], destination_strides[:-1]))):
             rest, i = divmod(rest, n)
-            source_offset, destination_offset = source_offset + i * s, destination_offset + i * d
-        target = destination.as_strided((row,), (1,), destination.storage_offset() + destination_offset)
-        target.copy_(source.as_strided((row,), (1,), source.storage_offset() + source_offset))
+            source, destination = source + i * step, destination + i * target
+        calls.append(Copy2D(source * element_size, source_pitch * element_size, destination * element_size,
+                            destination_pitch * element_size, width, height))
+    return calls
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's storage as bytes, starting at the tensor's first element."""
+    raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+    return raw[tensor.storage_offset() * tensor.element_size():]
+
+
+def block_copies(destination: torch.Tensor, source: torch.Tensor, copy: PeerCopy) -> None:
+    """`destination_view(destination).copy_(source_view(source))` as `copies_2d`'s calls, each run as a strided
+    byte copy: what the copy engines would do, on any device (CPU: the tests' emulation)."""
+    into, read = _bytes(destination), _bytes(source)
+    for call in copies_2d(copy, source.element_size()):
+        rows = (call.height, call.width)
+        into.as_strided(rows, (call.destination_pitch, 1), into.storage_offset() + call.destination_offset).copy_(
+            read.as_strided(rows, (call.source_pitch, 1), read.storage_offset() + call.source_offset))
+
+
+def _cudart():
+    """The CUDA runtime torch loaded (its `cudaMemcpy2DAsync`; torch exposes no 2-D copy), or None."""
+    import ctypes
+    import ctypes.util
+
+    for name in ("libcudart.so.12", "libcudart.so.13", ctypes.util.find_library("cudart")):
+        try:
+            return ctypes.CDLL(name) if name else None
+        except OSError:
+            continue
+    return None
+
+
+def cuda_copies(destination: torch.Tensor, source: torch.Tensor, copy: PeerCopy, stream, cudart) -> None:
+    """`copies_2d`'s calls as `cudaMemcpy2DAsync` (device to device, over NVLink when `destination` is a peer's
+    symmetric buffer) on `stream`: copy-engine work, no kernel. Verified by reading only."""
+    import ctypes
+
+    device_to_device = 3  # cudaMemcpyDeviceToDevice
+    into, read = destination.data_ptr(), source.data_ptr()
+    for call in copies_2d(copy, source.element_size()):
+        status = cudart.cudaMemcpy2DAsync(
+            ctypes.c_void_p(into + call.destination_offset), ctypes.c_size_t(call.destination_pitch),
+            ctypes.c_void_p(read + call.source_offset), ctypes.c_size_t(call.source_pitch),
+            ctypes.c_size_t(call.width), ctypes.c_size_t(call.height), ctypes.c_int(device_to_device),
+            ctypes.c_void_p(stream.cuda_stream))
+        if status != 0:
+            raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {status}")
 
 
 # -- transports -------------------------------------------------------------------------------------------------
@@ -199,18 +266,22 @@ class SymmetricMemoryTransport:
     def __init__(self):
         self._buffers: dict[tuple, tuple[torch.Tensor, object]] = {}
         self._stream: Optional[torch.cuda.Stream] = None
+        self._cudart = _cudart()
 
     def _buffer(self, group, dtype, numel: int, device):
         from torch.distributed import _symmetric_memory as symm_mem
 
         key = (group.group_name, dtype, numel)
         if key not in self._buffers:  # a collective: every rank reaches it at the same exchange (same shapes)
+            symm_mem.enable_symm_mem_for_group(group.group_name)  # idempotent; older torch needs it before rendezvous
             buffer = symm_mem.empty(numel, dtype=dtype, device=device)
             self._buffers[key] = buffer, symm_mem.rendezvous(buffer, group)
         return self._buffers[key]
 
     def launch(self, tensor: torch.Tensor, group, size: int, split_dim: int, join_dim: int):
         rank = dist.get_rank(group)
+        if 0 in tensor.stride():  # an expanded tensor: a 2-D copy's pitch may not be below its width
+            tensor = tensor.contiguous()
         plan = plan_exchange(tensor.shape, tensor.stride(), split_dim, join_dim, size, rank)
         buffer, handle = self._buffer(group, tensor.dtype, math.prod(plan.output_shape), tensor.device)
         receive = tensor.new_empty(plan.output_shape)
@@ -220,7 +291,7 @@ class SymmetricMemoryTransport:
             handle.barrier(channel=0)  # every peer's buffer is free (its last copy-out is before this on its stream)
             for copy in plan.copies:
                 peer = handle.get_buffer(copy.peer, plan.output_shape, tensor.dtype)
-                block_copies(peer, tensor, copy)
+                cuda_copies(peer, tensor, copy, self._stream, self._cudart)
             handle.barrier(channel=0)  # every peer's pieces are in my buffer
             receive.copy_(buffer.view(plan.output_shape))
             done = torch.cuda.Event()
@@ -247,11 +318,11 @@ class CopyEngineProbe:
     cuda: bool
     group_on_one_host: bool  # every SP peer on this host (contiguous groups within a node's devices)
     peer_access: bool  # P2P access between this rank's device and every SP peer's
-    symmetric_memory: bool  # torch.distributed._symmetric_memory importable
+    symmetric_memory: bool  # torch.distributed._symmetric_memory importable, libcudart loadable
     multicast_off: bool  # MULTICAST_OFF set as given
 
     REASONS = ("not on CUDA devices", "the sequence-parallel group spans hosts",
-               "no peer-to-peer access between the group's GPUs", "torch symmetric memory is not available",
+               "no peer-to-peer access between the group's GPUs", "torch symmetric memory or the CUDA runtime's cudaMemcpy2DAsync is not available",
                "NVLink multicast is not switched off (" + ", ".join(f"{k}={v}" for k, v in MULTICAST_OFF.items()) + ")")
 
     def failure(self) -> int:
@@ -308,7 +379,8 @@ def probe_copy_engine(devices: list[torch.device], group_on_one_host: bool) -> C
     return CopyEngineProbe(
         cuda=cuda, group_on_one_host=group_on_one_host,
         peer_access=cuda and all(torch.cuda.can_device_access_peer(mine, d.index) for d in devices[1:] if d.index != mine),
-        symmetric_memory=symmetric_memory_importable(), multicast_off=multicast_is_off())
+        symmetric_memory=symmetric_memory_importable() and cuda and _cudart() is not None,
+        multicast_off=multicast_is_off())
 
 
 def transport_for(choice: str):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from lightning_ulysses.attention import copy_engine
-from lightning_ulysses.attention.copy_engine import (CollectiveTransport, CopyEngineProbe, PeerCopy, block_copies,
-                                                     choose_exchange, plan_exchange)
+from lightning_ulysses.attention.copy_engine import (CollectiveTransport, Copy2D, CopyEngineProbe, PeerCopy,
+                                                     block_copies, choose_exchange, copies_2d, plan_exchange)
 
 
 def test_hand_computed_plan():
@@ -21,6 +21,9 @@ def test_hand_computed_plan():
     )
     # one 2-D strided copy per peer: 2 head rows of 2 tokens, written with a pitch of 4 (the whole sequence)
     assert plan.copies[0].blocks() == ((2, 2), (2, 1), (4, 1))
+    # in fp32 bytes: one cudaMemcpy2DAsync, rows of 8 bytes read with a pitch of 8, written with 16 from byte 8
+    assert copies_2d(plan.copies[0], 4) == [Copy2D(0, 8, 8, 16, 8, 2)]
+    assert copies_2d(plan.copies[1], 4) == [Copy2D(16, 8, 8, 16, 8, 2)]
 
 
 def test_blocks_merge_what_is_contiguous_on_both_sides():
@@ -34,6 +37,9 @@ def test_blocks_merge_what_is_contiguous_on_both_sides():
     # batch 2: one 2-D copy per batch row
     plan = plan_exchange((2, 4, 2, 3), (24, 6, 3, 1), split_dim=1, join_dim=2, size=2, rank=0)
     assert plan.copies[0].blocks() == ((2, 2, 6), (24, 6, 1), (24, 12, 1))
+    assert copies_2d(plan.copies[0], 2) == [Copy2D(0, 12, 0, 24, 12, 2), Copy2D(48, 12, 48, 24, 12, 2)]  # per batch row
+    # one contiguous block: one call of one row
+    assert copies_2d(plan_exchange((4, 3), (3, 1), 0, 0, 2, 1).copies[1], 4) == [Copy2D(24, 24, 24, 24, 24, 1)]
 
 
 def simulate(inputs, split_dim, join_dim):
@@ -76,6 +82,15 @@ def test_plan_reads_strided_sources():
     groups = [x.chunk(2, dim=1)[1] for x in full]
     assert not groups[0].is_contiguous()
     for got, expected in zip(simulate(groups, 1, 2), collective([g.contiguous() for g in groups], 1, 2)):
+        assert torch.equal(got, expected)
+
+
+def test_strided_last_dimension_copies_one_element_rows():
+    # a source whose last dimension is strided: rows one element wide, still exact
+    inputs = [torch.randn(2, 4, 3, 5).transpose(-1, -2) for _ in range(2)]
+    plan = plan_exchange(inputs[0].shape, inputs[0].stride(), 1, 2, 2, 0)
+    assert copies_2d(plan.copies[0], 4)[0].width == 4
+    for got, expected in zip(simulate(inputs, 1, 2), collective([x.contiguous() for x in inputs], 1, 2)):
         assert torch.equal(got, expected)
 
 
