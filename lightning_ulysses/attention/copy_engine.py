@@ -98,6 +98,7 @@ def plan_exchange(shape, source_strides, split_dim: int, join_dim: int, size: in
     return ExchangePlan(tuple(output), copies)
 
 
+# The plan's views as torch strided tensors: the reference `block_copies` is tested against.
 def source_view(tensor: torch.Tensor, copy: PeerCopy) -> torch.Tensor:
     return tensor.as_strided(copy.sizes, copy.source_strides, tensor.storage_offset() + copy.source_offset)
 
@@ -205,11 +206,6 @@ class CollectiveTransport:
     def join(self, receive: torch.Tensor, join_dim: int) -> torch.Tensor:
         """Row p came from rank p: it is the p-th piece along `join_dim`."""
         return receive.movedim(0, join_dim).flatten(join_dim, join_dim + 1)
-
-
-class _Done:
-    def wait(self) -> None:
-        pass
 
 
 class _Placed:

@@ -68,6 +68,7 @@ def collective(inputs, split_dim, join_dim):
     ((2, 8, 6, 5), 1, 2),  # back: [b, seq, heads/P, d] → [b, seq/P, heads, d] (tokens scattered, heads gathered)
     ((2, 8, 4, 5), 2, 1),  # the backward's reverse exchanges
     ((2, 3, 8, 5), 2, 1),
+    ((2, 3, 8, 2, 3), 2, 3),  # several outer dimensions around the 2-D copies
 ])
 def test_plan_equals_the_collective_exchange(shape, split_dim, join_dim, size):
     generator = torch.Generator().manual_seed(size)
@@ -92,6 +93,20 @@ def test_strided_last_dimension_copies_one_element_rows():
     assert copies_2d(plan.copies[0], 4)[0].width == 4
     for got, expected in zip(simulate(inputs, 1, 2), collective([x.contiguous() for x in inputs], 1, 2)):
         assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_byte_copies_equal_torch_strided_copies(dtype):
+    # the 2-D byte copies (what cudaMemcpy2DAsync would be given) against torch's own strided copy of the views
+    source = torch.arange(3 * 8 * 4 * 4).reshape(3, 8, 4, 4).to(dtype)[:, 2:6]  # offset and strided
+    copies = [copy for rank in range(2) for split_dim, join_dim in ((1, 2), (2, 1))
+              for copy in plan_exchange(source.shape, source.stride(), split_dim, join_dim, 2, rank).copies]
+    for copy in copies:
+        end = copy.destination_offset + sum((n - 1) * d for n, d in zip(copy.sizes, copy.destination_strides)) + 1
+        got, expected = torch.zeros(end, dtype=dtype), torch.zeros(end, dtype=dtype)
+        block_copies(got, source, copy)
+        copy_engine.destination_view(expected, copy).copy_(copy_engine.source_view(source, copy))
+        assert torch.equal(got, expected) and expected.count_nonzero() > 0
 
 
 def test_uneven_split_is_refused():
