@@ -72,8 +72,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--head-groups", type=int, nargs="+", default=[1],
                         help="ulysses and exchange modes: one variant per count of pipelined head groups (overlap_head_groups)")
     parser.add_argument("--exchange", nargs="+", choices=("nccl", "copy_engine"), default=["nccl"],
-                        help="ulysses and exchange modes: one variant per all-to-all transport (the strategy's exchange);"
-                             " copy_engine on CPU runs its gloo emulation (a smoke test of the plan, not a timing)")
+                        help="ulysses and exchange modes: one variant per all-to-all transport (the strategy's"
+                             " exchange); copy_engine on CPU runs its gloo emulation (a smoke test, not a timing)")
     parser.add_argument("--high-priority-streams", action="store_true",
                         help="ulysses and exchange modes: also run each variant over an SP group whose NCCL stream has high"
                              " priority")

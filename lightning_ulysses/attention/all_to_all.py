@@ -106,7 +106,8 @@ class _Finish(torch.autograd.Function):
         # launched here and waited for by `_Start.backward`, so the gradient's exchange overlaps what runs between.
         exchange = ctx.exchange
         exchange.receive = exchange.launch(grad, exchange.join_dim)
-        # (the forward receive's shape: a copy transport receives in the joined layout, whose shape differs by direction)
+        # (the forward receive's shape: a copy transport receives in the joined layout, whose shape differs by
+        # direction)
         return grad.new_zeros(()).expand(ctx.receive_shape), None
 
 

@@ -217,9 +217,11 @@ class _Placed:
     def wait(self) -> None:
         self.work.wait()
         for sender, plan in enumerate(self.plans):
-            # What `sender` copied for me, at the destination its plan names in my buffer.
-            block_copies(self.receive, self.staged[sender], dataclasses.replace(
-                plan.copies[self.rank], source_offset=0, source_strides=contiguous_strides(plan.copies[self.rank].sizes)))
+            # What `sender` copied for me, at the destination its plan names in my buffer (destinations depend on
+            # the shape only, which every rank shares; the staged piece is contiguous).
+            mine = plan.copies[self.rank]
+            staged = dataclasses.replace(mine, source_offset=0, source_strides=contiguous_strides(mine.sizes))
+            block_copies(self.receive, self.staged[sender], staged)
         self.staged = None
 
 
@@ -318,7 +320,8 @@ class CopyEngineProbe:
     multicast_off: bool  # MULTICAST_OFF set as given
 
     REASONS = ("not on CUDA devices", "the sequence-parallel group spans hosts",
-               "no peer-to-peer access between the group's GPUs", "torch symmetric memory or the CUDA runtime's cudaMemcpy2DAsync is not available",
+               "no peer-to-peer access between the group's GPUs",
+               "torch symmetric memory or the CUDA runtime's cudaMemcpy2DAsync is not available",
                "NVLink multicast is not switched off (" + ", ".join(f"{k}={v}" for k, v in MULTICAST_OFF.items()) + ")")
 
     def failure(self) -> int:
@@ -374,7 +377,8 @@ def probe_copy_engine(devices: list[torch.device], group_on_one_host: bool) -> C
     mine = devices[0].index if cuda else None
     return CopyEngineProbe(
         cuda=cuda, group_on_one_host=group_on_one_host,
-        peer_access=cuda and all(torch.cuda.can_device_access_peer(mine, d.index) for d in devices[1:] if d.index != mine),
+        peer_access=cuda and all(torch.cuda.can_device_access_peer(mine, device.index)
+                                 for device in devices[1:] if device.index != mine),
         symmetric_memory=symmetric_memory_importable() and cuda and _cudart() is not None,
         multicast_off=multicast_is_off())
 
