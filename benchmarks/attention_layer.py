@@ -54,7 +54,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_ulysses.attention.backends import SDPA_KERNELS, sdpa_priority
-from lightning_ulysses.attention.all_to_all import start_exchange
+from lightning_ulysses.attention import copy_engine
+from lightning_ulysses.attention.all_to_all import start_exchange, use_transport
 from lightning_ulysses.attention.core import UlyssesAttention
 from lightning_ulysses.attention import ring
 from lightning_ulysses.attention.ring import block_kernel_kind, ring_attention, sdpa_kernel_order
@@ -81,6 +82,9 @@ def parse_args() -> argparse.Namespace:
                         help="compare with full SDPA (auto: lengths <= 32K)")
     parser.add_argument("--head-groups", type=int, nargs="+", default=[1],
                         help="ulysses and exchange modes: one variant per count of pipelined head groups (overlap_head_groups)")
+    parser.add_argument("--exchange", nargs="+", choices=("nccl", "copy_engine"), default=["nccl"],
+                        help="ulysses and exchange modes: one variant per all-to-all transport (the strategy's"
+                             " exchange); copy_engine on CPU runs its gloo emulation (a smoke test, not a timing)")
     parser.add_argument("--high-priority-streams", action="store_true",
                         help="ulysses and exchange modes: also run each variant over an SP group whose NCCL stream has high"
                              " priority")
@@ -372,15 +376,33 @@ def block_kernels_ran(device, args) -> dict:
             "cudnn_decisions": decided}
 
 
-def run_variant(mode, head_groups, stream, ring_kernel, group, seq_len, sdpa_ms, spread, base_groups, device, args):
+def exchange_transport(exchange: str, group, device: torch.device):
+    """The transport `exchange` names for `group`, refused as the strategy refuses it (`choose_exchange`); on CPU
+    the copy engine's gloo emulation."""
+    if exchange == "nccl":
+        return None
+    if device.type == "cpu":
+        return copy_engine.EmulatedCopyTransport()
+    world, local = dist.get_world_size(group), int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    devices = [device] + [torch.device("cuda", i) for i in range(world) if i != device.index]
+    probe = copy_engine.probe_copy_engine(devices, group_on_one_host=local >= world)
+    copy_engine.choose_exchange("copy_engine", copy_engine.agreed_failure(probe, group, device))
+    return copy_engine.SymmetricMemoryTransport()
+
+
+def run_variant(mode, head_groups, stream, ring_kernel, group, seq_len, sdpa_ms, spread, base_groups, device, args,
+                exchange="nccl"):
     """Measure one variant at one length, print its JSON line; returns the sdpa baseline time (set by mode sdpa)."""
     world = dist.get_world_size()
+    exchange_group = group if group is not None else base_groups.ulysses_group
+    if world > 1:
+        use_transport(exchange_group, exchange_transport(exchange, exchange_group, device))
     built = build_attention(mode, base_groups, args, head_groups, group)
     point = {"mode": mode, "world_size": world, "seq_len": seq_len, "batch": args.batch, "heads": args.heads,
              "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": args.dtype, "device": device.type,
              "sdpa_kernel": args.sdpa_kernel, "label": args.label}
     if mode in ("ulysses", "exchange"):
-        point.update(head_groups=head_groups, nccl_stream=stream)
+        point.update(head_groups=head_groups, nccl_stream=stream, exchange=exchange)
     if mode == "sdpa" and spread:
         point["sdpa_flash_vs_cudnn"] = spread
     if built is None:
@@ -413,6 +435,7 @@ def run_variant(mode, head_groups, stream, ring_kernel, group, seq_len, sdpa_ms,
         if args.output:
             with open(args.output, "a") as file:
                 file.write(line + "\n")
+    use_transport(exchange_group, None)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return sdpa_ms
@@ -426,19 +449,19 @@ def main() -> None:
     streams = {"normal": None}
     if args.high_priority_streams:
         streams["high"] = high_priority_group(device)
-    ulysses_variants = [(g, stream) for stream in streams for g in args.head_groups]
+    ulysses_variants = [(g, stream, x) for stream in streams for g in args.head_groups for x in args.exchange]
     ring_kernels = args.ring_kernels or [None]
-    variants = [(mode, g, stream, kernel) for mode in modes
-                for g, stream in (ulysses_variants if mode in ("ulysses", "exchange") else [(1, "normal")])
+    variants = [(mode, g, stream, x, kernel) for mode in modes
+                for g, stream, x in (ulysses_variants if mode in ("ulysses", "exchange") else [(1, "normal", "nccl")])
                 for kernel in (ring_kernels if mode in ("ring", "hybrid") else [None])]
     with sdpa_priority(None if args.sdpa_kernel == "default" else (args.sdpa_kernel,)):
         for seq_len in args.seq:
             sdpa_ms = None
             spread = sdpa_kernel_spread(seq_len, device, args) if checking(seq_len, args) and device.type == "cuda" \
                 else None
-            for mode, head_groups, stream, kernel in variants:
+            for mode, head_groups, stream, exchange, kernel in variants:
                 sdpa_ms = run_variant(mode, head_groups, stream, kernel, streams[stream], seq_len, sdpa_ms, spread,
-                                      base_groups, device, args)
+                                      base_groups, device, args, exchange)
     dist.destroy_process_group()
 
 

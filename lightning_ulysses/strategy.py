@@ -26,6 +26,8 @@ from typing_extensions import override
 
 from lightning_ulysses import _lightning_private as lightning_private
 from lightning_ulysses import auto, faults, preflight, preparation, pretrained
+from lightning_ulysses.attention import copy_engine
+from lightning_ulysses.attention.all_to_all import use_transport
 from lightning_ulysses.attention.backends import check_sdpa_kernel_priority, sdpa_priority
 from lightning_ulysses.attention.core import check_overlap_head_groups, resolve_ring_size
 from lightning_ulysses.attention.rows import BatchRowsSlot
@@ -115,6 +117,16 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             1 (default): no overlap. A count the heads do not allow (each group must give every SP rank whole
             query and KV heads) runs with the largest smaller one; with a ring (`ring_size > 1`) it is not used (the
             ring overlaps its own K/V exchanges). Measured: `benchmarks/results/`.
+        exchange: the transport of the Ulysses all-to-alls. `"nccl"`: `all_to_all_single` (NCCL on GPUs, gloo on
+            CPU). `"copy_engine"`: every rank copies its pieces straight into its peers' symmetric-memory buffers,
+            the layout permute fused into the copies, run by the copy engines instead of SM kernels (so they do not
+            slow the attention they overlap); needs CUDA, the SP group on one host with peer access between its
+            GPUs, torch symmetric memory and NVLink multicast off (`NCCL_NVLS_ENABLE=0`,
+            `TORCH_SYMM_MEM_DISABLE_MULTICAST=1`, `NVSHMEM_DISABLE_NVLS=1` in the environment), refused otherwise.
+            `"auto"`: the copy engine where all of that holds on every rank of the group, else NCCL with one log
+            line naming why (on CPU: gloo, silently). `"nccl"` is the default until the copy engine has run on
+            GPUs: it is exact against NCCL on CPU through an emulation of its copies, and nothing CUDA-specific of
+            it has run yet.
         check_batches: whether the ranks of an SP group are compared to hold the same batch (one tiny all-gather
             of a fingerprint per checked batch; ranks fed different samples, e.g. by an `IterableDataset` sharded by
             global rank or a sampler of its own, train silently wrong otherwise): `"first"` (default) the first
@@ -150,12 +162,14 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         sdpa_kernel_priority: Union[Literal["auto"], Sequence[str], None] = "auto",
         overlap_head_groups: int = 1,
         check_batches: CheckBatches = "first",
+        exchange: copy_engine.Exchange = "nccl",
         **kwargs: Any,
     ) -> None:
         memory = auto.coerce_memory(memory)  # bad options fail here, in the launching process
         if sdpa_kernel_priority != "auto":
             sdpa_kernel_priority = check_sdpa_kernel_priority(sdpa_kernel_priority)
         check_overlap_head_groups(overlap_head_groups)
+        self._requested_exchange = copy_engine.check_exchange(exchange)
         config, sequence_parallel_size = read_sequence_parallel_size(
             lightning_private.load_deepspeed_config(self, config), sequence_parallel_size)
         if sequence_parallel_size is not None:
@@ -193,6 +207,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         # "auto" is decided in `setup`; until then (and on CPU, where torch ignores it) torch's order
         self.sdpa_kernel_priority = None if sdpa_kernel_priority == "auto" else sdpa_kernel_priority
         self.overlap_head_groups = overlap_head_groups
+        self.exchange: Optional[str] = None  # "nccl" or "copy_engine" once agreed in `setup` (`_decide_exchange`)
+        self._transport_group = None  # the group `_decide_exchange` gave the copy-engine transport
         self._batch_check = SameBatchCheck(check_batches)
         self._watchdog: Optional[faults.RankWatchdog] = None
         self._signals = faults.SchedulerSignals()
@@ -338,12 +354,37 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         if size > 1:  # identical on every rank (same model, same arguments): the sub-groups are created in step
             self._use_ring_size(resolve_ring_size(found.head_counts, size, self._requested_ring_size))
         self._sharder.position_rule = found.position_rule
+        self._decide_exchange()
         self._decide_auto(found)
         runtime = preparation.SequenceParallelRuntime(
             self.parallel_groups, self._sharder, self._batch_rows, self.loss_function, self.memory,
             self.overlap_head_groups)
         self._prepared = found.prepare(runtime)
         self._hf_model_configs = self._prepared.hf_configs
+
+    def _decide_exchange(self) -> None:
+        """`exchange`, agreed over the Ulysses group: off CUDA without a collective (the accelerator is the same on
+        every rank), on CUDA by the largest failure code of every rank's probe (one all-reduce), so that every rank
+        takes the same transport and an impossible `"copy_engine"` is refused on every rank alike."""
+        groups = self.parallel_groups
+        group = groups.ulysses_group if groups.ulysses_size > 1 else None
+        if group is None:
+            self.exchange = "nccl"  # nothing is exchanged
+            return
+        if self._requested_exchange == "nccl" or not isinstance(self.accelerator, CUDAAccelerator):
+            failure = 1  # not (to be) on CUDA devices
+        else:
+            ranks = torch.distributed.get_process_group_ranks(group)
+            base = self.node_rank * self.num_processes  # this host's first global rank (contiguous groups)
+            on_host = all(base <= r < base + self.num_processes for r in ranks)
+            peers = [self.parallel_devices[r - base] for r in ranks if on_host and r != self.global_rank]
+            probe = copy_engine.probe_copy_engine([self.root_device] + peers, on_host)
+            failure = copy_engine.agreed_failure(probe, group, self.root_device)
+        self.exchange = copy_engine.choose_exchange(self._requested_exchange, failure)
+        transport = copy_engine.transport_for(self.exchange)
+        if transport is not None:
+            use_transport(group, transport)
+            self._transport_group = group  # released in `_restore_modules`
 
     def _decide_auto(self, found: preparation.ModuleScan) -> None:
         """`memory="auto"` and `sdpa_kernel_priority="auto"`, once per run, before the memory features are applied
@@ -392,6 +433,9 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
 
     def _restore_modules(self) -> None:
         self._prepared.restore()
+        if self._transport_group is not None:  # the copy-engine transport, set by `_decide_exchange`
+            use_transport(self._transport_group, None)
+            self._transport_group = None
 
     @override
     def teardown(self) -> None:

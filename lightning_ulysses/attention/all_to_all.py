@@ -21,24 +21,41 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from lightning_ulysses.attention.copy_engine import CollectiveTransport
 from lightning_ulysses.layout import ShardOrder
 
 
+_TRANSPORTS: dict = {}  # process group -> its transport (`use_transport`); the collective one otherwise
+_COLLECTIVE = CollectiveTransport()
+
+
+def use_transport(group, transport) -> None:
+    """Exchange over `group` with `transport` (`copy_engine.py`); None: the collective all-to-all again. The
+    strategy sets it for its Ulysses group once the choice is agreed (`choose_exchange`)."""
+    if transport is None:
+        _TRANSPORTS.pop(group, None)
+    else:
+        _TRANSPORTS[group] = transport
+
+
+def transport_of(group):
+    return _TRANSPORTS.get(group, _COLLECTIVE)
+
+
 class _Exchange:
-    """What the start and finish nodes of one all-to-all share: the group, the dimensions and the collective in
-    flight (forward, then backward, whose receive buffer waits here for `_Start.backward`)."""
+    """What the start and finish nodes of one all-to-all share: the group, the dimensions, the transport and the
+    exchange in flight (forward, then backward, whose receive buffer waits here for `_Start.backward`)."""
 
     def __init__(self, group, split_dim: int, join_dim: int):
         self.group, self.split_dim, self.join_dim = group, split_dim, join_dim
         self.size = dist.get_world_size(group)
+        self.transport = transport_of(group)
         self.work = self.send = self.receive = None
 
     def launch(self, tensor: torch.Tensor, split_dim: int) -> torch.Tensor:
-        # Row p: the p-th piece along `split_dim`, for rank p (a view when it is already contiguous).
-        send = tensor.unflatten(split_dim, (self.size, -1)).movedim(split_dim, 0).contiguous()
-        receive = torch.empty_like(send)
-        self.work = dist.all_to_all_single(receive, send, group=self.group, async_op=True)
-        self.send = send  # kept alive until the collective is done with it
+        join_dim = self.join_dim if split_dim == self.split_dim else self.split_dim
+        self.work, send, receive = self.transport.launch(tensor, self.group, self.size, split_dim, join_dim)
+        self.send = send  # kept alive until the transfer is done with it
         return receive
 
     def wait(self) -> None:
@@ -52,8 +69,9 @@ class _Exchange:
         return receive
 
     def join(self, receive: torch.Tensor, join_dim: int) -> torch.Tensor:
-        """Row p came from rank p: it is the p-th piece along `join_dim`."""
-        return receive.movedim(0, join_dim).flatten(join_dim, join_dim + 1)
+        """What arrived, in the joined layout (the collective transport lays it out here, a copy transport's
+        buffer already is)."""
+        return self.transport.join(receive, join_dim)
 
 
 class _Start(torch.autograd.Function):
@@ -75,7 +93,7 @@ class _Start(torch.autograd.Function):
 class _Finish(torch.autograd.Function):
     @staticmethod
     def forward(ctx, receive, exchange: _Exchange):
-        ctx.exchange = exchange
+        ctx.exchange, ctx.receive_shape = exchange, receive.shape
         exchange.wait()
         output = exchange.join(receive, exchange.join_dim).contiguous()
         # A fresh tensor even when the layout needs no copy: an output aliasing an input of a custom Function
@@ -88,7 +106,9 @@ class _Finish(torch.autograd.Function):
         # launched here and waited for by `_Start.backward`, so the gradient's exchange overlaps what runs between.
         exchange = ctx.exchange
         exchange.receive = exchange.launch(grad, exchange.join_dim)
-        return grad.new_zeros(()).expand(exchange.receive.shape), None
+        # (the forward receive's shape: a copy transport receives in the joined layout, whose shape differs by
+        # direction)
+        return grad.new_zeros(()).expand(ctx.receive_shape), None
 
 
 class InFlightExchange:

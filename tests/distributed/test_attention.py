@@ -55,6 +55,18 @@ def test_exchange_edges(results, sp):
         assert rank[sp]["finished_exchanges_holding_buffers"] == 0
 
 
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_copy_engine_plan_is_exact_and_agreed(results, sp):
+    # heads, back, x.grad (the reverse exchanges), then head-grouped attention's output and q/k/v gradients
+    for rank in results:
+        assert rank[sp]["copy_engine_bit_identical"] == [True] * 7
+        # every exchange went through the plan: 2 + 2 reverse for x; 2 head groups × (q, k, v, output), both ways
+        assert rank[sp]["copy_engine_launches"] == 4 + 2 * 4 * 2
+        assert "no peer-to-peer access" in rank[sp]["copy_engine_refusal"]
+        assert 'Use exchange="nccl"' in rank[sp]["copy_engine_refusal"]
+        assert rank[sp]["copy_engine_auto"] == "nccl"
+
 @pytest.mark.parametrize("sp", [2, 4])
 def test_head_group_exchanges_overlap_the_attention(results, sp):
     # forward: both groups' q, k and v exchanges (3 + 3) launched before the first attention, group 0's output

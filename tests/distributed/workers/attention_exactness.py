@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from lightning_ulysses import SequenceSharder, UlyssesAttention, prepare_hf_model
 from lightning_ulysses.attention import all_to_all, heads_to_sequence, sequence_to_heads
-from lightning_ulysses.attention.all_to_all import InFlightExchange
+from lightning_ulysses.attention import copy_engine
+from lightning_ulysses.attention.all_to_all import InFlightExchange, use_transport
 from lightning_ulysses.attention.core import usable_head_groups
 from lightning_ulysses.attention.documents import DocumentMask
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
@@ -188,6 +189,51 @@ def padded_batch(seq_len=16):
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
+def check_copy_engine_plan(groups, results):
+    """The copy-engine plan run through its CPU emulation equals the collective exchange bit for bit: both
+    directions, batch > 1, a strided head group, forward and backward, and pipelined head groups (several exchanges
+    in flight at once); and the agreed selection refuses on every rank alike when one rank cannot."""
+    sp, rank, group = groups.sequence_parallel_world_size, groups.sequence_parallel_rank, groups.sequence_parallel_group
+
+    def run():
+        generator = torch.Generator().manual_seed(30)
+        x = torch.randn(3, 4 * sp, 5, 6, generator=generator).chunk(2, dim=1)[1].requires_grad_()  # strided
+        heads = sequence_to_heads(x, group, head_dim=1, seq_dim=2)
+        back = heads_to_sequence(heads * 2, group, head_dim=1, seq_dim=2)
+        back.backward(torch.randn(back.shape, generator=generator))
+        q, k, v = (torch.randn(2, 4 * sp, 6, 8, generator=generator, requires_grad=True) for _ in range(3))
+        out = UlyssesAttention("sdpa", overlap_head_groups=2)
+        out.bind(group)
+        y = out(q, k, v)
+        y.backward(torch.randn(y.shape, generator=generator))
+        return [heads, back, x.grad, y, q.grad, k.grad, v.grad]
+
+    class Counted(copy_engine.EmulatedCopyTransport):
+        launches = 0
+
+        def launch(self, *args):
+            Counted.launches += 1
+            return super().launch(*args)
+
+    expected = run()
+    use_transport(group, Counted())
+    try:
+        got = run()
+    finally:
+        use_transport(group, None)
+    results["copy_engine_launches"] = Counted.launches
+    results["copy_engine_bit_identical"] = [torch.equal(a, b) for a, b in zip(got, expected)]
+    probe = dict(cuda=True, group_on_one_host=True, peer_access=True, symmetric_memory=True, multicast_off=True)
+    probe["peer_access"] = rank != sp - 1  # one rank lacks it: every rank must refuse
+    failure = copy_engine.agreed_failure(copy_engine.CopyEngineProbe(**probe), group, "cpu")
+    try:
+        copy_engine.choose_exchange("copy_engine", failure)
+        results["copy_engine_refusal"] = None
+    except RuntimeError as error:
+        results["copy_engine_refusal"] = str(error)
+    results["copy_engine_auto"] = copy_engine.choose_exchange("auto", failure)
+
+
 def check_hf_model(groups, results):
     sp, group = groups.sequence_parallel_world_size, groups.sequence_parallel_group
     for kv_heads in (4, 1):
@@ -330,6 +376,7 @@ def main():
         check_ulysses_attention(groups, results)
         check_head_groups(groups, results)
         check_exchange_edges(groups, results)
+        check_copy_engine_plan(groups, results)
         check_hf_model(groups, results)
         if sp == 2:
             check_mask_refusals(groups, results)
