@@ -191,4 +191,18 @@ def sdpa_priority(names: Optional[tuple[str, ...]]):
     enabled = {"cudnn": torch.backends.cuda.cudnn_sdp_enabled, "flash": torch.backends.cuda.flash_sdp_enabled,
                "efficient": torch.backends.cuda.mem_efficient_sdp_enabled, "math": torch.backends.cuda.math_sdp_enabled}
     order = [*names, *(name for name in SDPA_KERNELS if name not in names and enabled[name]())]
-    return sdpa_kernel([getattr(SDPBackend, SDPA_KERNELS[name]) for name in order], set_priority=True)
+    return _restoring_priority(sdpa_kernel([getattr(SDPBackend, SDPA_KERNELS[name]) for name in order],
+                                           set_priority=True))
+
+
+@contextlib.contextmanager
+def _restoring_priority(context):
+    # torch's `sdpa_kernel(..., set_priority=True)` restores on exit only the order of the kernels enabled at entry
+    # and appends the disabled ones: with flash switched off process-wide, flash stays last (behind math) for the
+    # rest of the process, also after the user switches it back on. Put the whole previous order back.
+    previous = torch._C._get_sdp_priority_order()
+    try:
+        with context:
+            yield
+    finally:
+        torch._C._set_sdp_priority_order(previous)

@@ -37,7 +37,7 @@ AUTO = {"auto": True, "seq_len": 4096, "device_margin": 0, "host_margin": 0, "ml
         "logits_tile_tokens": 4}
 AUTO_FREE = [[9e6, 9e6], [6e6, 6e6], [8e6, 8e6], [7e6, 7e6]]
 AUTO_CHOSEN = {"tiled_mlp": True, "mlp_tile_tokens": 3, "logits_tile_tokens": 4, "activation_checkpointing": True,
-               "keep_attention_outputs": True}
+               "keep_attention_outputs": True, "expandable_segments": True}  # auto's default (an env var on CPU)
 
 
 def _case(name, sp, stage, model="llama", memory=ALL_FEATURES, wrapped=None):

@@ -208,6 +208,7 @@ def test_kept_attention_needs_one_kernel_choice_in_forward_and_backward():
 def test_sdpa_kernel_priority_keeps_kernels_switched_off_process_wide_off():
     from lightning_ulysses.attention.backends import sdpa_priority
 
+    before = torch._C._get_sdp_priority_order()
     torch.backends.cuda.enable_flash_sdp(False)
     try:
         with sdpa_priority(("math",)):
@@ -218,6 +219,8 @@ def test_sdpa_kernel_priority_keeps_kernels_switched_off_process_wide_off():
         assert not torch.backends.cuda.flash_sdp_enabled()
     finally:
         torch.backends.cuda.enable_flash_sdp(True)
+    # The whole order comes back: torch's own exit would leave the switched-off flash last, behind math.
+    assert torch._C._get_sdp_priority_order() == before
 
 
 def test_sparse_checkpoints_replay_dropout():
