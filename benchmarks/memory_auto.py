@@ -36,19 +36,15 @@ def run(args) -> tuple[list[float], dict]:
 
     from lightning_ulysses import UlyssesDeepSpeedStrategy
     from lightning_ulysses.models import CausalLMModule, HuggingFaceCausalLM
+    from lightning_ulysses.optim import adamw, optimizer_on_host
     from lightning_ulysses.plan import memory_options
 
     class Module(CausalLMModule):
         def training_step(self, batch, batch_idx):
             return self.model(**batch).loss
 
-        def configure_optimizers(self):
-            zero = self.trainer.strategy.config["zero_optimization"]
-            if (zero.get("offload_optimizer") or {}).get("device") == "cpu":  # chosen or set: CPU Adam on the host
-                from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-                return DeepSpeedCPUAdam(self.parameters(), lr=1e-5, adamw_mode=True)
-            return torch.optim.AdamW(self.parameters(), lr=1e-5)
+        def configure_optimizers(self):  # CPU Adam where the optimizer is (chosen or set to be) on the host
+            return adamw([{"params": list(self.parameters())}], 1e-5, (0.9, 0.999), optimizer_on_host(self.trainer))
 
     config = llama_config(args.shape, args.seq)
     options = {key: value for key, value in config.to_dict().items() if key in SHAPES[args.shape]

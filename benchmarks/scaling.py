@@ -39,11 +39,10 @@ MEMORY = {"tiled_mlp": True, "tiled_logits_loss": True, "activation_checkpointin
 
 def predicted_longest(args, devices: int) -> int:
     """auto's longest length at SP = devices from total (not free) memory, so that every rank computes the same."""
-    from lightning_ulysses.auto import AutoMemory, Layout, longest_fit
+    from lightning_ulysses.auto import AutoMemory, Layout, _proc_bytes, longest_fit
 
     total_device = torch.cuda.get_device_properties(0).total_memory
-    with open("/proc/meminfo") as meminfo:
-        total_host = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemTotal:"))
+    total_host = _proc_bytes("/proc/meminfo", "MemTotal")
     longest, _ = longest_fit(MODELS[args.model], AutoMemory(), Layout(sequence_parallel_size=devices),
                              (total_device * args.usable, total_host * args.usable / devices))
     return longest
