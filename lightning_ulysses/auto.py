@@ -77,8 +77,9 @@ class AutoMemory:
     # is what breaks the fit (8B shape at 128K on the H200: out of memory at 130.6 GiB allocated, 6.4 GiB reserved
     # but unallocated, against a predicted 133.6 GiB peak; benchmarks/results/2026-12-02-h200-memory-auto/).
     expandable_segments: bool = True
-    # Passed through as set, never chosen: the step-time model has no measured cost for it yet.
-    fused_elementwise: bool = False
+    # None: on where the layout allows it (CUDA with Triton, and a model whose norms or gated MLPs it recognises):
+    # it costs no memory and its measured step-time gain is in the step-time model (`fused_elementwise_factor`).
+    fused_elementwise: Optional[bool] = None
     fused_backend: str = "inductor"
 
     def __post_init__(self) -> None:
@@ -189,6 +190,8 @@ class Layout:
     # DeepSpeed config already offloading the optimizer: its (ratio, sub_group_size), kept as they are
     configured_offload: Optional[tuple[float, int]] = None
     configured_sub_group_size: int = 10**12
+    # `fused_elementwise` may be switched on: CUDA with Triton, and a model it recognises parts of
+    fused_elementwise: bool = False
 
 
 @dataclass(frozen=True)
@@ -288,6 +291,8 @@ def _option_sets(request: AutoMemory, layout: Layout) -> list[MemoryOptions]:
         return (pinned,) if pinned is not None else free
 
     host = (False, True) if layout.on_cuda else (False,)
+    # Not an axis: where allowed it is always faster and costs no memory (measured: same peak), so it is simply on.
+    fused = request.fused_elementwise if request.fused_elementwise is not None else layout.fused_elementwise
     axes = {"tiled_logits_loss": values("tiled_logits_loss", (False, True)),
             "low_memory_norms": values("low_memory_norms", (False, True)),
             "tiled_mlp": values("tiled_mlp", (False, True)),
@@ -301,7 +306,7 @@ def _option_sets(request: AutoMemory, layout: Layout) -> list[MemoryOptions]:
             options.append(MemoryOptions(mlp_tile_tokens=request.mlp_tile_tokens,
                                          logits_tile_tokens=request.logits_tile_tokens,
                                          expandable_segments=request.expandable_segments,
-                                         fused_elementwise=request.fused_elementwise,
+                                         fused_elementwise=fused,
                                          fused_backend=request.fused_backend,
                                          **dict(zip(axes, combination))))
         except ValueError:  # e.g. offload or an interval without checkpointing
@@ -395,6 +400,15 @@ def _reasons(shape, request, layout, budget, offloads, best: Candidate) -> dict[
             delta = alternative.time.total - best.time.total
             reasons[name] = (f"with {label}: {delta:+.3f} s per step" + (" (and fewer features win ties)"
                                                                          if abs(delta) < 1e-9 else ""))
+    if request.fused_elementwise is not None:
+        reasons["fused_elementwise"] = "set by you"
+    elif not layout.fused_elementwise:
+        reasons["fused_elementwise"] = "needs CUDA with Triton and Llama-style norms or gated MLPs"
+    else:
+        off = _best_share(shape, request, layout, budget,
+                          dataclasses.replace(best.setup.memory, fused_elementwise=False), offloads)
+        reasons["fused_elementwise"] = (f"with fused_elementwise=False: {off.time.total - best.time.total:+.3f} s per"
+                                        " step, the same memory" if off else "compiled norms and gated activations")
     if "offload_optimizer" in pinned or layout.configured_offload is not None:
         reasons["offload_optimizer"] = "set by you"
     elif not layout.on_cuda:

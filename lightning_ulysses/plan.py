@@ -91,8 +91,9 @@ def _auto(args, shape) -> int:
 
     pins = {name: True for name in FEATURES.values() if getattr(memory_options(args.features), name)}
     request = AutoMemory(seq_len=args.seq, micro_batch=args.micro_batch, **pins)
+    # a GPU with Triton is assumed; the planner's gated-MLP shapes are Llama-style (RMSNorms), which it fuses
     layout = Layout(sequence_parallel_size=args.sp, data_parallel_size=args.dp, zero_stage=args.zero,
-                    kernel=args.kernel)
+                    kernel=args.kernel, fused_elementwise=shape.gated_mlp)
     if args.longest:  # the longest length auto can train, then its choice there
         args.seq, _ = longest_fit(shape, request, layout, (args.gpu_gib * GIB, args.host_gib * GIB))
         print(f'longest sequence memory="auto" fits: {args.seq} tokens')

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.util
 import logging
 from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence, Union
 
@@ -35,7 +36,7 @@ from lightning_ulysses.batch_check import CheckBatches, SameBatchCheck
 from lightning_ulysses.checkpoint import StrategyCheckpoints
 from lightning_ulysses.deepspeed_config import deep_merge, inference_config, read_sequence_parallel_size
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, check_ring_size, check_sequence_parallel_size
-from lightning_ulysses.memory import MemoryOptions, apply_allocator_settings
+from lightning_ulysses.memory import MemoryOptions, apply_allocator_settings, fused_elementwise_applies
 from lightning_ulysses.loss import SequenceParallelCausalLMLoss, gradient_scale_for
 from lightning_ulysses.notebook import configure_launcher
 from lightning_ulysses.sharding import SequencePadding, SequenceSharder
@@ -414,14 +415,17 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         if offload.get("device") == "cpu":  # the user's own optimizer offload stays as configured
             configured = (float(offload.get("ratio", 1.0)), int(zero.get("sub_group_size", 10**12)))
         groups = self.parallel_groups
+        models = [m for adapter, modules in found.found if isinstance(adapter, preparation.MemoryEngine)
+                  for m in modules]
+        # inductor needs Triton for GPU code; the model must have parts `fused_elementwise` recognises
+        fusable = cuda and importlib.util.find_spec("triton") is not None and all(map(fused_elementwise_applies, models))
         layout = auto.Layout(sequence_parallel_size=groups.sequence_parallel_world_size,
                              data_parallel_size=groups.data_parallel_world_size, zero_stage=int(zero.get("stage", 0)),
                              compute_bytes=4 if "32" in str(self.precision_plugin.precision) else 2, on_cuda=cuda,
                              kernel=(self.sdpa_kernel_priority or (None,))[0] if cuda else None,
                              configured_offload=configured,
-                             configured_sub_group_size=int(zero.get("sub_group_size", 10**12)))
-        models = [m for adapter, modules in found.found if isinstance(adapter, preparation.MemoryEngine)
-                  for m in modules]
+                             configured_sub_group_size=int(zero.get("sub_group_size", 10**12)),
+                             fused_elementwise=fusable)
         choice = auto.choose(auto.shape_of(models), request, layout, (device_free, host_free))
         self.memory, self.memory_choice = choice.memory, choice
         if cuda and layout.zero_stage == 3:

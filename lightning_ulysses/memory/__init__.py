@@ -143,6 +143,18 @@ def _fused_mlps(model: nn.Module, layers: list[nn.Module], norms: list[nn.Module
     return mlps
 
 
+def fused_elementwise_applies(model: nn.Module) -> bool:
+    """Whether `fused_elementwise` would be accepted on `model` (`memory="auto"` switches it on only then): decoder
+    layers, only Llama-style RMSNorms, and at least one of those or a recognised gated MLP. Changes nothing."""
+    layers = _decoder_layers(model)
+    try:
+        norms = llama_style_norms(model, ("fused_elementwise",))
+        _fused_mlps(model, layers, norms, MemoryOptions(fused_elementwise=True))
+    except ValueError:
+        return False
+    return bool(layers)
+
+
 def apply_memory_options(model: nn.Module, options: MemoryOptions,
                          store: Optional[HostActivationStore] = None) -> list[Callable[[], None]]:
     """Apply `options` to one causal LM (Hugging Face or native GPT); return the callables that undo it.
@@ -205,4 +217,5 @@ def apply_memory_options(model: nn.Module, options: MemoryOptions,
     return restores
 
 
-__all__ = ["HostActivationStore", "MemoryOptions", "TiledLogitsLoss", "apply_allocator_settings", "apply_memory_options"]
+__all__ = ["HostActivationStore", "MemoryOptions", "TiledLogitsLoss", "apply_allocator_settings", "apply_memory_options",
+           "fused_elementwise_applies"]

@@ -10,7 +10,7 @@ import pytest
 from lightning_ulysses.auto import AutoMemory, Layout, choose, coerce_memory, longest_fit
 from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.planner import GIB, MODELS, TrainingSetup, plan_memory
-from lightning_ulysses.step_time import CALIBRATION, predict_step_time, predicted
+from lightning_ulysses.step_time import CALIBRATION, FUSED_PAIRS, predict_step_time, predicted
 
 LLAMA_1B, LLAMA_8B = MODELS["llama3.2-1b"], MODELS["llama3-8b"]
 
@@ -104,6 +104,26 @@ def test_expandable_segments_are_on_unless_switched_off():
     # Without them the 8B shape at 128K ran out of memory on the H200 below its predicted peak (fragmentation).
     assert _choice(LLAMA_8B, 131072, 139, 118).memory.expandable_segments
     assert not _choice(LLAMA_8B, 131072, 139, 118, expandable_segments=False).memory.expandable_segments
+
+
+def test_fused_elementwise_is_on_where_the_layout_allows_it():
+    free = (139 * GIB, 118 * GIB)
+    allowed = Layout(fused_elementwise=True)
+    fused = choose(LLAMA_8B, AutoMemory(seq_len=32768), allowed, free)
+    assert fused.memory.fused_elementwise and "fused_elementwise=False: +0." in fused.reasons["fused_elementwise"]
+    plain = choose(LLAMA_8B, AutoMemory(seq_len=32768), Layout(), free)
+    assert not plain.memory.fused_elementwise and "needs CUDA with Triton" in plain.reasons["fused_elementwise"]
+    # the same features otherwise (it costs no memory), a shorter predicted step
+    assert dataclasses.replace(fused.memory, fused_elementwise=False) == plain.memory
+    assert fused.best.time.total < plain.best.time.total
+    pinned = choose(LLAMA_8B, AutoMemory(seq_len=32768, fused_elementwise=False), allowed, free)
+    assert not pinned.memory.fused_elementwise and pinned.reasons["fused_elementwise"] == "set by you"
+
+
+@pytest.mark.parametrize("pair", FUSED_PAIRS, ids=lambda p: f"{p[0].model}-{p[0].seq}")
+def test_step_time_model_reproduces_the_measured_fused_saving(pair):
+    without, fused = pair
+    assert predicted(without).total - predicted(fused).total == pytest.approx(without.step_s - fused.step_s, rel=0.10)
 
 
 def test_cpu_layout_never_offloads():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 
 import pytest
 import torch
@@ -208,9 +209,9 @@ def test_compiles_under_the_kept_attention_dispatch_mode():
     assert torch.equal(fused, gated_activation("silu", gate, up))
 
 
-def test_benchmark_syntax_auto_pass_through_and_the_step_time_hook():
-    """`fused` in the features syntax; memory="auto" keeps it as set and never chooses it; the step-time model's
-    factor (uncalibrated, 1.0) is the only term it changes."""
+def test_benchmark_syntax_auto_keeps_what_is_set_and_the_step_time_factor():
+    """`fused` in the features syntax; memory="auto" keeps it as set (whatever the layout allows); the step-time
+    model's factor (calibrated: 0.75) is the only term it changes."""
     import dataclasses
 
     from lightning_ulysses.auto import AutoMemory, Layout, choose
@@ -221,14 +222,31 @@ def test_benchmark_syntax_auto_pass_through_and_the_step_time_hook():
     assert memory_options("ac,norms,fused") == MemoryOptions(activation_checkpointing=True, low_memory_norms=True,
                                                              fused_elementwise=True)
     shape = MODELS["llama3.2-1b"]
-    for fused in (False, True):
+    for fused, allowed in itertools.product((False, True), (False, True)):
         request = AutoMemory(seq_len=32768, device_margin=0, host_margin=0, fused_elementwise=fused)
-        assert choose(shape, request, Layout(), (100 * GIB, 100 * GIB)).memory.fused_elementwise is fused
+        layout = Layout(fused_elementwise=allowed)
+        assert choose(shape, request, layout, (100 * GIB, 100 * GIB)).memory.fused_elementwise is fused
 
     setup = TrainingSetup(seq_len=32768, memory=memory_options("ac,attn,norms,fused"))
     plain = predict_step_time(shape, dataclasses.replace(setup, memory=memory_options("ac,attn,norms"))).terms
-    assert predict_step_time(shape, setup).terms == plain  # factor 1.0: no modelled gain yet
-    halved = predict_step_time(shape, setup, speeds=dataclasses.replace(H200, fused_elementwise_factor=0.5)).terms
-    assert halved["elementwise kernels"] == 0.5 * plain["elementwise kernels"]
-    changed = {name for name in plain if halved[name] != plain[name]}
+    unity = predict_step_time(shape, setup, speeds=dataclasses.replace(H200, fused_elementwise_factor=1.0)).terms
+    assert unity == plain
+    fused = predict_step_time(shape, setup).terms
+    assert fused["elementwise kernels"] == pytest.approx(0.75 * plain["elementwise kernels"])
+    changed = {name for name in plain if fused[name] != plain[name]}
     assert changed == {"elementwise kernels", "recompute: layer forwards"}  # a recompute runs the fused kernels too
+
+
+def test_auto_may_switch_it_on_only_where_it_applies():
+    """`fused_elementwise_applies`: what memory="auto" asks before it switches the option on (it must never pick
+    an option the model then refuses); it changes nothing."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    from lightning_ulysses.memory import fused_elementwise_applies
+
+    llama = tiny_llama(2)
+    assert fused_elementwise_applies(llama) and not _replaced(llama)
+    assert not fused_elementwise_applies(tiny_gpt(2))  # LayerNorms and an ungated MLP
+    gemma = GemmaForCausalLM(GemmaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    assert not fused_elementwise_applies(gemma)  # (1 + weight) RMSNorms, refused by the option
