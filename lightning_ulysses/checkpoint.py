@@ -4,8 +4,8 @@ A checkpoint is DeepSpeed's directory (one shard file per rank) plus what this m
 
 - `ulysses.json`, the manifest: written last, by global rank 0, once every rank has finished writing. A
   directory without it is an interrupted save and is refused on load.
-- `rng/rank_<r>.pt`: every rank's random-number-generator states (dropout differs per rank), restored at the
-  first training batch after a resume.
+- `rng/rank_<r>.pt`: every rank's random-number-generator states, the shared stream's and the SP rank's own that
+  its steps draw dropout masks from (`lightning_ulysses.rng`), restored at the first training batch after a resume.
 - `hf/<module path>/config.json`: the config of every Hugging Face model in the LightningModule, so `export`
   can write a `save_pretrained` directory without the training code.
 
@@ -44,6 +44,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from lightning_ulysses import _lightning_private as lightning_private
+from lightning_ulysses.rng import SequenceParallelRNG
 
 MANIFEST = "ulysses.json"
 FORMAT_VERSION = 1
@@ -175,19 +176,14 @@ def _fsync_directory(directory: Path) -> None:
 
 
 # -- random number generators ------------------------------------------------------------------------------------
-def save_rng_state(directory: Path, rank: int) -> None:
+def save_rng_state(directory: Path, rank: int, streams: SequenceParallelRNG) -> None:
     (directory / "rng").mkdir(exist_ok=True)
-    states = lightning_private.collect_rng_states(include_cuda=torch.cuda.is_available())
-    torch.save(states, directory / "rng" / f"rank_{rank}.pt")
+    torch.save(streams.collect(), directory / "rng" / f"rank_{rank}.pt")
 
 
 def load_rng_state(directory: Path, rank: int) -> Optional[dict[str, Any]]:
     path = directory / "rng" / f"rank_{rank}.pt"
     return torch.load(path, weights_only=False) if path.exists() else None
-
-
-def restore_rng_state(states: Mapping[str, Any]) -> None:
-    lightning_private.set_rng_states(dict(states))
 
 
 # -- data position -------------------------------------------------------------------------------------------------
@@ -307,12 +303,14 @@ class StrategyCheckpoints:
     """The checkpoint protocol behind `UlyssesDeepSpeedStrategy`'s `save_checkpoint`, `load_checkpoint`,
     `load_model_state_dict`, `process_dataloader` and `on_train_batch_start`, and the resume state between them.
 
-    `strategy` is the `UlyssesDeepSpeedStrategy` (its ranks, groups, config and trainer); the parent
-    `DeepSpeedStrategy`'s own save and load are passed in by the hooks as `write` and `load`.
+    `strategy` is the `UlyssesDeepSpeedStrategy` (its ranks, groups, config and trainer), `random_streams` the
+    random streams its steps draw from; the parent `DeepSpeedStrategy`'s own save and load are passed in by the hooks
+    as `write` and `load`.
     """
 
-    def __init__(self, strategy: Any) -> None:
+    def __init__(self, strategy: Any, random_streams: Optional[SequenceParallelRNG] = None) -> None:
         self.strategy = strategy
+        self.random_streams = random_streams if random_streams is not None else SequenceParallelRNG()
         self.resume: Optional[PendingResume] = None
         self.data_epoch: Optional[int] = None  # the epoch the last training batch came from (see `resumable_loops`)
         self._load_consolidated_weights = False  # see `load`
@@ -334,7 +332,7 @@ class StrategyCheckpoints:
         if "loops" in checkpoint:
             checkpoint = {**checkpoint, "loops": self.resumable_loops(checkpoint["loops"])}
         write(checkpoint, staging, storage_options)
-        save_rng_state(staging, strategy.global_rank)
+        save_rng_state(staging, strategy.global_rank, self.random_streams)
         if strategy.is_global_zero:
             save_hf_configs(staging, hf_model_configs)
         strategy.barrier("lightning_ulysses.checkpoint.written")
@@ -471,7 +469,7 @@ class StrategyCheckpoints:
             # for the new epoch's data loader iterator (its base seed); Lightning creates that iterator right after
             # this call, so the generators continue from here, not from the first batch.
             if resume.rng_state is not None:
-                restore_rng_state(resume.rng_state)
+                self.random_streams.restore(resume.rng_state)
                 resume.rng_state = None
             return dataloader
         # An iterable dataset's DataLoader has a sampler too (torch's placeholder), which it never draws from.
@@ -493,7 +491,7 @@ class StrategyCheckpoints:
         # otherwise consume random numbers the uninterrupted run did not (at an epoch boundary: process_dataloader).
         if self.resume is not None:
             if self.resume.rng_state is not None:
-                restore_rng_state(self.resume.rng_state)
+                self.random_streams.restore(self.resume.rng_state)
             self.resume = None
         # Lightning set the sampler's epoch from this counter when the epoch began; it stays until the epoch loop
         # ends (a checkpoint needs it after that, see `resumable_loops`).

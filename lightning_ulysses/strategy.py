@@ -39,17 +39,19 @@ from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, che
 from lightning_ulysses.memory import MemoryOptions, apply_allocator_settings, fused_elementwise_applies
 from lightning_ulysses.loss import SequenceParallelCausalLMLoss, gradient_scale_for
 from lightning_ulysses.notebook import configure_launcher
+from lightning_ulysses.rng import SequenceParallelRNG
 from lightning_ulysses.sharding import SequencePadding, SequenceSharder
 
 # A child of Lightning's logger, so the start-up report prints wherever Lightning's own messages do.
 _log = logging.getLogger("lightning.pytorch.ulysses")
 
 
-def _under_kernel_priority(name: str) -> Callable[..., Any]:
-    """The parent's step hook `name` under the strategy's SDPA kernel order."""
+def _step_hook(name: str) -> Callable[..., Any]:
+    """The parent's step hook `name` under the strategy's SDPA kernel order and, on shards, drawing from this SP
+    rank's own random stream (`rng.py`)."""
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
-        with sdpa_priority(self.sdpa_kernel_priority):
+        with sdpa_priority(self.sdpa_kernel_priority), self._step_random_stream():
             return getattr(super(UlyssesDeepSpeedStrategy, self), name)(*args, **kwargs)
 
     step.__name__ = step.__qualname__ = name
@@ -213,7 +215,9 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._batch_check = SameBatchCheck(check_batches)
         self._watchdog: Optional[faults.RankWatchdog] = None
         self._signals = faults.SchedulerSignals()
-        self._checkpoints = StrategyCheckpoints(self)
+        # Dropout masks differ between the SP ranks: the steps draw from a stream of their own (`rng.py`).
+        self._random_streams = SequenceParallelRNG()
+        self._checkpoints = StrategyCheckpoints(self, self._random_streams)
         self._hf_model_configs: dict[str, Any] = {}  # module path → the config save_pretrained will need
         self._preflight_reported = False
 
@@ -288,6 +292,9 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self.set_world_ranks()
         lightning_private.init_deepspeed_distributed(self)
         self._setup_parallel_groups()
+        # After `reset_seed`, on every set-up (fit twice seeds it twice alike); a resume restores it later, at the
+        # first batch or (at an epoch boundary) in `process_dataloader`, both after this.
+        self._random_streams.reset(self.sequence_parallel_rank, self.sequence_parallel_world_size, self.root_device)
         if self._watchdog is None:
             self._watchdog = faults.start_watchdog(self.cluster_environment, self.global_rank, self.world_size,
                                                    self.heartbeat_timeout)
@@ -551,11 +558,17 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     # -- steps ----------------------------------------------------------------------------------------------------
     # The SDPA kernel priority holds for every step and its backward: a recompute in backward must pick the kernels
     # its forward picked (keep_attention_outputs replays them). Lightning has no single point around both (its
-    # precision plugin's step contexts wrap the forward only), so each hook enters the same context here.
-    training_step = _under_kernel_priority("training_step")
-    validation_step = _under_kernel_priority("validation_step")
-    test_step = _under_kernel_priority("test_step")
-    predict_step = _under_kernel_priority("predict_step")
+    # precision plugin's step contexts wrap the forward only), so each hook enters the same context here; the SP
+    # rank's own random stream (`rng.py`) is entered alongside.
+    training_step = _step_hook("training_step")
+    validation_step = _step_hook("validation_step")
+    test_step = _step_hook("test_step")
+    predict_step = _step_hook("predict_step")
+
+    def _step_random_stream(self) -> contextlib.AbstractContextManager:
+        """This SP rank's own random stream while batches are sharded (each rank drops its own tokens and heads);
+        whole rows (`sequence_parallel_in_evaluation=False`) draw from the shared one, alike on every rank."""
+        return self._random_streams.steps() if self.batches_are_sharded else contextlib.nullcontext()
 
     @override
     def backward(self, *args: Any, **kwargs: Any) -> Any:
@@ -565,7 +578,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         # that gradient clipping compares) k times too small. DeepSpeed still counts the micro-steps, so its step
         # boundary stays where it was; its loss scaler (fp16) is applied either way. Manual optimization has k = 1.
         kwargs.setdefault("scale_wrt_gas", False)
-        with sdpa_priority(self.sdpa_kernel_priority):
+        with sdpa_priority(self.sdpa_kernel_priority), self._step_random_stream():
             return super().backward(*args, **kwargs)
 
     # -- data ---------------------------------------------------------------------------------------------------

@@ -7,9 +7,11 @@ nevertheless those of a plain `get_peft_model` in one process seeded with `setti
 default, `B` zero), see `_initialise_adapters`. The strategy then prepares the `PeftModel`'s inner transformers model
 as any other (peft wraps the projections; attention, loss and memory engine are untouched by that).
 
-Dropout (`settings.dropout` > 0) is allowed, as the model's own dropout is under the strategy: each rank draws the
-masks of its own tokens (so a run is not bit-equal to one process, only equal in distribution), and the memory
-engine's recomputes replay them (`tests/unit/test_memory.py`).
+Dropout (`settings.dropout` > 0) is allowed, as the model's own dropout is under the strategy: at SP > 1 each SP
+rank's steps draw from a random stream of their own (`lightning_ulysses.rng`), so each rank draws the masks of its
+own tokens, unlike the other shards' (a run is not bit-equal to one process, only equal in distribution; DP
+replicas draw alike, as under Lightning's DDP), and the memory engine's recomputes replay them
+(`tests/unit/test_memory.py`, `tests/unit/test_rng.py`).
 """
 
 from __future__ import annotations

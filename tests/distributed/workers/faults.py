@@ -73,11 +73,11 @@ def main() -> None:
     if spec["kill"] == "save" and is_victim:
         save_rng_state, calls = checkpoints.save_rng_state, []
 
-        def save_then_die(directory, rank):
+        def save_then_die(directory, rank, *rest):
             calls.append(directory)
             if len(calls) == spec["at"]:
                 die()
-            save_rng_state(directory, rank)
+            save_rng_state(directory, rank, *rest)
 
         checkpoints.save_rng_state = save_then_die
     if spec["kill"] == "raise" and is_victim and spec.get("raise_in") == "commit":
