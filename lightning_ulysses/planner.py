@@ -303,25 +303,29 @@ def _optimizer_offload_terms(parameter_numels: Sequence[int], setup: TrainingSet
     return gpu, host, float(start_transient), max(on_gpu, default=0)
 
 
-def _layer_saved_bytes_per_token(shape: ModelShape, e: int, tiled_mlp: bool, low_memory_norms: bool = False) -> float:
+def _layer_saved_bytes_per_token(shape: ModelShape, e: int, tiled_mlp: bool, low_memory_norms: bool = False,
+                                 fused_elementwise: bool = False) -> float:
     """What autograd keeps of one decoder layer, per local token, without checkpointing.
 
     Each norm: its input (LayerNorm: 16-bit; HF RMSNorm: an fp32 copy plus the 16-bit normalised values; with
-    `low_memory_norms` the 16-bit input and an fp32 rstd per token) and its output (read by the next projections).
+    `low_memory_norms` or `fused_elementwise` the 16-bit input and an fp32 rstd per token, what their compiled or
+    hand-written backward reads) and its output (read by the next projections).
     Attention: q, k, v as the attention kernel saves them (h + 2·kv), the attention output (kernel) and the
     o-projection's input (the all-to-all's copy of it): 2h; fp32 log-sum-exp per head: 4·heads bytes. MLP: gated:
-    gate, up, activation and product (4·I), GELU: up and activation (2·I); a tiled MLP keeps none of these (only its
-    input, the norm output, already counted). The final norm is not counted (one norm beside the layer stack).
+    gate, up, activation and product (4·I; `fused_elementwise` recomputes the activation in backward: 3·I), GELU: up
+    and activation (2·I); a tiled MLP keeps none of these (only its input, the norm output, already counted). The
+    final norm is not counted (one norm beside the layer stack).
     """
     h, kv, inter = shape.hidden_size, shape.num_key_value_heads * shape.head_dim, shape.intermediate_size
     if not shape.fp32_norm_inputs:
         norm = 2 * e * h
-    elif low_memory_norms:
+    elif low_memory_norms or fused_elementwise:
         norm = 2 * e * h + 4
     else:
         norm = (4 + e + e) * h
     attention = norm + e * (h + 2 * kv + 2 * h) + 4 * shape.num_heads
-    mlp = norm + (0 if tiled_mlp else e * (4 if shape.gated_mlp else 2) * inter)
+    kept_per_intermediate = (3 if fused_elementwise else 4) if shape.gated_mlp else 2
+    mlp = norm + (0 if tiled_mlp else e * kept_per_intermediate * inter)
     return attention + mlp
 
 
@@ -367,7 +371,7 @@ def plan_memory(shape: ModelShape, setup: TrainingSetup) -> MemoryPlan:
     optimizer_transient = 2 * 4 * largest_gpu_sub_group
 
     # -- activations -------------------------------------------------------------------------------------------
-    layer_full = _layer_saved_bytes_per_token(shape, e, m.tiled_mlp, m.low_memory_norms)
+    layer_full = _layer_saved_bytes_per_token(shape, e, m.tiled_mlp, m.low_memory_norms, m.fused_elementwise)
     embedding_output = e * shape.hidden_size * tokens
     if m.activation_checkpointing:
         # every `checkpoint_interval`-th layer keeps its input; with keep_attention_outputs every layer also keeps
