@@ -153,3 +153,19 @@ class SequenceParallelRNG:
         if own is not None and self._own is not None:
             cuda = own["torch.cuda"] if self._device is not None and own["torch.cuda"] is not None else self._own[1]
             self._own = own["torch"], cuda
+
+
+def seed_workers_by_data_parallel_rank(dataloader: object, data_parallel_rank: int) -> None:
+    """Data-loader workers of the ranks of one SP group seeded alike: with `seed_everything(..., workers=True)`
+    Lightning gives a loader without its own `worker_init_fn` one that seeds each worker from the *global* rank
+    (`_auto_add_worker_init_fn`, after the strategy's `process_dataloader`), so a dataset or collator drawing random
+    numbers in its workers would hand the ranks of one SP group different samples. Setting Lightning's own function
+    with the DP rank first keeps its seeding (distinct per worker and DP replica) and makes the SP ranks agree.
+    A `worker_init_fn` of the user's is left as it is."""
+    import os
+    from functools import partial
+
+    from lightning.fabric.utilities.seed import pl_worker_init_function
+
+    if int(os.environ.get("PL_SEED_WORKERS", 0)) and getattr(dataloader, "worker_init_fn", False) is None:
+        dataloader.worker_init_fn = partial(pl_worker_init_function, rank=data_parallel_rank)

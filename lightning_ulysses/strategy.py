@@ -39,7 +39,7 @@ from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, che
 from lightning_ulysses.memory import MemoryOptions, apply_allocator_settings, fused_elementwise_applies
 from lightning_ulysses.loss import SequenceParallelCausalLMLoss, gradient_scale_for
 from lightning_ulysses.notebook import configure_launcher
-from lightning_ulysses.rng import SequenceParallelRNG
+from lightning_ulysses.rng import SequenceParallelRNG, seed_workers_by_data_parallel_rank
 from lightning_ulysses.sharding import SequencePadding, SequenceSharder
 
 # A child of Lightning's logger, so the start-up report prints wherever Lightning's own messages do.
@@ -536,8 +536,11 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """After a resume in the middle of an epoch, skip the samples that epoch already trained on."""
-        return self._checkpoints.process_dataloader(dataloader)
+        """After a resume in the middle of an epoch, skip the samples that epoch already trained on; seed data-loader
+        workers by the DP rank, so that the ranks of an SP group load the same samples."""
+        dataloader = self._checkpoints.process_dataloader(dataloader)
+        seed_workers_by_data_parallel_rank(dataloader, self.parallel_groups.data_parallel_rank)
+        return dataloader
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -147,3 +147,43 @@ def test_dropout_masks_differ_between_sp_ranks_and_recomputes_replay_them():
 def _masks(dropout: torch.nn.Module, streams: SequenceParallelRNG) -> torch.Tensor:
     with streams.steps():
         return dropout(torch.ones(64)) == 0
+
+
+class _RandomSamples(torch.utils.data.Dataset):
+    """A dataset drawing in its workers (random crops, masking, augmentation...)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.rand(1)
+
+
+def _loaded(global_rank: int, data_parallel_rank=None, worker_init_fn=None) -> list[float]:
+    """What one rank's loader yields, with Lightning's worker seeding as `fit` adds it (`seed_everything(workers=True)`)
+    and, if `data_parallel_rank` is given, the strategy's `process_dataloader` before it."""
+    from lightning.fabric.utilities.data import _auto_add_worker_init_fn
+
+    from types import SimpleNamespace
+
+    from lightning_ulysses import UlyssesDeepSpeedStrategy
+
+    torch.manual_seed(0)  # seed_everything: the same on every rank
+    loader = torch.utils.data.DataLoader(_RandomSamples(), num_workers=1, worker_init_fn=worker_init_fn)
+    if data_parallel_rank is not None:
+        strategy = UlyssesDeepSpeedStrategy()
+        strategy._groups = SimpleNamespace(data_parallel_rank=data_parallel_rank)  # as set up on that rank
+        loader = strategy.process_dataloader(loader)
+    _auto_add_worker_init_fn(loader, global_rank)
+    return [float(sample) for sample in loader]
+
+
+def test_data_loader_workers_are_seeded_alike_over_an_sp_group(monkeypatch):
+    monkeypatch.setenv("PL_SEED_WORKERS", "1")
+    # Lightning alone seeds workers by the global rank: the two ranks of one SP group would load other samples.
+    assert _loaded(0) != _loaded(1)
+    # By the DP rank: global ranks 0 and 1 (SP group 0, DP rank 0) alike, global rank 2 (DP rank 1) its own.
+    assert _loaded(0, 0) == _loaded(1, 0) != _loaded(2, 1)
+    assert _loaded(1, 0) == _loaded(0)  # Lightning's own seeding, with the DP rank for the rank
+    own = lambda worker_id: torch.manual_seed(123)  # noqa: E731 - a user's own function is kept
+    assert _loaded(0, 0, own) == _loaded(1, 0, own) == _loaded(0, None, own)
