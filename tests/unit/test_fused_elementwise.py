@@ -21,6 +21,7 @@ from lightning_ulysses.memory import MemoryOptions, apply_memory_options
 from lightning_ulysses.memory.fused import call_compiled, gated_activation, rms_norm
 from lightning_ulysses.memory.norms import _backward_body, _forward_body, low_memory_rms_norm
 from tests.distributed.common import tiny_gpt, tiny_llama
+from tests.distributed.families import FAMILIES, family_model
 from tests.unit.test_memory import SEQ_LEN, _assert_same, _batch, _loss_and_grads, _saved_for_backward
 
 CHEAP = "aot_eager"
@@ -250,3 +251,28 @@ def test_auto_may_switch_it_on_only_where_it_applies():
     gemma = GemmaForCausalLM(GemmaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8))
     assert not fused_elementwise_applies(gemma)  # (1 + weight) RMSNorms, refused by the option
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_is_fused_exactly_or_refused(family):
+    """memory="auto" switches `fused_elementwise` on (on CUDA) for every model `fused_elementwise_applies` accepts:
+    over the whole family matrix, a model it accepts trains exactly like the plain one (fp32 loss and gradients,
+    compiled code ran), and one it does not accept is refused by the option itself — never neither."""
+    from lightning_ulysses.memory import fused_elementwise_applies
+
+    settings = FAMILIES[family]
+    plain = family_model(family)
+    plain = (plain.double() if settings.get("float64") else plain).train(not settings.get("eval"))
+    model = copy.deepcopy(plain)
+    options = MemoryOptions(fused_elementwise=True, fused_backend=CHEAP)
+    if not fused_elementwise_applies(plain):
+        with pytest.raises(ValueError):
+            apply_memory_options(model, options)
+        return
+    torch.manual_seed(1)
+    input_ids = torch.randint(0, plain.config.vocab_size, (2, 12))
+    expected = _loss_and_grads(plain, input_ids, input_ids, use_cache=False)
+    graphs = _unique_graphs()
+    apply_memory_options(model, options)
+    _assert_same(expected, _loss_and_grads(model, input_ids, input_ids, use_cache=False))
+    assert _replaced(model) and _unique_graphs() > graphs  # the compiled functions ran
