@@ -307,15 +307,16 @@ def _export_hf_model(config_dir: Path, state: Mapping[str, torch.Tensor], name: 
 
 def _refuse_unrecorded_adapters(config_dir: Path, name: str, weights: Mapping[str, torch.Tensor]) -> None:
     """A model whose weights carry peft's names (`...base_layer.weight`, `...lora_A.default.weight`) in a checkpoint
-    without its adapter config (written before checkpoints recorded it) cannot be rebuilt: say how to record it."""
+    without its adapter config (one written before checkpoints recorded it) cannot be rebuilt: say how to record it."""
     peft_keys = [key for key in weights if any(part == "base_layer" or part.startswith("lora_")
                                                for part in key.split("."))]
     if peft_keys:
         raise ValueError(
             f"{name} was trained with PEFT (LoRA) adapters ({peft_keys[0]}, ...), and this checkpoint does not record"
-            f" their config (it was written before checkpoints recorded {ADAPTER_CONFIG} beside config.json). Write"
-            f" the run's LoRA settings there and export again: `LoraConfig(r=..., lora_alpha=...,"
-            f" target_modules=[...]).save_pretrained('{config_dir}')` (peft), or for the recipes' `model.lora` block"
+            f" their config (checkpoints record it as {ADAPTER_CONFIG} beside config.json for a model inside a"
+            f" PeftModel; older ones do not). Write the run's LoRA settings there and export again: `LoraConfig(r=...,"
+            f" lora_alpha=..., target_modules=[...]).save_pretrained('{config_dir}')` (peft), or for the recipes'"
+            f" `model.lora` block"
             f" `LoraSettings(**lora).peft_config().save_pretrained('{config_dir}')` (lightning_ulysses.models.lora)."
         )
 
