@@ -7,7 +7,11 @@ A checkpoint is DeepSpeed's directory (one shard file per rank) plus what this m
 - `rng/rank_<r>.pt`: every rank's random-number-generator states, the shared stream's and the SP rank's own that
   its steps draw dropout masks from (`lightning_ulysses.rng`), restored at the first training batch after a resume.
 - `hf/<module path>/config.json`: the config of every Hugging Face model in the LightningModule, so `export`
-  can write a `save_pretrained` directory without the training code.
+  can write a `save_pretrained` directory without the training code; beside it, for a model a PEFT (LoRA) model
+  adapts, `adapter_config.json` (peft's own file: the active adapter's `LoraConfig`), so that `export` rebuilds the
+  PEFT model and writes its `adapter/` (and `merged/`) folders as `ExportPretrained` does at the end of `fit`. The
+  PEFT model's state-dict keys are the recorded model's under `base_model.model.` (`export.PEFT_BASE`): nothing
+  else needs recording.
 
 Saves are atomic: ranks write into `<path>.partial`; rank 0 then moves a previous checkpoint at `<path>` aside
 to `<path>.previous`, renames `<path>.partial` to `<path>` and deletes `<path>.previous`. A save interrupted at
@@ -24,7 +28,8 @@ rank); `export` still recovers the weights from such a checkpoint.
 and its barriers, the loop state rewritten to the data position, the resume state kept from load to the first
 batch, and evaluation loads of ZeRO-3 checkpoints (which DeepSpeed cannot load into an engine without optimizer).
 
-Command line: `python -m lightning_ulysses checkpoint {inspect,export} ...` (see `main`).
+Command line: `python -m lightning_ulysses checkpoint {inspect,export} ...` (see `main`; `export --merged` also
+writes a LoRA model's adapters merged into its base weights).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ FORMAT_VERSION = 1
 PARTIAL_SUFFIX = ".partial"
 PREVIOUS_SUFFIX = ".previous"
 DEEPSPEED_TAG = "checkpoint"  # the tag Lightning's DeepSpeedStrategy saves under
+ADAPTER_CONFIG = "adapter_config.json"  # peft's file name (`PeftConfig.save_pretrained` / `from_pretrained`)
 
 
 class IncompleteCheckpointError(RuntimeError):
@@ -250,10 +256,11 @@ def consolidated_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return get_fp32_state_dict_from_zero_checkpoint(str(path), tag=deepspeed_tag(path))
 
 
-def export(path: Path, output: Path, hf_model: Optional[str] = None) -> list[Path]:
+def export(path: Path, output: Path, hf_model: Optional[str] = None, merged: bool = False) -> list[Path]:
     """Write `output/model.pt` (the consolidated state dict) and, for every Hugging Face model recorded in the
     checkpoint (or only `hf_model`, a module path like `model`), a `save_pretrained` directory
-    `output/<module path>`. Returns the paths written."""
+    `output/<module path>`; for a model with LoRA adapters, `output/<PEFT model's module path>/adapter` and, with
+    `merged`, `.../merged`, as `ExportPretrained` writes them. Returns the paths written."""
     path = resolve_checkpoint(Path(path))
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
@@ -267,26 +274,63 @@ def export(path: Path, output: Path, hf_model: Optional[str] = None) -> list[Pat
             raise ValueError(f"The checkpoint records no Hugging Face model at {hf_model!r}; it records {names}.")
         names = [hf_model]
     for name in names:
-        written.append(_export_hf_model(path / "hf" / name, state, name, output / name))
+        written += _export_hf_model(path / "hf" / name, state, name, output, merged)
     return written
 
 
-def _export_hf_model(config_dir: Path, state: Mapping[str, torch.Tensor], name: str, target: Path) -> Path:
+def _export_hf_model(config_dir: Path, state: Mapping[str, torch.Tensor], name: str, output: Path,
+                     merged: bool) -> list[Path]:
+    """The folder(s) `save_pretrained_folders` writes for the model recorded at `name` (see `export`)."""
     from transformers import AutoConfig
 
-    from lightning_ulysses.export import save_pretrained_folders
+    from lightning_ulysses.export import PEFT_BASE, save_pretrained_folders
 
     prefix = f"{name}."
     weights = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
+    config, lora, target = AutoConfig.from_pretrained(config_dir), None, output / name
+    if (config_dir / ADAPTER_CONFIG).exists():
+        from peft import PeftConfig
+
+        lora = PeftConfig.from_pretrained(str(config_dir))
+        # The PEFT model's own keys and module path (`name` is that of the model it adapts, see the module docstring).
+        weights = {f"{PEFT_BASE}.{key}": value for key, value in weights.items()}
+        target = output / name.removesuffix(f".{PEFT_BASE}")
+        # The adapter folder names the base the run loaded (as the callback's does), not this checkpoint's folder.
+        config.name_or_path = lora.base_model_name_or_path or config.name_or_path
+    else:
+        _refuse_unrecorded_adapters(config_dir, name, weights)
     try:
-        return save_pretrained_folders(AutoConfig.from_pretrained(config_dir), weights, target)[0]
+        return save_pretrained_folders(config, weights, target, lora=lora, merged=merged)
     except ValueError as error:
         raise ValueError(f"{name}: checkpoint weights do not match the model: {error}") from error
 
 
-def save_hf_configs(directory: Path, configs: Mapping[str, Any]) -> None:
+def _refuse_unrecorded_adapters(config_dir: Path, name: str, weights: Mapping[str, torch.Tensor]) -> None:
+    """A model whose weights carry peft's names (`...base_layer.weight`, `...lora_A.default.weight`) in a checkpoint
+    without its adapter config (one written before checkpoints recorded it) cannot be rebuilt: say how to record it."""
+    peft_keys = [key for key in weights if any(part == "base_layer" or part.startswith("lora_")
+                                               for part in key.split("."))]
+    if peft_keys:
+        raise ValueError(
+            f"{name} was trained with PEFT (LoRA) adapters ({peft_keys[0]}, ...), and this checkpoint does not record"
+            f" their config (checkpoints record it as {ADAPTER_CONFIG} beside config.json for a model inside a"
+            f" PeftModel; older ones do not). Write the run's LoRA settings there and export again: `LoraConfig(r=...,"
+            f" lora_alpha=..., target_modules=[...]).save_pretrained('{config_dir}')` (peft), or for the recipes'"
+            f" `model.lora` block"
+            f" `LoraSettings(**lora).peft_config().save_pretrained('{config_dir}')` (lightning_ulysses.models.lora)."
+        )
+
+
+def save_hf_configs(directory: Path, configs: Mapping[str, Any], module: Optional[torch.nn.Module] = None) -> None:
+    """`hf/<module path>/config.json` of every model of `configs`, and `adapter_config.json` beside it for a model a
+    PEFT model in `module` (the LightningModule) adapts."""
+    from lightning_ulysses.export import adapter_configs
+
+    adapters = adapter_configs(module) if module is not None else {}
     for name, config in configs.items():
         config.save_pretrained(directory / "hf" / name)
+        if name in adapters:
+            adapters[name].save_pretrained(directory / "hf" / name)
 
 
 # -- the strategy's side: atomic saves, exact resumes, evaluation loads of ZeRO-3 checkpoints -----------------------
@@ -334,7 +378,7 @@ class StrategyCheckpoints:
         write(checkpoint, staging, storage_options)
         save_rng_state(staging, strategy.global_rank, self.random_streams)
         if strategy.is_global_zero:
-            save_hf_configs(staging, hf_model_configs)
+            save_hf_configs(staging, hf_model_configs, strategy.lightning_module)
         strategy.barrier("lightning_ulysses.checkpoint.written")
         if strategy.is_global_zero:
             commit(path, self.manifest(hf_model_configs))
@@ -505,11 +549,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     inspect = commands.add_parser("inspect", help="check a checkpoint is complete and print what wrote it")
     inspect.add_argument("checkpoint", type=Path)
     exporter = commands.add_parser(
-        "export", help="write the consolidated state dict (model.pt) and save_pretrained folders of HF models"
+        "export", help="write the consolidated state dict (model.pt) and save_pretrained folders of HF models (LoRA:"
+                       " adapter/, and merged/ with --merged)"
     )
     exporter.add_argument("checkpoint", type=Path)
     exporter.add_argument("output", type=Path)
     exporter.add_argument("--hf-model", default=None, help="only this Hugging Face model (its module path)")
+    exporter.add_argument("--merged", action="store_true",
+                          help="for a LoRA model, also write its adapters merged into the base weights (merged/)")
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
@@ -517,7 +564,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             manifest = read_manifest(path)
             print(json.dumps({"path": str(path), **(asdict(manifest) if manifest else {"manifest": None})}, indent=2))
         else:
-            for written in export(args.checkpoint, args.output, args.hf_model):
+            for written in export(args.checkpoint, args.output, args.hf_model, args.merged):
                 print(f"wrote {written}")
     except (IncompleteCheckpointError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -5,7 +5,8 @@ trained: for a Hugging Face model, `directory/` with its weights, config and (fr
 `AutoModelForCausalLM.from_pretrained(directory)` loads with the trained model's logits; for a PEFT LoRA model,
 `directory/adapter/` (peft's adapter folder: `PeftModel.from_pretrained(base, directory/adapter)`) and, with
 `merged=True`, `directory/merged/` (the adapters merged into the base weights by peft's `merge_and_unload`, a plain
-model folder).
+model folder). `python -m lightning_ulysses checkpoint export` writes the same folders from a checkpoint (through
+`save_pretrained_folders`; a LoRA model's adapter config is saved with every checkpoint, see `adapter_configs`).
 
 Under ZeRO-3 each rank holds a partition of every parameter: DeepSpeed's own consolidation for `save_16bit_model`
 (`_zero3_consolidated_16bit_state_dict`, a collective: one module gathered at a time, copied to global rank 0's host
@@ -17,12 +18,17 @@ swaps in a copy with Ulysses attention while it trains).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import lightning.pytorch as pl
 import torch
 from typing_extensions import override
+
+# Where a `PeftModel` keeps the model it adapts (`peft_model.base_model.model`): the PEFT model's state-dict keys are
+# that model's (adapted layers included) under this prefix.
+PEFT_BASE = "base_model.model"
 
 
 class ExportPretrained(pl.Callback):
@@ -103,6 +109,17 @@ def _is_tied(model, key: str) -> bool:
     tied = getattr(model, "_tied_weights_keys", None) or {}
     keys = tied.keys() if isinstance(tied, Mapping) else tied
     return any(key == pattern or key.endswith(pattern) for pattern in keys)
+
+
+def adapter_configs(root: torch.nn.Module) -> dict[str, Any]:
+    """Module path of every model a `PeftModel` in `root` adapts (`<PEFT model's path>.base_model.model`: the Hugging
+    Face model the strategy prepares and records) → that PEFT model's active adapter config (a `LoraConfig`). Empty
+    while peft was never imported: no PEFT model can exist then (peft is not a dependency)."""
+    peft = sys.modules.get("peft")
+    if peft is None:
+        return {}
+    return {f"{name}.{PEFT_BASE}" if name else PEFT_BASE: _lora_config(module)
+            for name, module in root.named_modules() if isinstance(module, peft.PeftModel)}
 
 
 def _lora_config(model: torch.nn.Module) -> Any:

@@ -113,8 +113,10 @@ def _matrix():
         _case(4, 2, 3, "mha", suffix="-pretrained", model="pretrained", in_configure_model=True, export=True),
         _case(4, 4, 3, "gqa", suffix="-pretrained-tied", model="pretrained-tied", in_configure_model=True, export=True),
         # LoRA on the loaded model in configure_model (adapters partitioned by zero.Init as peft creates them),
-        # against peft's own LoRA model in one process; exported as adapters and merged.
-        _case(4, 2, 3, "mha", suffix="-pretrained-lora", model="pretrained-lora", in_configure_model=True, export=True),
+        # against peft's own LoRA model in one process; exported as adapters and merged, at the end of fit and by
+        # `checkpoint export` from a checkpoint saved after fit (`checkpoint_export`).
+        _case(4, 2, 3, "mha", suffix="-pretrained-lora", model="pretrained-lora", in_configure_model=True, export=True,
+              checkpoint_export=True),
         _case(4, 2, 3, "mqa", suffix="-pretrained-frozen", model="pretrained-frozen", in_configure_model=True),
         _case(4, 2, 3, "gqa", suffix="-pretrained-yarn", model="pretrained-yarn", in_configure_model=True),
         _case(4, 2, 2, "mha", suffix="-pretrained-tied", model="pretrained-tied", in_configure_model=True),
@@ -147,8 +149,9 @@ def _results_for(world_size: int, tmp_path_factory) -> list[dict]:
     return JOBS[world_size].ranks(tmp_path_factory)
 
 
-CLAIMS = ("routing", "shards", "losses", "weights", "evaluation", "replicas", "tying", "export")
+CLAIMS = ("routing", "shards", "losses", "weights", "evaluation", "replicas", "tying", "export", "checkpoint_export")
 _APPLIES = {"evaluation": lambda case: case.get("validate"), "export": lambda case: case.get("export"),
+            "checkpoint_export": lambda case: case.get("checkpoint_export"),
             "tying": lambda case: case.get("model", "").startswith("pretrained")}
 
 
@@ -295,20 +298,40 @@ def _check_tying(case: dict, ranks: list[dict], steps) -> None:
 
 
 def _check_export(case: dict, ranks: list[dict], steps) -> None:
-    """The folders written at the end of training load, without the training code, with the trained model's logits
-    (eager attention on both sides): a full model through `AutoModelForCausalLM` identically; LoRA's adapter folder
-    on the saved base through `PeftModel` identically, and the merged folder identically to peft's merge of the
-    trained model (within 1e-5 of the unmerged one: merging changes the order of the sums)."""
+    """The folders `ExportPretrained` wrote at the end of training (see `_check_exported`)."""
+    rank = next(rank for rank in ranks if rank["weights"] is not None)
+    _check_exported(case, rank, Path(rank["export"]))
+
+
+def _check_checkpoint_export(case: dict, ranks: list[dict], steps) -> None:
+    """`python -m lightning_ulysses checkpoint export <checkpoint saved after fit> <folder> --merged` writes the
+    folders the callback writes, for the PEFT model at `model`, with the same logits (`_check_exported`, same
+    tolerances). The checkpoint holds DeepSpeed's fp32 master weights and the callback exports the module's weights:
+    in fp32 (`32-true`) these are the same values (ZeRO-3 copies the updated fp32 master partition into the module's
+    fp32 partition, no rounding; the frozen base is saved from the module's own partitions), so the logits are
+    identical, not merely close."""
+    from lightning_ulysses.checkpoint import main
+
+    rank = next(rank for rank in ranks if rank["weights"] is not None)
+    output = Path(rank["checkpoint"]).with_suffix(".exported")
+    assert main(["export", rank["checkpoint"], str(output), "--merged"]) == 0
+    assert sorted(p.name for p in output.iterdir()) == ["model", "model.pt"]  # the PEFT model's module path
+    _check_exported(case, rank, output / "model")
+
+
+def _check_exported(case: dict, rank: dict, export: Path) -> None:
+    """Exported folders load, without the training code, with the trained model's logits (eager attention on both
+    sides): a full model through `AutoModelForCausalLM` identically; LoRA's adapter folder on the saved base through
+    `PeftModel` identically, and the merged folder identically to peft's merge of the trained model (within 1e-5 of
+    the unmerged one: merging changes the order of the sums)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    rank = next(rank for rank in ranks if rank["weights"] is not None)
     trained = build_model(case["model"], case["kv_heads"], reference=True)
     result = trained.load_state_dict(rank["weights"], strict=False)
     assert not result.unexpected_keys and all("rotary" in key or key == "lm_head.weight" for key in result.missing_keys)
     tokens = torch.arange(2 * case["seq_len"]).reshape(2, -1) % trained.config.vocab_size
     logits = _logits(trained, tokens)
-    export = Path(rank["export"])
     if not case["model"].endswith("-lora"):
         assert torch.equal(_logits(AutoModelForCausalLM.from_pretrained(export, attn_implementation="eager"), tokens),
                            logits)
@@ -327,7 +350,7 @@ def _logits(model, tokens):
 
 _CHECKS = {"shards": _check_shards, "losses": _check_losses, "weights": _check_weights,
            "evaluation": _check_evaluation, "replicas": _check_replicas, "tying": _check_tying,
-           "export": _check_export}
+           "export": _check_export, "checkpoint_export": _check_checkpoint_export}
 
 
 def check_bf16_against_fp32(ranks: list[dict], reference: dict) -> None:

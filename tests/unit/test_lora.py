@@ -1,15 +1,19 @@
 """LoRA wiring (`lightning_ulysses.models.lora`) and the end-of-training export (`lightning_ulysses.export`) in one
-process. Under ZeRO-3 at SP 2 (adapters partitioned at creation, weights gathered for the export):
-tests/distributed/test_parity.py `-pretrained-lora` and the `-export` claims."""
+process, and `checkpoint export` of a LoRA model (its adapter config recorded in the checkpoint). Under ZeRO-3 at SP 2
+(adapters partitioned at creation, weights gathered for the export): tests/distributed/test_parity.py
+`-pretrained-lora` and the `-export` and `-checkpoint_export` claims."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lightning_ulysses import checkpoint as checkpoints
 from lightning_ulysses.export import save_pretrained_folders
 from lightning_ulysses.models import CausalLMModule
 from lightning_ulysses.models.lora import LoraSettings, _peft_initial_pair, with_lora
@@ -103,6 +107,12 @@ def test_lora_export_round_trip_adapter_and_merged(pretrained, tmp_path):
     assert folders == [tmp_path / "adapter", tmp_path / "merged"]
     assert {p.name for p in folders[0].iterdir()} >= {"adapter_config.json", "adapter_model.safetensors",
                                                       "tokenizer_config.json"}
+    _check_lora_folders(model, pretrained, folders)
+
+
+def _check_lora_folders(model, pretrained, folders):
+    """`adapter/` on the pretrained base gives the trained PEFT model's logits, `merged/` those of peft's merge of it
+    (within 1e-5 of the unmerged ones: merging changes the order of the sums)."""
     tokens = torch.arange(24).reshape(2, 12)
     expected = _logits(model, tokens)
     adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(pretrained), folders[0])
@@ -111,6 +121,49 @@ def test_lora_export_round_trip_adapter_and_merged(pretrained, tmp_path):
     assert torch.equal(_logits(model, tokens), expected)  # the merge left the trained model as it was
     assert torch.equal(merged, _logits(model.merge_and_unload(), tokens))
     assert (merged - expected).abs().max() < 1e-5
+
+
+# Where the strategy records a LoRA module's model: the Hugging Face model inside the PeftModel at `module.model`.
+RECORDED = "model.base_model.model"
+
+
+def _checkpoint_export(module, config_dir, output):
+    """What `checkpoint export --merged` does with the model recorded at RECORDED, given the module's whole state
+    dict (the consolidated checkpoint's, in a real checkpoint)."""
+    return checkpoints._export_hf_model(config_dir, module.state_dict(), RECORDED, output, merged=True)
+
+
+def test_a_checkpoint_records_the_lora_config_and_exports_the_callbacks_folders(pretrained, tmp_path):
+    """A checkpoint of a LoRA module records peft's adapter config beside the config of the model it adapts;
+    `checkpoint export` then writes `adapter/` and `merged/` under the PEFT model's module path, as `ExportPretrained`
+    does (the adapter naming the base the run loaded). The distributed round trip: test_parity.py's `-pretrained-lora`
+    `checkpoint_export` claim."""
+    from lightning_ulysses.export import adapter_configs
+
+    module = _lora_module(pretrained)
+    model = _trained(module)
+    assert adapter_configs(module) == {RECORDED: model.peft_config["default"]}
+    checkpoints.save_hf_configs(tmp_path / "ckpt", {RECORDED: model.get_base_model().config}, module)
+    config_dir = tmp_path / "ckpt" / "hf" / RECORDED
+    assert sorted(p.name for p in config_dir.iterdir()) == ["adapter_config.json", "config.json"]
+    folders = _checkpoint_export(module, config_dir, tmp_path / "export")
+    assert folders == [tmp_path / "export" / "model" / "adapter", tmp_path / "export" / "model" / "merged"]
+    assert PeftConfig.from_pretrained(folders[0]).base_model_name_or_path == str(pretrained)
+    _check_lora_folders(model, pretrained, folders)
+
+
+def test_a_lora_checkpoint_without_its_adapter_config_is_refused_naming_the_fix(pretrained, tmp_path):
+    """A checkpoint written before the adapter config was recorded holds peft's names for the weights: refused
+    with the file to write; writing it as the message says makes the export work."""
+    module = _lora_module(pretrained)
+    model = _trained(module)
+    config_dir = tmp_path / "ckpt" / "hf" / RECORDED
+    model.get_base_model().config.save_pretrained(config_dir)  # what such a checkpoint holds
+    fix = f"LoraSettings(**lora).peft_config().save_pretrained('{config_dir}')"
+    with pytest.raises(ValueError, match=r"trained with PEFT \(LoRA\) adapters .*" + re.escape(fix)):
+        _checkpoint_export(module, config_dir, tmp_path / "export")
+    LoraSettings(**LORA).peft_config().save_pretrained(config_dir)
+    _check_lora_folders(model, pretrained, _checkpoint_export(module, config_dir, tmp_path / "export"))
 
 
 def test_recipe_keys_compose_into_lora_and_export(pretrained, tmp_path):

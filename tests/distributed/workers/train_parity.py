@@ -100,7 +100,7 @@ def run_case(case: dict, world_size: int) -> dict:
     trainer.fit(module, DataLoader(dataset, batch_size=batch_size, collate_fn=collate))
     weights = module.final_weights
     path = str(Path(case["workdir"]) / f"{case['name']}.ckpt")
-    if case.get("validate_from_checkpoint"):
+    if case.get("validate_from_checkpoint") or case.get("checkpoint_export"):
         trainer.save_checkpoint(path)  # while the training engine exists (predict replaces it)
     if case.get("validate"):
         # Same process, same Trainer: the groups and the attention must be set up again cleanly.
@@ -134,6 +134,7 @@ def run_case(case: dict, world_size: int) -> dict:
         "sdpa_orders": sorted(module.sdpa_orders),
         "pretrained": pretrained,
         "export": str(Path(case["workdir"]) / f"{case['name']}.export") if case.get("export") else None,
+        "checkpoint": path if case.get("checkpoint_export") else None,
         "memory_choice": strategy.memory_choice and strategy.memory_choice.as_dict(),
         "memory": dataclasses.asdict(strategy.memory),
         "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before,
