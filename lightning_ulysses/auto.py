@@ -78,7 +78,7 @@ class AutoMemory:
     # but unallocated, against a predicted 133.6 GiB peak; benchmarks/results/2026-12-02-h200-memory-auto/).
     expandable_segments: bool = True
     # None: on where the layout allows it (CUDA with Triton, and a model whose norms or gated MLPs it recognises):
-    # it costs no memory and its measured step-time gain is in the step-time model (`fused_elementwise_factor`).
+    # it keeps less for backward (the planner counts it) and its measured gain is in the step-time model.
     fused_elementwise: Optional[bool] = None
     fused_backend: str = "inductor"
 
@@ -291,7 +291,7 @@ def _option_sets(request: AutoMemory, layout: Layout) -> list[MemoryOptions]:
         return (pinned,) if pinned is not None else free
 
     host = (False, True) if layout.on_cuda else (False,)
-    # Not an axis: where allowed it is always faster and costs no memory (measured: same peak), so it is simply on.
+    # Not an axis: where allowed it is faster and keeps less for backward (planner, measured), so it is simply on.
     fused = request.fused_elementwise if request.fused_elementwise is not None else layout.fused_elementwise
     axes = {"tiled_logits_loss": values("tiled_logits_loss", (False, True)),
             "low_memory_norms": values("low_memory_norms", (False, True)),
@@ -408,7 +408,7 @@ def _reasons(shape, request, layout, budget, offloads, best: Candidate) -> dict[
         off = _best_share(shape, request, layout, budget,
                           dataclasses.replace(best.setup.memory, fused_elementwise=False), offloads)
         reasons["fused_elementwise"] = (f"with fused_elementwise=False: {off.time.total - best.time.total:+.3f} s per"
-                                        " step, the same memory" if off else "compiled norms and gated activations")
+                                        " step" if off else "with fused_elementwise=False nothing fits")
     if "offload_optimizer" in pinned or layout.configured_offload is not None:
         reasons["offload_optimizer"] = "set by you"
     elif not layout.on_cuda:
