@@ -20,7 +20,7 @@ there is a ring (see its docstring).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -215,27 +215,30 @@ class SequenceParallelGroups:
 
     Build it with `SequenceParallelGroups.build(layout)` on every rank (group creation is collective).
     The Ulysses/ring sub-groups of each ring size are created once and shared by every `with_ring_size` copy.
+    `release()` destroys every group they created; sizes and ranks stay readable afterwards, the groups do not.
     """
 
     def __init__(self, layout: ParallelLayout, global_rank: int, sequence_parallel_group, data_parallel_group,
-                 subgroups: dict | None = None):
+                 subgroups: dict | None = None, _shared: _SharedGroups | None = None):
         self.layout = layout
         self.global_rank = global_rank
-        self._sequence_parallel_group = sequence_parallel_group
-        self._data_parallel_group = data_parallel_group
-        # ring_size → (ulysses group, ring group); None where that dimension has a single rank.
-        self._subgroups = subgroups if subgroups is not None else {}
-        if layout.ring_size not in self._subgroups:
-            self._subgroups[layout.ring_size] = self._build_subgroups(layout)
+        # The groups themselves live in one object that every `with_ring_size` copy shares (and `release` empties).
+        self._shared = _shared if _shared is not None else _SharedGroups(
+            sequence_parallel_group, data_parallel_group, subgroups if subgroups is not None else {})
+        if layout.ring_size not in self._shared.subgroups:
+            self._shared.subgroups[layout.ring_size] = self._build_subgroups(layout)
 
     def _build_subgroups(self, layout: ParallelLayout) -> tuple:
+        """(ulysses group, ring group) of `layout`; None where that dimension has a single rank."""
+        self._check_not_released()
         if layout.ring_size == 1:
-            return self._sequence_parallel_group, None
+            return self._shared.sequence_parallel, None
         if layout.ulysses_size == 1:
-            return None, self._sequence_parallel_group
+            return None, self._shared.sequence_parallel
         # Every rank must create every group, in the same order: with_ring_size is called alike on all ranks.
         ulysses_group, _ = dist.new_subgroups_by_enumeration(layout.ulysses_groups())
         ring_group, _ = dist.new_subgroups_by_enumeration(layout.ring_groups())
+        self._shared.created += [ulysses_group, ring_group]
         return ulysses_group, ring_group
 
     def with_ring_size(self, ring_size: int) -> SequenceParallelGroups:
@@ -243,8 +246,7 @@ class SequenceParallelGroups:
         layout = self.layout.with_ring_size(ring_size)  # validates before any group is created
         if layout == self.layout:
             return self
-        return SequenceParallelGroups(layout, self.global_rank, self._sequence_parallel_group,
-                                      self._data_parallel_group, self._subgroups)
+        return SequenceParallelGroups(layout, self.global_rank, None, None, _shared=self._shared)
 
     @classmethod
     def build(cls, layout: ParallelLayout) -> SequenceParallelGroups:
@@ -255,12 +257,51 @@ class SequenceParallelGroups:
         # Every rank must create every group, in the same order.
         sequence_parallel_group, _ = dist.new_subgroups_by_enumeration(layout.sequence_parallel_groups())
         data_parallel_group, _ = dist.new_subgroups_by_enumeration(layout.data_parallel_groups())
-        return cls(layout, dist.get_rank(), sequence_parallel_group, data_parallel_group)
+        shared = _SharedGroups(sequence_parallel_group, data_parallel_group, {},
+                               created=[sequence_parallel_group, data_parallel_group])
+        return cls(layout, dist.get_rank(), None, None, _shared=shared)
+
+    @property
+    def released(self) -> bool:
+        return self._shared.released
+
+    def release(self) -> None:
+        """Destroy every process group these groups created (SP, DP, then the Ulysses/ring sub-groups in the order
+        they were built) and drop this object's references to them; a second call does nothing.
+
+        Call it on every rank of the world, in the same order relative to other group creations and destructions,
+        once no collective on these groups is pending on any rank (e.g. after a barrier): NCCL's communicator
+        destruction may wait for the peers' (`destroy_process_group` shuts each group's backend down). Each rank
+        destroys the groups it belongs to, in creation order, which is the same order on every member. Through
+        DeepSpeed's `destroy_process_group` when DeepSpeed's communication backend is up, so that DeepSpeed forgets
+        any reference it cached to them; torch's otherwise. A group's threads and connections (gloo) end when the
+        last reference to it goes, which may be held elsewhere (a DeepSpeed engine keeps the SP group it trained on).
+        """
+        shared = self._shared
+        if shared.released:
+            return
+        shared.released = True
+        destroy = _destroy_process_group()
+        registered = dist.distributed_c10d._world.pg_map
+        for group in shared.created:
+            if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER and group in registered:
+                destroy(group)
+        shared.created.clear()
+        shared.sequence_parallel = shared.data_parallel = None
+        shared.subgroups.clear()
+
+    def _check_not_released(self) -> None:
+        if self._shared.released:
+            raise RuntimeError(
+                "These sequence-parallel process groups were released (the strategy releases its groups when each"
+                " fit/validate/test/predict ends): use them inside such a run (e.g. in LightningModule.setup,"
+                " configure_model or a step). Their sizes and this rank's ranks stay readable.")
 
     # -- the names this project uses ------------------------------------------------------------------------
     @property
     def sequence_parallel_group(self):
-        return self._sequence_parallel_group
+        self._check_not_released()
+        return self._shared.sequence_parallel
 
     @property
     def sequence_parallel_rank(self) -> int:
@@ -273,12 +314,14 @@ class SequenceParallelGroups:
     @property
     def ulysses_group(self):
         """The ranks that trade heads for tokens (all-to-all); None when `ulysses_size == 1` (pure ring)."""
-        return self._subgroups[self.layout.ring_size][0] if self.layout.sequence_parallel_size > 1 else None
+        self._check_not_released()
+        return self._shared.subgroups[self.layout.ring_size][0] if self.layout.sequence_parallel_size > 1 else None
 
     @property
     def ring_group(self):
         """The ranks that pass K/V blocks around; None when `ring_size == 1` (pure Ulysses)."""
-        return self._subgroups[self.layout.ring_size][1]
+        self._check_not_released()
+        return self._shared.subgroups[self.layout.ring_size][1]
 
     @property
     def ulysses_size(self) -> int:
@@ -294,7 +337,8 @@ class SequenceParallelGroups:
 
     @property
     def data_parallel_group(self):
-        return self._data_parallel_group
+        self._check_not_released()
+        return self._shared.data_parallel
 
     @property
     def data_parallel_rank(self) -> int:
@@ -307,6 +351,25 @@ class SequenceParallelGroups:
     def deepspeed_mpu(self) -> DeepSpeedSequenceParallelMPU:
         """The object to pass as `deepspeed.initialize(mpu=...)`."""
         return DeepSpeedSequenceParallelMPU(self)
+
+
+@dataclass
+class _SharedGroups:
+    """The process groups of a `SequenceParallelGroups` and of its `with_ring_size` copies."""
+
+    sequence_parallel: object
+    data_parallel: object
+    subgroups: dict  # ring_size → (ulysses group, ring group)
+    created: list = field(default_factory=list)  # what `build` and the sub-group splits created, in creation order
+    released: bool = False
+
+
+def _destroy_process_group():
+    """DeepSpeed's `destroy_process_group` (which also drops DeepSpeed's cached references to the group) when its
+    communication backend is up, torch's otherwise."""
+    import deepspeed.comm
+
+    return deepspeed.comm.destroy_process_group if deepspeed.comm.is_initialized() else dist.destroy_process_group
 
 
 class DeepSpeedSequenceParallelMPU:

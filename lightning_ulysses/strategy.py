@@ -194,6 +194,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._requested_ring_size = ring_size
         self.sequence_padding = sequence_padding
         self._groups: Optional[SequenceParallelGroups] = None
+        self._mpu = None  # the DeepSpeed mpu of our groups that `_initialize_engine` set last
+        self._run_failed = False  # a rank raised in this run (`on_exception`): its groups are not released
         self._sharder: Optional[SequenceSharder] = None
         # The sharder publishes each batch's whole rows here; the attention layers read them instead of gathering.
         self._batch_rows = BatchRowsSlot()
@@ -305,7 +307,11 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         layout = ParallelLayout(world_size=self.world_size, sequence_parallel_size=size,
                                 ring_size=self._requested_ring_size or 1).with_ring_size(1)
         gradient_scale_for(self.config, size)  # refuses a reduction no loss scale makes exact, before any group
-        if self._groups is None or self._groups.layout.with_ring_size(1) != layout:  # fit → validate reuses them
+        self._run_failed = False
+        # Released at the end of every run (`teardown`), so built again for each; kept only after a failed run.
+        if self._groups is not None and self._groups.layout.with_ring_size(1) != layout:
+            self._release_groups()  # such groups, replaced by another layout
+        if self._groups is None or self._groups.released:
             warning = layout.spans_nodes_warning(self.num_nodes, self.num_processes)
             if warning:
                 rank_zero_warn(warning)
@@ -453,10 +459,30 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         # The user's models leave the Trainer with their own attention and loss again.
         self._restore_modules()
         self._batch_rows.rows = None  # the last batch's rows are not kept alive after the Trainer is done
+        self._release_groups()  # while the watchdog runs: a rank lost at the barrier is named, not waited for
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None
         super().teardown()
+
+    def _release_groups(self) -> None:
+        """Destroy the SP/DP groups (and Ulysses/ring sub-groups) this strategy created, at the end of every run
+        (the next one, e.g. validate after fit, builds them again): otherwise every Trainer of a process leaves its
+        groups registered for good (gloo: a connection thread each; NCCL: communicators and their GPU memory).
+        On every rank alike, after a barrier (no collective on them is pending anywhere), in creation order
+        (`SequenceParallelGroups.release`). Not after a run that raised on a rank of a multi-rank job: the ranks
+        may not all get here (the others leave through `faults`), and the barrier would wait for them."""
+        groups = self._groups
+        if groups is None or groups.released or (self._run_failed and self.world_size > 1):
+            return
+        from deepspeed.utils import groups as deepspeed_groups
+
+        if deepspeed_groups.mpu is not None and deepspeed_groups.mpu is self._mpu:  # set by `_initialize_engine`
+            deepspeed_groups.mpu = None
+        self._mpu = None
+        if self.world_size > 1:
+            self.barrier("lightning_ulysses.release_groups")
+        groups.release()  # sizes and ranks stay readable (`parallel_groups`), the groups do not
 
     # -- evaluation without sequence parallelism (opt-in) ----------------------------------------------------------
     # The parents' validation/test/predict start and end hooks are no-ops, so one pair serves all three loops.
@@ -513,7 +539,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         mpu = groups.deepspeed_mpu() if groups.sequence_parallel_world_size > 1 else None
         # DeepSpeed keeps the last engine's mpu in a module global and only overwrites it with a non-None one:
         # clear it so an SP-1 engine after an SP-2 engine in one process does not reduce over stale groups.
-        deepspeed_groups.mpu = mpu
+        deepspeed_groups.mpu = self._mpu = mpu
         device_rank = self.root_device.index if self.root_device.index is not None else self.local_rank
         return deepspeed.initialize(args=argparse.Namespace(device_rank=device_rank), mpu=mpu,
                                     dist_init_required=False, **kwargs)
@@ -550,6 +576,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        self._run_failed = True  # the groups are not released at this run's teardown (`_release_groups`)
         if isinstance(exception, SIGTERMException) and self._groups is not None:
             # Raised on every rank at the same step boundary (`SchedulerSignals.agree`): all ranks save together.
             self._signals.save_and_requeue(self.lightning_module.trainer, self.cluster_environment,
