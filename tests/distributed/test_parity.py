@@ -149,7 +149,8 @@ def _results_for(world_size: int, tmp_path_factory) -> list[dict]:
     return JOBS[world_size].ranks(tmp_path_factory)
 
 
-CLAIMS = ("routing", "shards", "losses", "weights", "evaluation", "replicas", "tying", "export", "checkpoint_export")
+CLAIMS = ("routing", "shards", "losses", "weights", "evaluation", "replicas", "tying", "export", "checkpoint_export",
+          "groups")
 _APPLIES = {"evaluation": lambda case: case.get("validate"), "export": lambda case: case.get("export"),
             "checkpoint_export": lambda case: case.get("checkpoint_export"),
             "tying": lambda case: case.get("model", "").startswith("pretrained")}
@@ -348,9 +349,23 @@ def _logits(model, tokens):
         return model.eval()(input_ids=tokens).logits
 
 
+def _check_groups(case: dict, ranks: list[dict], steps) -> None:
+    """Every run of the case (fit, then validate, test and predict where it evaluates, each building its groups
+    again) released the process groups it trained or evaluated on when it ended, on every rank: none stays registered
+    with torch.distributed, DeepSpeed's global mpu is cleared, and the only one still alive is the SP group, which the
+    DeepSpeed engine still held by the case's Trainer keeps: the DP group and the Ulysses/ring sub-groups are gone
+    (with them, their gloo threads). Without the release each run left all of them registered for good."""
+    for rank in ranks:
+        groups = rank["groups"]
+        assert ("fit", "sequence_parallel") in groups["recorded"], groups
+        assert groups["registered"] == [], groups
+        assert groups["deepspeed_mpu"] is None, groups
+        assert {kind for _, kind in groups["alive"]} <= {"sequence_parallel"}, groups
+
+
 _CHECKS = {"shards": _check_shards, "losses": _check_losses, "weights": _check_weights,
            "evaluation": _check_evaluation, "replicas": _check_replicas, "tying": _check_tying,
-           "export": _check_export, "checkpoint_export": _check_checkpoint_export}
+           "export": _check_export, "checkpoint_export": _check_checkpoint_export, "groups": _check_groups}
 
 
 def check_bf16_against_fp32(ranks: list[dict], reference: dict) -> None:

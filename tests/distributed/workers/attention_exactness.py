@@ -383,6 +383,7 @@ def main():
         check_attention_patterns(groups, results)
         check_router_loss(groups, results, swap=spec.get("swap_router_loss", True))
         output[sp] = results
+        groups.release()  # in a shared launch the parts after this one keep no groups (nor gloo threads) of it
     torch.save(output, Path(sys.argv[2]) / f"result_{dist.get_rank()}.pt")
 
 

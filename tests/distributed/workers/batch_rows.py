@@ -250,6 +250,7 @@ def main():
         if (sp, ring) == (2, 1):
             check_counts(groups, results)
         output[f"sp{sp}_ring{ring}"] = results
+        groups.release()
     torch.save(output, workdir / f"result_{dist.get_rank()}.pt")
 
 

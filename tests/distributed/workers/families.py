@@ -209,6 +209,8 @@ def run(spec: dict, workdir: Path) -> None:
         if dist.get_rank() == 0:  # progress in the launch's log
             print(f"{family['family']}: {output['families'][family['family']]} ({output['seconds'][family['family']]:.1f} s)",
                   file=sys.stderr, flush=True)
+    for groups in sp_groups.values():
+        groups.release()
     if spec.get("training_cases"):
         from tests.distributed.workers.train_parity import run_case
 

@@ -136,6 +136,7 @@ def main():
         for kind, kv_heads in (("llama", 4), ("llama", 1), ("gpt", 2)):
             check_model(kind, kv_heads, groups, results)
         output[sp] = results
+        groups.release()
     torch.save(output, workdir / f"result_{dist.get_rank()}.pt")
 
 

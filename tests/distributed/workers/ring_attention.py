@@ -175,6 +175,8 @@ def main():
         check_hf_model(groups, results)
         check_gathers(groups, results)
         output[f"sp{sp}_ring{ring}"] = results
+    for groups in base.values():
+        groups.release()
     torch.save(output, Path(sys.argv[2]) / f"result_{dist.get_rank()}.pt")
 
 

@@ -4,9 +4,11 @@ Each case builds its own Trainer and its own SP/DP groups on the shared world pr
 """
 
 import dataclasses
+import gc
 import json
 import os
 import sys
+import weakref
 from pathlib import Path
 
 import lightning as L
@@ -63,6 +65,49 @@ class CountAttentionRuns(L.Callback):
             handle.remove()
 
 
+class RecordGroups(L.Callback):
+    """Weak references to the process groups each run of a case trains or evaluates on (SP, DP, and the Ulysses and
+    ring sub-groups where the SP group is split): what `released_groups` looks for once the case is over."""
+
+    def __init__(self):
+        self.groups: list[tuple[str, str, weakref.ref]] = []  # (run, kind, group)
+
+    def _record(self, trainer, run: str) -> None:
+        groups, seen = trainer.strategy.parallel_groups, []
+        for kind in ("sequence_parallel", "data_parallel", "ulysses", "ring"):
+            group = getattr(groups, f"{kind}_group")
+            if group is not None and all(group is not other for other in seen):  # a sub-group may be the SP group
+                seen.append(group)
+                self.groups.append((run, kind, weakref.ref(group)))
+
+    def on_train_start(self, trainer, pl_module):
+        self._record(trainer, "fit")
+
+    def on_validation_start(self, trainer, pl_module):
+        if not trainer.sanity_checking and trainer.state.fn == "validate":
+            self._record(trainer, "validate")
+
+    def on_test_start(self, trainer, pl_module):
+        self._record(trainer, "test")
+
+    def on_predict_start(self, trainer, pl_module):
+        self._record(trainer, "predict")
+
+
+def released_groups(recorder: RecordGroups) -> dict:
+    """Which of the recorded groups torch.distributed still has registered, and which are still alive at all (a
+    DeepSpeed engine keeps the SP group it ran on), after the case's last run; and DeepSpeed's global mpu."""
+    from deepspeed.utils import groups as deepspeed_groups
+
+    gc.collect()
+    alive = [(run, kind, ref()) for run, kind, ref in recorder.groups if ref() is not None]
+    registered = dist.distributed_c10d._world.pg_map
+    return {"recorded": [(run, kind) for run, kind, _ in recorder.groups],
+            "registered": [(run, kind) for run, kind, group in alive if group in registered],
+            "alive": [(run, kind) for run, kind, _ in alive],
+            "deepspeed_mpu": type(deepspeed_groups.mpu).__name__ if deepspeed_groups.mpu is not None else None}
+
+
 def _export(case: dict) -> list[L.Callback]:
     """The trained model's save_pretrained folder(s) (LoRA: the adapters and the merged model), for the export claim."""
     if not case.get("export"):
@@ -82,6 +127,7 @@ def run_case(case: dict, world_size: int) -> dict:
                       pretrained=pretrained)
     strategy_kwargs = dict(case.get("strategy_kwargs", {}))
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # this case's, in a process of many
+    recorder = RecordGroups()
     if "free_memory_by_rank" in case:  # memory="auto" with this rank's own free memory (the ranks agree on the least)
         strategy_kwargs["memory"] = dict(strategy_kwargs["memory"], free_memory=case["free_memory_by_rank"][dist.get_rank()])
     strategy = lightning_ulysses.UlyssesDeepSpeedStrategy(
@@ -90,7 +136,7 @@ def run_case(case: dict, world_size: int) -> dict:
     trainer = L.Trainer(
         accelerator="cpu", devices=case.get("devices", world_size), num_nodes=case.get("num_nodes", 1), strategy=strategy, max_steps=case["steps"], precision=case.get("precision", "32-true"),
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[CaptureWeights(), CountAttentionRuns(), *_export(case)], **case.get("trainer_kwargs", {}),
+        callbacks=[CaptureWeights(), CountAttentionRuns(), recorder, *_export(case)], **case.get("trainer_kwargs", {}),
     )
     batch_size = case["batch_size"]
     dataset_type = DATASETS[case.get("data", "uneven")]
@@ -114,12 +160,14 @@ def run_case(case: dict, world_size: int) -> dict:
             restored = CausalLM(num_key_value_heads=case["kv_heads"], kind=case.get("model", "llama"))
             restored.model.apply(lambda m: [p.data.zero_() for p in m.parameters(recurse=False)])
             fresh = L.Trainer(accelerator="cpu", devices=world_size, precision="32-true", logger=False,
-                              enable_progress_bar=False, enable_model_summary=False,
+                              enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
                               strategy=lightning_ulysses.UlyssesDeepSpeedStrategy(
                                   sequence_parallel_size=case["sp"], stage=case["stage"]))
             fresh.validate(restored, loader, ckpt_path=path, verbose=False)
             module.validation_records += [dict(r, stage="validate_from_checkpoint") for r in restored.validation_records]
+    groups = released_groups(recorder)  # while the Trainer is still held, as a user's script holds it
     return {
+        "groups": groups,
         "records": module.records,
         "validation_records": module.validation_records,
         "sequence_parallel_rank": strategy.sequence_parallel_rank,
