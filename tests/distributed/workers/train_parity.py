@@ -4,7 +4,6 @@ Each case builds its own Trainer and its own SP/DP groups on the shared world pr
 """
 
 import dataclasses
-import gc
 import json
 import os
 import sys
@@ -17,7 +16,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import lightning_ulysses
-from tests.distributed.common import CausalLM, UnevenlyMaskedTokens, collate, save_pretrained_once
+from tests.distributed.common import CausalLM, UnevenlyMaskedTokens, collate, save_pretrained_once, settle_heap
 from tests.distributed.packed import PackedDocuments
 
 DATASETS = {"uneven": UnevenlyMaskedTokens, "packed": PackedDocuments}  # case["data"], "uneven" by default
@@ -96,10 +95,12 @@ class RecordGroups(L.Callback):
 
 def released_groups(recorder: RecordGroups) -> dict:
     """Which of the recorded groups torch.distributed still has registered, and which are still alive at all (a
-    DeepSpeed engine keeps the SP group it ran on), after the case's last run; and DeepSpeed's global mpu."""
+    DeepSpeed engine keeps the SP group it ran on), after the case's last run; and DeepSpeed's global mpu. `alive`
+    is read after a full collection, which `settle_heap` also freezes: what the case left alive (DeepSpeed keeps its
+    engines) is not walked again by the next cases' collections (every ZeRO-3 engine's set-up runs one)."""
     from deepspeed.utils import groups as deepspeed_groups
 
-    gc.collect()
+    settle_heap()
     alive = [(run, kind, ref()) for run, kind, ref in recorder.groups if ref() is not None]
     registered = dist.distributed_c10d._world.pg_map
     return {"recorded": [(run, kind) for run, kind, _ in recorder.groups],
