@@ -84,7 +84,8 @@ def keeps_documents_apart(model, batch: dict) -> bool:
 
 
 def run_family(family: dict, sp_groups: dict) -> dict:
-    """{sp: outcome} for one family: the worst errors over the batches it takes; the model is built once."""
+    """{sp: outcome} for one family: the worst errors over the batches it takes; the model is built once, then copied
+    once for the reference and once per SP size."""
     try:
         pristine, _ = build(family)
     except Exception as error:  # the same on every rank: no collective has run for this family
@@ -100,25 +101,35 @@ def run_family(family: dict, sp_groups: dict) -> dict:
         # packed documents see each other in transformers (the strategy's attention keeps them apart): no reference
         del batches["packed"]
     outcomes = {sp: {"status": "ran", "loss_error": 0.0, "grad_error": 0.0, "batches": []} for sp in sp_groups}
+    reference = copy.deepcopy(pristine)
+    if family.get("eval"):
+        reference.eval()  # a router that samples in training (PhiMoE's Gumbel draws) has no exact reference
+    # One copy per SP size, prepared once and run on every batch, as the strategy prepares a model once for all its
+    # batches; gradients cleared before each batch (on the reference too).
+    prepared = {}
     for kind, batch in batches.items():
-        reference = copy.deepcopy(pristine)
-        if family.get("eval"):
-            reference.eval()  # a router that samples in training (PhiMoE's Gumbel draws) has no exact reference
+        reference.zero_grad(set_to_none=True)
         reference_loss = reference(**batch).loss
         reference_loss.backward()
         for sp, groups in sp_groups.items():
             if outcomes[sp]["status"] != "ran":
                 continue
-            group, model = groups.sequence_parallel_group, copy.deepcopy(pristine)
-            if family.get("eval"):
-                model.eval()
-            try:
-                validate_hf_model(model, sp)  # what the strategy checks first, for every model, before any collective
-                slot = BatchRowsSlot()  # as the strategy: the sharder publishes each batch's rows to attention and loss
-                prepare_hf_model(model, group, SequenceParallelCausalLMLoss(group, 1.0, batch_rows=slot), batch_rows=slot)
-            except (ValueError, NotImplementedError) as error:
-                outcomes[sp] = {"status": "refused", "why": str(error)}
-                continue
+            group = groups.sequence_parallel_group
+            if sp not in prepared:
+                model = copy.deepcopy(pristine)
+                if family.get("eval"):
+                    model.eval()
+                try:
+                    validate_hf_model(model, sp)  # what the strategy checks first, for every model, before any collective
+                    slot = BatchRowsSlot()  # as the strategy: the sharder publishes each batch's rows to attention and loss
+                    prepare_hf_model(model, group, SequenceParallelCausalLMLoss(group, 1.0, batch_rows=slot),
+                                     batch_rows=slot)
+                except (ValueError, NotImplementedError) as error:
+                    outcomes[sp] = {"status": "refused", "why": str(error)}
+                    continue
+                prepared[sp] = model, slot
+            model, slot = prepared[sp]
+            model.zero_grad(set_to_none=True)
             try:
                 sharder = SequenceSharder(sp, groups.sequence_parallel_rank, batch_rows=slot,
                                           position_rule=position_rule_of([model]))  # as the strategy's
