@@ -124,9 +124,21 @@ class RankWatchdog:
         try:
             store.set(self._key("failed", self.rank), "1")
             store.compare_set(self._failure_key, "", reason)  # the first failure is the one everybody names
-            self._keep_store_until_read(store)
+            self._stay_until_named(store)
         except Exception:  # the store's host may be gone already; this rank raises its own error anyway
             pass
+
+    def _stay_until_named(self, store) -> None:
+        """Wait (a few seconds at most) until every other rank has named this failure, reported one of its own or
+        finished. The store usually lives in rank 0; and a launcher that ends the job when one of its processes exits
+        (Lightning's script launcher kills every rank 0-5 s after a child's non-zero exit) would otherwise end the
+        others before they say which rank failed."""
+        deadline = time.monotonic() + 4 * _POLL + 2 * _GRACE
+        others = [rank for rank in range(self.world_size) if rank != self.rank]
+        while time.monotonic() < deadline and not all(
+                store.check([self._key("named", rank)]) or store.check([self._key("failed", rank)])
+                or self._finished(store, rank) for rank in others):
+            time.sleep(_POLL / 5)
 
     def _keep_store_until_read(self, store) -> None:
         """On rank 0, where the store usually lives: wait (a few seconds at most) until every other rank has read
@@ -236,6 +248,11 @@ class RankWatchdog:
         log.error(message)
         print(message, file=sys.stderr, flush=True)
         sys.stdout.flush()
+        try:  # said: a rank that reported a failure may leave now (`_stay_until_named`)
+            if self._store is not None:
+                self._store.set(self._key("named", self.rank), "1")
+        except Exception:
+            pass
         # The main thread may be blocked inside a collective that will never return: only _exit ends it.
         os._exit(EXIT_PEER_LOST)
 
