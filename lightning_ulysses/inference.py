@@ -106,8 +106,12 @@ class SequenceParallelModel:
         return generate(self.model, input_ids, max_new_tokens, self.groups)
 
     def restore(self) -> None:
-        """Give the model its own attention back."""
+        """Give the model its own attention back and release the process groups `prepare` created (on every rank,
+        as `prepare` was called: after a barrier, the groups are destroyed in creation order)."""
         self._prepared.restore()
+        if not self.groups.released:
+            dist.barrier()  # no collective on the groups is pending on any rank
+            self.groups.release()
 
 
 def prepare(model, sequence_parallel_size: int) -> SequenceParallelModel:

@@ -36,3 +36,9 @@ def test_greedy_generation_matches_unsharded(results, sp, kv_heads):
     assert len(set(expected[:, -NEW_TOKENS:].flatten().tolist())) > 1  # not a degenerate constant output
     for rank in results:
         assert torch.equal(rank[(sp, kv_heads)], expected)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 1])
+@pytest.mark.parametrize("sp", [2, 4])
+def test_restore_releases_the_groups_prepare_created(results, sp, kv_heads):
+    assert all(rank[("released", sp, kv_heads)] for rank in results)

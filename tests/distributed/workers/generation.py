@@ -27,7 +27,7 @@ def main():
             served = inference.prepare(tiny_llama(kv_heads, seed=5), sequence_parallel_size=sp)
             output[(sp, kv_heads)] = served.generate(prompts(), NEW_TOKENS)
             served.restore()
-            served.groups.release()
+            output[("released", sp, kv_heads)] = served.groups.released
     torch.save(output, Path(sys.argv[2]) / f"result_{dist.get_rank()}.pt")
 
 
