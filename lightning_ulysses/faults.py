@@ -13,8 +13,9 @@ A rank that *raises* (an out-of-memory error on one DP group, a save that fails 
 and beating while the others wait for it in a collective. It records its failure in the store
 (`report_failure`, called from the strategy's `on_exception`): rank, host, pid, exception type and message. Every
 other rank's watchdog sees it within `_POLL` seconds and ends its process with the same status and a message
-naming it; the reporting rank stays until they have (a few seconds at most). Refusals that every rank raises alike (a bad configuration) are not mistaken for one rank's failure: a
-rank whose own main thread reports a failure within `_GRACE` seconds of seeing another's leaves by its own error.
+naming it; the reporting rank stays until they have (a few seconds at most). Refusals that every rank raises
+alike (a bad configuration) are not mistaken for one rank's failure: a rank whose own main thread reports a
+failure within `_GRACE` seconds of seeing another's leaves by its own error.
 
 A rank that finishes normally marks itself finished first, so ranks leaving at slightly different times after
 `fit` (or after a SIGTERM checkpoint) are not reported.

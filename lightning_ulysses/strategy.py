@@ -431,7 +431,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         models = [m for adapter, modules in found.found if isinstance(adapter, preparation.MemoryEngine)
                   for m in modules]
         # inductor needs Triton for GPU code; the model must have parts `fused_elementwise` recognises
-        fusable = cuda and importlib.util.find_spec("triton") is not None and all(map(fused_elementwise_applies, models))
+        fusable = (cuda and importlib.util.find_spec("triton") is not None
+                   and all(map(fused_elementwise_applies, models)))
         layout = auto.Layout(sequence_parallel_size=groups.sequence_parallel_world_size,
                              data_parallel_size=groups.data_parallel_world_size, zero_stage=int(zero.get("stage", 0)),
                              compute_bytes=4 if "32" in str(self.precision_plugin.precision) else 2, on_cuda=cuda,

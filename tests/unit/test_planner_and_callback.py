@@ -142,7 +142,8 @@ def test_fused_elementwise_term():
     low-memory norm (36 bytes per token and layer above), the gate `gate` and `up` but not `act(gate)` (gated MLP
     2·3·16 = 96 instead of 128): 2·36 + 72 + 96 = 240 bytes; with low-memory norms too, the same."""
     hugging_face = dataclasses.replace(TINY, fp32_norm_inputs=True)
-    for options in (MemoryOptions(fused_elementwise=True), MemoryOptions(fused_elementwise=True, low_memory_norms=True)):
+    fused = MemoryOptions(fused_elementwise=True)
+    for options in (fused, dataclasses.replace(fused, low_memory_norms=True)):
         saved = plan_memory(hugging_face, TrainingSetup(seq_len=100, zero_stage=0, memory=options)).gpu
         assert saved["saved activations (all layers)"] == 240 * 100 * 2 + 2 * 100 * 8
 
