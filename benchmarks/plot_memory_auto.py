@@ -46,9 +46,9 @@ def main(out: str, *files: str) -> None:
         measured, predicted = r["step_times_s"][-1], r["choice"]["predicted_step_s"]
         model.scatter(predicted, measured, color="C0")
         model.annotate(f"{r['shape'].upper()} {r['seq'] // 1024}K\npeak {r['peak_memory_gib']:.1f} GiB (pred. "
-                       f"{r['choice']['predicted_device_bytes'] / 2**30:.1f})", (predicted, measured), fontsize=8,
+                       f"{r['choice']['predicted_device_bytes'] / 2**30:.1f} at run time)", (predicted, measured), fontsize=8,
                        textcoords="offset points", xytext=(8, -24) if r["shape"] == "1b" else (8, -4))
-    limits = [0.8, 80]
+    limits = [0.2, 80]
     model.plot(limits, limits, "k--", linewidth=0.8, label="predicted = measured")
     model.set_xscale("log")
     model.set_yscale("log")
