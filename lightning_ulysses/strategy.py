@@ -62,6 +62,24 @@ def _from_groups(name: str) -> property:
     return property(lambda self: getattr(self.parallel_groups, name), doc=f"`parallel_groups.{name}`")
 
 
+def deepspeed_engine_type() -> type:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    return DeepSpeedEngine
+
+
+def _clear_lru_cache(function: Callable[..., Any]) -> None:
+    """Clear the `functools.lru_cache` under `function`, also where a decorator without `functools.wraps` wraps it
+    (DeepSpeed's `instrument_w_nvtx`): the cache is then a cell of the wrapper's closure."""
+    if hasattr(function, "cache_clear"):
+        function.cache_clear()
+        return
+    for cell in getattr(function, "__closure__", None) or ():
+        inner = cell.cell_contents
+        if callable(inner) and hasattr(inner, "cache_clear"):
+            inner.cache_clear()
+
+
 def skip_shared_memory_all_reduce_build() -> None:
     """On CPU, DeepSpeed's backend compiles its shared-memory all-reduce op when the process group starts
     (`deepspeed/comm/torch.py: build_shm_op`): C++ against torch's headers, ~140 s of CPU on the first run of a
@@ -465,6 +483,31 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             self._watchdog.stop()
             self._watchdog = None
         super().teardown()
+        self._release_engine()
+
+    def _release_engine(self) -> None:
+        """Let the run's DeepSpeed engine be freed with the Trainer: DeepSpeed's own references keep it alive for
+        the life of the process otherwise (DESIGN-NOTES, 2026-12-02, engines), with its optimizer state and buffers.
+        `engine.destroy()` removes the ZeRO gradient-accumulation hooks (the ZeRO-2 cycle through autograd nodes,
+        which gc does not walk) and the ZeRO-3 module hooks; the engine's own forward hooks on the user's module and
+        ZeRO-3's module stack and `__params_to_release` cache are dropped here. The engine stays `self.model` until
+        the next run replaces it: `trainer.save_checkpoint` after `fit` still saves through it (it needs no hook).
+        Local to each rank, no collective: also after a failed run."""
+        engine = self.model
+        if not isinstance(engine, deepspeed_engine_type()):
+            return
+        engine.destroy()
+        for name in ("module_forward_pre_hook", "module_forward_post_hook", "first_dataloader_check"):
+            handle = getattr(engine, name, None)
+            if handle is not None and hasattr(handle, "remove"):
+                handle.remove()
+        from deepspeed.runtime.zero import parameter_offload
+        from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+        parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK
+                                                 if m is not engine.module]
+        # keyed on (coordinator, submodule, step): a cache only, recomputed by the engines still running
+        _clear_lru_cache(PartitionedParameterCoordinator._PartitionedParameterCoordinator__params_to_release)
 
     def _release_groups(self) -> None:
         """Destroy the SP/DP groups (and Ulysses/ring sub-groups) this strategy created, at the end of every run

@@ -150,7 +150,7 @@ def _results_for(world_size: int, tmp_path_factory) -> list[dict]:
 
 
 CLAIMS = ("routing", "shards", "losses", "weights", "evaluation", "replicas", "tying", "export", "checkpoint_export",
-          "groups")
+          "groups", "engines")
 _APPLIES = {"evaluation": lambda case: case.get("validate"), "export": lambda case: case.get("export"),
             "checkpoint_export": lambda case: case.get("checkpoint_export"),
             "tying": lambda case: case.get("model", "").startswith("pretrained")}
@@ -363,9 +363,21 @@ def _check_groups(case: dict, ranks: list[dict], steps) -> None:
         assert {kind for _, kind in groups["alive"]} <= {"sequence_parallel"}, groups
 
 
+def _check_engines(case: dict, ranks: list[dict], steps) -> None:
+    """Every DeepSpeed engine of the case (fit's, and validate's, test's and predict's where it evaluates) is freed
+    once the case's Trainers and module are dropped, on every rank: the strategy destroys it at teardown and drops
+    what DeepSpeed's globals hold (ZeRO-3's module stack and release cache, the engine's hooks on the user's module).
+    Without that every engine of a process stayed alive, with its optimizer state."""
+    for rank in ranks:
+        engines = rank["engines"]
+        assert "fit" in engines["recorded"], engines
+        assert engines["alive"] == [], engines
+
+
 _CHECKS = {"shards": _check_shards, "losses": _check_losses, "weights": _check_weights,
            "evaluation": _check_evaluation, "replicas": _check_replicas, "tying": _check_tying,
-           "export": _check_export, "checkpoint_export": _check_checkpoint_export, "groups": _check_groups}
+           "export": _check_export, "checkpoint_export": _check_checkpoint_export, "groups": _check_groups,
+           "engines": _check_engines}
 
 
 def check_bf16_against_fp32(ranks: list[dict], reference: dict) -> None:

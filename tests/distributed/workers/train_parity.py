@@ -66,10 +66,12 @@ class CountAttentionRuns(L.Callback):
 
 class RecordGroups(L.Callback):
     """Weak references to the process groups each run of a case trains or evaluates on (SP, DP, and the Ulysses and
-    ring sub-groups where the SP group is split): what `released_groups` looks for once the case is over."""
+    ring sub-groups where the SP group is split): what `released_groups` looks for once the case is over; and to the
+    DeepSpeed engine of each run, for `freed_engines` once the case's Trainers are dropped."""
 
     def __init__(self):
         self.groups: list[tuple[str, str, weakref.ref]] = []  # (run, kind, group)
+        self.engines: list[tuple[str, weakref.ref]] = []  # (run, engine)
 
     def _record(self, trainer, run: str) -> None:
         groups, seen = trainer.strategy.parallel_groups, []
@@ -78,6 +80,7 @@ class RecordGroups(L.Callback):
             if group is not None and all(group is not other for other in seen):  # a sub-group may be the SP group
                 seen.append(group)
                 self.groups.append((run, kind, weakref.ref(group)))
+        self.engines.append((run, weakref.ref(trainer.strategy.model)))  # the engine `strategy.setup` built
 
     def on_train_start(self, trainer, pl_module):
         self._record(trainer, "fit")
@@ -96,17 +99,33 @@ class RecordGroups(L.Callback):
 def released_groups(recorder: RecordGroups) -> dict:
     """Which of the recorded groups torch.distributed still has registered, and which are still alive at all (a
     DeepSpeed engine keeps the SP group it ran on), after the case's last run; and DeepSpeed's global mpu. `alive`
-    is read after a full collection, which `settle_heap` also freezes: what the case left alive (DeepSpeed keeps its
-    engines) is not walked again by the next cases' collections (every ZeRO-3 engine's set-up runs one)."""
+    is read after a full collection that does not freeze (the case's Trainer is still held here: frozen, its cycles
+    would never be collected; `freed_engines` settles the heap once it is dropped)."""
+    import gc
+
     from deepspeed.utils import groups as deepspeed_groups
 
-    settle_heap()
+    gc.collect()
     alive = [(run, kind, ref()) for run, kind, ref in recorder.groups if ref() is not None]
     registered = dist.distributed_c10d._world.pg_map
     return {"recorded": [(run, kind) for run, kind, _ in recorder.groups],
             "registered": [(run, kind) for run, kind, group in alive if group in registered],
             "alive": [(run, kind) for run, kind, _ in alive],
             "deepspeed_mpu": type(deepspeed_groups.mpu).__name__ if deepspeed_groups.mpu is not None else None}
+
+
+def freed_engines(recorder: RecordGroups) -> dict:
+    """Which runs' DeepSpeed engines are still alive after a full collection, once the case's modules, Trainers and
+    strategies are dropped (`main`, after `run_case` returned): DeepSpeed's globals and hooks kept every one for the
+    life of the process, with its optimizer state, until the strategy released them at teardown. The collection
+    also freezes what is left (`settle_heap`): it is not walked again by the next cases' collections (every ZeRO-3
+    engine's set-up runs one). Lightning gives every callback the module's `log` and `log_dict` (bound methods:
+    the module, its Trainer, the strategy, the engine); the recorder outlives the case, so they are dropped first."""
+    for name in ("log", "log_dict"):
+        vars(recorder).pop(name, None)
+    settle_heap()
+    return {"recorded": [run for run, _ in recorder.engines],
+            "alive": [run for run, ref in recorder.engines if ref() is not None]}
 
 
 def _export(case: dict) -> list[L.Callback]:
@@ -118,7 +137,7 @@ def _export(case: dict) -> list[L.Callback]:
     return [ExportPretrained(str(Path(case["workdir"]) / f"{case['name']}.export"), merged=True)]
 
 
-def run_case(case: dict, world_size: int) -> dict:
+def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None) -> dict:
     kind, pretrained = case.get("model", "llama"), None
     if kind.startswith("pretrained"):  # the model the reference starts from, saved; the module loads it
         pretrained = str(Path(case["workdir"]) / f"{case['name']}.pretrained")
@@ -128,7 +147,7 @@ def run_case(case: dict, world_size: int) -> dict:
                       pretrained=pretrained)
     strategy_kwargs = dict(case.get("strategy_kwargs", {}))
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # this case's, in a process of many
-    recorder = RecordGroups()
+    recorder = recorder or RecordGroups()
     if "free_memory_by_rank" in case:  # memory="auto" with this rank's own free memory (the ranks agree on the least)
         strategy_kwargs["memory"] = dict(strategy_kwargs["memory"], free_memory=case["free_memory_by_rank"][dist.get_rank()])
     strategy = lightning_ulysses.UlyssesDeepSpeedStrategy(
@@ -194,7 +213,11 @@ def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     workdir = Path(sys.argv[2])
     world_size = int(spec["world_size"])
-    results = {case["name"]: run_case(dict(case, workdir=str(workdir)), world_size) for case in spec["cases"]}
+    results = {}
+    for case in spec["cases"]:
+        recorder = RecordGroups()
+        results[case["name"]] = run_case(dict(case, workdir=str(workdir)), world_size, recorder)
+        results[case["name"]]["engines"] = freed_engines(recorder)  # the case's Trainers are gone now
     torch.save(results, workdir / f"result_{dist.get_rank()}.pt")
 
 
