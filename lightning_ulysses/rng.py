@@ -31,9 +31,12 @@ it, so they draw the masks of the stream their forward drew from. Checkpoints sa
 from __future__ import annotations
 
 import contextlib
+import os
+from functools import partial
 from typing import Any, Iterator, Mapping, Optional
 
 import torch
+from lightning.fabric.utilities.seed import pl_worker_init_function
 
 from lightning_ulysses import _lightning_private as lightning_private
 
@@ -162,10 +165,5 @@ def seed_workers_by_data_parallel_rank(dataloader: object, data_parallel_rank: i
     numbers in its workers would hand the ranks of one SP group different samples. Setting Lightning's own function
     with the DP rank first keeps its seeding (distinct per worker and DP replica) and makes the SP ranks agree.
     A `worker_init_fn` of the user's is left as it is."""
-    import os
-    from functools import partial
-
-    from lightning.fabric.utilities.seed import pl_worker_init_function
-
     if int(os.environ.get("PL_SEED_WORKERS", 0)) and getattr(dataloader, "worker_init_fn", False) is None:
         dataloader.worker_init_fn = partial(pl_worker_init_function, rank=data_parallel_rank)
