@@ -79,7 +79,13 @@ def main() -> None:
     parser.add_argument("--sub-group-size", type=int, default=10**9, help="hand: ZeRO-3 sub_group_size")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--offload-copies", choices=["overlapped", "compute-stream"], default="overlapped",
+                        help="offloaded activations' copies: on a side stream (the default) or on the compute stream"
+                             " (the baseline of the overlap, same results)")
     args = parser.parse_args()
+    from lightning_ulysses.memory import HostActivationStore
+
+    HostActivationStore.overlap_transfers = args.offload_copies == "overlapped"
     torch.cuda.reset_peak_memory_stats()
     extra, error, times = {}, None, []
     try:
@@ -90,7 +96,7 @@ def main() -> None:
         error = f"refused: {refused}"
     config = llama_config(args.shape, args.seq)
     result = {"variant": args.variant, "shape": args.shape, "seq": args.seq, "features": args.features,
-              "offload_optimizer": args.offload_optimizer, "error": error, **extra,
+              "offload_optimizer": args.offload_optimizer, "offload_copies": args.offload_copies, "error": error, **extra,
               "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
               "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
               "device": torch.cuda.get_device_name(), "torch": torch.__version__}

@@ -388,7 +388,10 @@ def plan_memory(shape: ModelShape, setup: TrainingSetup) -> MemoryPlan:
                 gpu[name] = value
         # a stretch's recomputed inputs stay on the device until their own layer's backward (k − 1 at most)
         recomputed_inputs = (m.checkpoint_interval - 1) * e * shape.hidden_size
-        layer_transient = (layer_full + _layer_backward_transient_per_token(shape, e) + recomputed_inputs) * tokens
+        # offloaded: the next layer's kept input comes back while this one runs backward (`prefetch_input`)
+        prefetched = e * shape.hidden_size if m.offload_activations else 0
+        layer_transient = (layer_full + _layer_backward_transient_per_token(shape, e) + recomputed_inputs
+                           + prefetched) * tokens
     else:
         gpu["saved activations (all layers)"] = layer_full * tokens * shape.num_layers + embedding_output
         layer_transient = _layer_backward_transient_per_token(shape, e) * tokens

@@ -3,8 +3,8 @@
 Each checkpointed decoder layer runs its forward without keeping activations and recomputes itself in backward. What
 it keeps is tunable, because at long sequences even the kept tensors add up (Llama 8B, 360K tokens: one layer input
 is 2.9 GB, 94 GB for 32 layers):
-- `offload` (a `HostActivationStore`): kept tensors are copied to pinned host memory as the forward leaves the layer
-  and back when its backward starts;
+- `offload` (a `HostActivationStore`): kept tensors are copied to pinned host memory while the layer's forward runs,
+  and back while the layer after it runs its backward (the copies overlap with compute, on a side stream);
 - `interval` k: only every k-th layer keeps its input; a layer between two kept inputs gets its input back by
   re-running the layers before it (without gradients) from the nearest kept one, once per stretch: the inputs
   of a stretch are recomputed together when its last layer's backward needs them, and each is kept on the device
@@ -27,7 +27,7 @@ import inspect
 import itertools
 import weakref
 from collections import defaultdict
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -65,21 +65,54 @@ def _with_log_sumexp(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, {**kwargs, "compute_log_sumexp": True}
 
 
+class Stashed(NamedTuple):
+    """A tensor in a `HostActivationStore`: its host buffer, and what the device copy needs."""
+
+    buffer: torch.Tensor
+    device: torch.device
+    requires_grad: bool
+
+
+class Fetch:
+    """A stashed tensor on its way back to the device: `wait()` gives it, once its copy is done for the caller's
+    stream."""
+
+    def __init__(self, tensor: torch.Tensor, done: Optional[torch.cuda.Event]) -> None:
+        self.tensor, self.done = tensor, done
+
+    def wait(self) -> torch.Tensor:
+        if self.done is not None:
+            torch.cuda.current_stream(self.tensor.device).wait_event(self.done)
+        return self.tensor
+
+
 class HostActivationStore:
-    """Pinned host buffers for offloaded activations, reused from step to step.
+    """Pinned host buffers for offloaded activations, reused from step to step; the copies overlap with compute.
 
     Buffers are pinned with `cudaHostRegister` on plain host tensors: the caching host allocator behind
     `pin_memory=True` rounds every block up to a power of two (a 2.9 GB hidden state would take 4 GB).
     Without CUDA the buffers are plain host tensors (the copies are then what the tests check).
+
+    Copies run on one side stream per device (`overlap_transfers`), in both directions: a layer's forward goes on
+    while its input and attention output go to the host, and the previous layer's come back while a layer runs its
+    backward (`fetch` early, `Fetch.wait` when needed). One stream orders every copy of a buffer, so a buffer given
+    back is only overwritten after the copy that read it. Device memory stays the compute stream's: a copy's
+    destination is allocated there, and `record_stream` keeps a source or destination from being reused while the
+    side stream still uses it. On the compute stream the copies would stop compute for as long as they take:
+    68 GB per step for Llama 8B at 128K tokens (results: benchmarks/results/2026-12-02-h200-offload-overlap).
 
     Buffers are reused by layout (shape, strides, dtype). A tensor of a layout with no idle buffer first frees the
     idle buffers of every other layout: batches whose length varies would otherwise keep (and pin) a full set of
     buffers for every length seen, until the host runs out of memory.
     """
 
+    # False: copies on the compute stream, as before the overlap (the benchmarks' baseline, same results).
+    overlap_transfers: bool = True
+
     def __init__(self) -> None:
         self._free: dict[tuple, list[torch.Tensor]] = defaultdict(list)
         self._pinned: dict[int, torch.Tensor] = {}  # by data pointer
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     @staticmethod
     def _key(tensor: torch.Tensor) -> tuple:
@@ -110,7 +143,17 @@ class HostActivationStore:
             for buffer in pinned:
                 unpin_memory(buffer.data_ptr())
 
-    def stash(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.device, bool]:
+    def _copy_stream(self, device: torch.device) -> Optional[torch.cuda.Stream]:
+        """The side stream of `device`, after everything queued so far on the compute stream (None: copy there)."""
+        if device.type != "cuda" or not self.overlap_transfers:
+            return None
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        stream = self._streams[device]
+        stream.wait_stream(torch.cuda.current_stream(device))
+        return stream
+
+    def stash(self, tensor: torch.Tensor) -> Stashed:
         if not _dense(tensor):  # a copy of its own layout, so that its buffer is found again under that layout
             tensor = tensor.contiguous()
         key = self._key(tensor)
@@ -118,25 +161,45 @@ class HostActivationStore:
             self._drop_idle(keep=key)
         free = self._free[key]
         buffer = free.pop() if free else self._allocate(tensor)
-        # Ordered on the current stream: the device memory is only reused by work queued after this copy.
-        buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
-        return buffer, tensor.device, tensor.requires_grad
+        stream = self._copy_stream(tensor.device)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+        if stream is not None:
+            tensor.record_stream(stream)
+        return Stashed(buffer, tensor.device, tensor.requires_grad)
 
-    def peek(self, stashed: tuple[torch.Tensor, torch.device, bool]) -> torch.Tensor:
-        """A device copy of a stashed tensor; the host copy stays for a later `peek` or `restore`."""
+    def settle(self, device: torch.device) -> None:
+        """Make the compute stream wait for the copies queued so far (a layer's forward does not outrun them)."""
+        if device in self._streams:
+            torch.cuda.current_stream(device).wait_stream(self._streams[device])
+
+    def fetch(self, stashed: Stashed) -> Fetch:
+        """Start the copy of a stashed tensor back to its device; the host copy stays for a later fetch."""
         buffer, device, requires_grad = stashed
-        tensor = buffer.to(device, non_blocking=True) if device.type != "cpu" else buffer.clone()
-        return tensor.requires_grad_(requires_grad)
+        if device.type == "cpu":
+            return Fetch(buffer.clone().requires_grad_(requires_grad), None)
+        tensor = torch.empty_like(buffer, device=device)  # on the compute stream, where the memory is used
+        stream = self._copy_stream(device)
+        if stream is None:
+            return Fetch(tensor.copy_(buffer, non_blocking=True).requires_grad_(requires_grad), None)
+        with torch.cuda.stream(stream):
+            tensor.copy_(buffer, non_blocking=True)
+        tensor.record_stream(stream)
+        return Fetch(tensor.requires_grad_(requires_grad), stream.record_event())
 
-    def restore(self, stashed: tuple[torch.Tensor, torch.device, bool]) -> torch.Tensor:
+    def peek(self, stashed: Stashed) -> torch.Tensor:
+        """A device copy of a stashed tensor; the host copy stays for a later `peek` or `restore`."""
+        return self.fetch(stashed).wait()
+
+    def restore(self, stashed: Stashed) -> torch.Tensor:
         """A device copy of a stashed tensor; its host buffer is free again."""
         tensor = self.peek(stashed)
         self.give_back(stashed)
         return tensor
 
-    def give_back(self, stashed: tuple[torch.Tensor, torch.device, bool]) -> None:
+    def give_back(self, stashed: Stashed) -> None:
         # The buffer's next use is a device-to-host copy queued on the same stream after any copy reading it.
-        self._free[self._key(stashed[0])].append(stashed[0])
+        self._free[self._key(stashed.buffer)].append(stashed.buffer)
 
     @property
     def host_bytes(self) -> int:
@@ -164,20 +227,46 @@ class HostActivationStore:
         return self
 
 
+_CHANGED_IN_PLACE = (
+    "offload_activations: {layer} changed its {what} in place during its forward, while the copy to the host was"
+    " under way (the copies overlap with compute): backward would recompute from a torn copy. Switch"
+    " offload_activations off for this model (MemoryOptions(offload_activations=False); recipes:"
+    " strategy.memory.offload_activations=false), or keep the tensor unchanged (an out-of-place op)."
+)
+
+
 class _Kept:
     """A tensor a record keeps: on the device, or stashed in a `HostActivationStore`."""
 
-    def __init__(self, tensor: torch.Tensor, store: Optional[HostActivationStore]) -> None:
-        self.store = store
+    def __init__(self, tensor: torch.Tensor, store: Optional[HostActivationStore], what: str) -> None:
+        self.store, self.what = store, what
         self.value = store.stash(tensor) if store is not None else tensor.detach()
+        # Until the layer's forward ends: the tensor and its version, to refuse an in-place change racing the copy.
+        self.source = (tensor, tensor._version) if store is not None else None
+        self.fetched: Optional[Fetch] = None  # a copy back to the device already under way
+
+    def check_unchanged(self, layer: str) -> None:
+        if self.source is not None:
+            tensor, version = self.source
+            self.source = None
+            if tensor._version != version:
+                raise RuntimeError(_CHANGED_IN_PLACE.format(layer=layer, what=self.what))
+
+    def prefetch(self) -> None:
+        if self.store is not None and self.value is not None and self.fetched is None:
+            self.fetched = self.store.fetch(self.value)
 
     def get(self) -> torch.Tensor:
-        return self.store.peek(self.value) if self.store is not None else self.value
+        if self.store is None:
+            return self.value
+        self.prefetch()
+        fetched, self.fetched = self.fetched, None
+        return fetched.wait()
 
     def drop(self) -> None:
         if self.store is not None and getattr(self, "value", None) is not None:
             self.store.give_back(self.value)
-        self.value = None
+        self.value = self.fetched = self.source = None
 
     def __del__(self) -> None:
         # A forward whose graph is dropped without backward (a skipped step, an exception, a second forward that is
@@ -235,7 +324,8 @@ class _AttentionOutputs(TorchDispatchMode):
             args, kwargs = _with_log_sumexp(func, tuple(args), kwargs or {})
             outputs = func(*args, **kwargs)
             # The large outputs go where the layer inputs go; the scalars (seeds, sizes) stay as they are.
-            self.recorded.append((func, tuple(_Kept(o, self.store) if torch.is_tensor(o) and o.dim() > 0 else o
+            self.recorded.append((func, tuple(_Kept(o, self.store, "attention output")
+                                              if torch.is_tensor(o) and o.dim() > 0 else o
                                               for o in outputs), device, _generator_state(device)))
             return outputs
         recorded = self.recorded[self.next_replayed][0] if self.next_replayed < len(self.recorded) else None
@@ -257,22 +347,26 @@ class _AttentionOutputs(TorchDispatchMode):
         finally:
             self.next_replayed = None
 
+    def kept(self) -> list[_Kept]:
+        return [output for _, outputs, _, _ in self.recorded for output in outputs if isinstance(output, _Kept)]
+
     def drop(self) -> None:
-        for _, outputs, _, _ in self.recorded:
-            for output in outputs:
-                if isinstance(output, _Kept):
-                    output.drop()
+        for output in self.kept():
+            output.drop()
         self.recorded = []
 
 
 class _LayerCall:
     """One checkpointed call of one layer: what its backward, and later layers' backward, need to recompute it."""
 
-    def __init__(self, run: Callable, earlier: list["_LayerCall"], store: Optional[HostActivationStore],
-                 keep_attention_outputs: bool) -> None:
+    def __init__(self, run: Callable, layer: str, earlier: list["_LayerCall"], previous: Optional[weakref.ref],
+                 store: Optional[HostActivationStore], keep_attention_outputs: bool) -> None:
         # The calls before this one in its stretch. Only later calls refer to earlier ones (no cycle): each call lives
         # exactly as long as its autograd node needs it, so a graph dropped without backward frees what it kept.
-        self.run, self.earlier, self.store = run, earlier, store
+        self.run, self.layer, self.earlier, self.store = run, layer, earlier, store
+        # The call checkpointed just before this one, whatever its stretch: the next to run backward, whose kept
+        # tensors this call's backward starts bringing back (weak, like the stretches').
+        self.previous = previous
         self.position = len(earlier)  # 0: this call keeps its input; k > 0: recomputed from the stretch's first
         self.attention = _AttentionOutputs(store) if keep_attention_outputs else None
         self.kept_input: Optional[_Kept] = None
@@ -284,9 +378,23 @@ class _LayerCall:
         self.devices = sorted({a.device.index for a in args if torch.is_tensor(a) and a.is_cuda})
         self.rng = torch.random.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices]
         if self.position == 0:
-            self.kept_input = _Kept(args[0], self.store)
+            self.kept_input = _Kept(args[0], self.store, "input (hidden states)")
         with torch.no_grad(), (self.attention if self.attention is not None else contextlib.nullcontext()):
-            return self.run(*args)
+            outputs = self.run(*args)
+        if self.store is not None:  # the copies to the host are done, and nothing changed what they read
+            kept = [self.kept_input] if self.kept_input is not None else []
+            for tensor in kept + (self.attention.kept() if self.attention is not None else []):
+                tensor.check_unchanged(self.layer)
+            self.store.settle(args[0].device)
+        return outputs
+
+    def prefetch_input(self) -> None:
+        """Start bringing back the kept input this call's backward recomputes from (its own, or its stretch's first),
+        so that the copy overlaps with the backward running now. One hidden-sized tensor: the attention outputs come
+        back when the recompute starts (`recompute`), while it runs the layer up to the attention kernel."""
+        first = self.earlier[0] if self.position > 0 and self.recomputed_input is None else self
+        if first.kept_input is not None:
+            first.kept_input.prefetch()
 
     def recompute(self, hidden: torch.Tensor, with_grad: bool) -> tuple[Any, list]:
         """Run the layer again on `hidden` exactly as in forward (same random draws, replayed attention)."""
@@ -297,6 +405,8 @@ class _LayerCall:
             args = [a.detach().requires_grad_(needs) if torch.is_tensor(a) and (needs or a.requires_grad) else a
                     for a, needs in zip(args, self.requires_grad)]
         cpu_rng, cuda_rngs = self.rng
+        for kept in self.attention.kept() if self.attention is not None else []:
+            kept.prefetch()
         replay = self.attention.replaying() if self.attention is not None else contextlib.nullcontext()
         with torch.random.fork_rng(devices=self.devices), torch.set_grad_enabled(with_grad), replay:
             torch.random.set_rng_state(cpu_rng)  # dropout in the recompute draws what the forward drew
@@ -346,7 +456,11 @@ class _CheckpointedLayer(torch.autograd.Function):
                 " a double backward): activation checkpointing frees what it kept after the first. Run one backward"
                 " per forward, or switch the memory option activation_checkpointing off."
             )
-        outputs, args = call.recompute(call.input_for_backward(), with_grad=True)
+        hidden = call.input_for_backward()
+        previous = call.previous() if call.previous is not None else None
+        if previous is not None:
+            previous.prefetch_input()
+        outputs, args = call.recompute(hidden, with_grad=True)
         call.release()
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grad_outputs)
@@ -397,15 +511,18 @@ class _Stretches:
         self.interval, self.store, self.keep_attention_outputs = interval, store, keep_attention_outputs
         self.current: list[weakref.ref] = []
         self.last_output: Optional[tuple] = None  # `view_key` of the last call's hidden-state output
+        self.last_call: Optional[weakref.ref] = None
 
-    def call(self, hidden: torch.Tensor, run: Callable) -> _LayerCall:
+    def call(self, hidden: torch.Tensor, run: Callable, layer: str) -> _LayerCall:
         earlier = [reference() for reference in self.current]
         # A call whose graph is already gone (its output was detached, say) cannot recompute the next one's input.
         continues = (self.last_output is not None and self.last_output == view_key(hidden)
                      and len(earlier) < self.interval and None not in earlier)
-        call = _LayerCall(run, earlier if continues else [], self.store, self.keep_attention_outputs)
+        call = _LayerCall(run, layer, earlier if continues else [], self.last_call, self.store,
+                          self.keep_attention_outputs)
         # Weak: the calls live in their autograd nodes, and a dropped graph must free them at once.
         self.current = [*self.current, weakref.ref(call)] if continues else [weakref.ref(call)]
+        self.last_call = weakref.ref(call)
         return call
 
     def returned(self, outputs: Any) -> Any:
@@ -422,7 +539,7 @@ def _checkpointed_forward(layer: nn.Module, original: Callable, signature: inspe
     if not args or not torch.is_tensor(args[0]):
         raise ValueError(f"activation_checkpointing needs {type(layer).__name__}'s hidden states as its first"
                          " argument.")
-    call = stretches.call(args[0], functools.partial(original, **kwargs))
+    call = stretches.call(args[0], functools.partial(original, **kwargs), type(layer).__name__)
     # A layer whose inputs need no gradient (frozen embeddings, adapters on a frozen base) may still have trainable
     # parameters: an input that requires grad makes autograd run its backward, which accumulates theirs.
     needs_anchor = (not any(torch.is_tensor(a) and a.requires_grad for a in args)

@@ -490,6 +490,75 @@ def test_host_store_unpins_every_buffer_it_drops(monkeypatch):
     assert registered == set() and store.host_bytes == 0
 
 
+class _LoggingStore(HostActivationStore):
+    """A host store that logs which layer's tensor each copy back starts (`fetch`) and is waited for (`wait`)."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.log, self.layer, self.owners = log, None, {}
+
+    def stash(self, tensor):
+        stashed = super().stash(tensor)
+        kind = "input" if tensor.dim() == 3 and tensor.shape[-1] == HIDDEN else "attention"
+        self.owners[stashed.buffer.data_ptr()] = (self.layer, kind)
+        return stashed
+
+    def fetch(self, stashed):
+        owner = self.owners[stashed.buffer.data_ptr()]
+        self.log.append(("fetch", *owner))
+        fetch = super().fetch(stashed)
+        wait = fetch.wait
+        fetch.wait = lambda: (self.log.append(("wait", *owner)), wait())[1]
+        return fetch
+
+
+HIDDEN = 32  # tiny_llama's hidden size: how the store tells a layer input from an attention output
+
+
+@pytest.mark.parametrize("interval", [1, 2])
+def test_offloaded_tensors_come_back_while_the_layer_after_them_runs_backward(interval):
+    """Each layer's backward starts the copy back of the next layer's kept input before it recomputes itself (on a GPU
+    the copy then runs beside that recompute and backward), and each recompute starts its attention outputs' copy
+    before the layer runs; every copy started is waited for exactly once (none wasted, none made twice)."""
+    layers, log = 4, []
+    model = tiny_llama(2, num_layers=layers).train()
+    store = _LoggingStore(log)
+    apply_memory_options(model, MemoryOptions(activation_checkpointing=True, offload_activations=True,
+                                              checkpoint_interval=interval, keep_attention_outputs=True), store)
+    for index, layer in enumerate(model.model.layers):
+        layer.register_forward_pre_hook(lambda *_, index=index: setattr(store, "layer", index))
+        layer.mlp.register_forward_hook(lambda *_, index=index: log.append(("mlp", index)))
+    input_ids, labels = _batch()
+    loss = model(input_ids=input_ids, labels=labels).loss
+    del log[:]
+    loss.backward()
+    fetches = [entry[1:] for entry in log if entry[0] == "fetch"]
+    assert sorted(fetches) == sorted(entry[1:] for entry in log if entry[0] == "wait")
+    kept_inputs = range(0, layers, interval)
+    # with stretches, a kept input comes back twice: for its stretch's recompute, then for its own layer's backward
+    assert sorted(layer for layer, kind in fetches if kind == "input") == sorted([*kept_inputs] * min(interval, 2))
+    # The backward recompute of a layer is its last MLP call. A stretch's kept input is fetched before the first layer
+    # of the next stretch recomputes for its backward, and waited for after it (the last stretch's: at once).
+    last_mlp = {index: max(i for i, entry in enumerate(log) if entry == ("mlp", index)) for index in range(layers)}
+    for layer in kept_inputs[:-1]:
+        assert (log.index(("fetch", layer, "input")) < last_mlp[layer + interval]
+                < log.index(("wait", layer, "input")))
+    for layer in range(layers):  # every attention output is fetched before its layer's recompute runs it
+        assert log.index(("fetch", layer, "attention")) < last_mlp[layer]
+
+
+def test_offloaded_input_changed_in_place_is_refused():
+    """The copy of a layer's input to the host runs beside the layer's forward on a GPU: a layer that changes its
+    input in place would leave a torn copy for backward's recompute, so it is refused at the end of its forward."""
+    model = tiny_llama(2, num_layers=2).train()
+    apply_memory_options(model, MemoryOptions(activation_checkpointing=True, offload_activations=True),
+                         HostActivationStore())
+    model.model.layers[1].input_layernorm.register_forward_pre_hook(lambda module, args: args[0].mul_(1.0))
+    input_ids, labels = _batch()
+    with pytest.raises(RuntimeError, match="LlamaDecoderLayer changed its input .hidden states. in place"):
+        model(input_ids=input_ids, labels=labels)
+
+
 def test_bad_options_name_the_fix():
     with pytest.raises(ValueError, match="needs activation_checkpointing=True"):
         MemoryOptions(offload_activations=True)
