@@ -31,7 +31,8 @@ and its barriers, the loop state rewritten to the data position, the resume stat
 batch, and evaluation loads of ZeRO-3 checkpoints (which DeepSpeed cannot load into an engine without optimizer).
 
 Command line: `python -m lightning_ulysses checkpoint {inspect,export} ...` (see `main`; `export --merged` also
-writes a LoRA model's adapters merged into its base weights).
+writes a LoRA model's adapters merged into its base weights, `export --tokenizer` saves a tokenizer beside the
+weights).
 """
 
 from __future__ import annotations
@@ -261,12 +262,14 @@ def consolidated_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return get_fp32_state_dict_from_zero_checkpoint(str(path), tag=deepspeed_tag(path))
 
 
-def export(path: Path, output: Path, hf_model: Optional[str] = None, merged: bool = False) -> list[Path]:
+def export(path: Path, output: Path, hf_model: Optional[str] = None, merged: bool = False,
+           tokenizer: Optional[str] = None) -> list[Path]:
     """Write `output/model.pt` (the consolidated state dict) and, for every Hugging Face model recorded in the
     checkpoint (or only `hf_model`, a module path like `model`), a `save_pretrained` directory
     `output/<module path>`; for a model with LoRA adapters, `output/<PEFT model's module path>/adapter` (every
     adapter, peft's layout) and, with `merged`, `.../merged` (the active adapters merged), as `ExportPretrained`
-    writes them. Returns the paths written."""
+    writes them. `tokenizer` (a folder or Hub name): saved beside the weights in each of those directories, as the
+    callback's `tokenizer` is. Returns the paths written."""
     path = resolve_checkpoint(Path(path))
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
@@ -280,12 +283,12 @@ def export(path: Path, output: Path, hf_model: Optional[str] = None, merged: boo
             raise ValueError(f"The checkpoint records no Hugging Face model at {hf_model!r}; it records {names}.")
         names = [hf_model]
     for name in names:
-        written += _export_hf_model(path / "hf" / name, state, name, output, merged)
+        written += _export_hf_model(path / "hf" / name, state, name, output, merged, tokenizer)
     return written
 
 
 def _export_hf_model(config_dir: Path, state: Mapping[str, torch.Tensor], name: str, output: Path,
-                     merged: bool) -> list[Path]:
+                     merged: bool, tokenizer: Optional[str] = None) -> list[Path]:
     """The folder(s) `save_pretrained_folders` writes for the model recorded at `name` (see `export`)."""
     from transformers import AutoConfig
 
@@ -303,7 +306,7 @@ def _export_hf_model(config_dir: Path, state: Mapping[str, torch.Tensor], name: 
         loaded = [lora.base_model_name_or_path for lora in adapters.configs.values() if lora.base_model_name_or_path]
         config.name_or_path = loaded[0] if loaded else config.name_or_path
     try:
-        return save_pretrained_folders(config, weights, target, lora=adapters, merged=merged)
+        return save_pretrained_folders(config, weights, target, lora=adapters, merged=merged, tokenizer=tokenizer)
     except ValueError as error:
         raise ValueError(f"{name}: checkpoint weights do not match the model: {error}") from error
 
@@ -610,6 +613,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     exporter.add_argument("--merged", action="store_true",
                           help="for a LoRA model, also write its (active) adapters merged into the base weights"
                                " (merged/)")
+    exporter.add_argument("--tokenizer", default=None,
+                          help="a tokenizer (folder or Hub name) to save beside the weights of every folder written")
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
@@ -617,7 +622,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             manifest = read_manifest(path)
             print(json.dumps({"path": str(path), **(asdict(manifest) if manifest else {"manifest": None})}, indent=2))
         else:
-            for written in export(args.checkpoint, args.output, args.hf_model, args.merged):
+            for written in export(args.checkpoint, args.output, args.hf_model, args.merged, args.tokenizer):
                 print(f"wrote {written}")
     except (IncompleteCheckpointError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

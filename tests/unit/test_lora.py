@@ -1,7 +1,8 @@
 """LoRA wiring (`lightning_ulysses.models.lora`) and the end-of-training export (`lightning_ulysses.export`) in one
 process, and `checkpoint export` of a LoRA model (its adapter configs recorded in the checkpoint), also of one with
-several adapters. Under ZeRO-3 at SP 2 (adapters partitioned at creation, weights gathered for the export):
-tests/distributed/test_parity.py `-pretrained-lora` and the `-export` and `-checkpoint_export` claims."""
+several adapters, and with `--tokenizer`. Under ZeRO-3 at SP 2 (adapters partitioned at creation, weights gathered
+for the export): tests/distributed/test_parity.py `-pretrained-lora` and the `-export` and `-checkpoint_export`
+claims."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from lightning_ulysses import checkpoint as checkpoints
 from lightning_ulysses.export import ExportPretrained, PeftAdapters, adapter_configs, save_pretrained_folders
 from lightning_ulysses.models import CausalLMModule
 from lightning_ulysses.models.lora import LoraSettings, _peft_initial_pair, with_lora
-from tests.finetune_fixtures import save_tiny_pretrained
+from tests.finetune_fixtures import save_tiny_pretrained, save_tiny_tokenizer
 
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"], "seed": 5}
 
@@ -281,3 +282,27 @@ def test_a_checkpoint_missing_adapters_its_weights_hold_is_refused_naming_the_fi
         folders = _checkpoint_export(module, config_dir, tmp_path / "export")
     _check_two_adapter_folders(model, pretrained, folders, ["default"])
 
+
+def test_checkpoint_export_saves_the_tokenizer_given_on_the_command_line(pretrained, tmp_path, monkeypatch):
+    """`checkpoint export <ckpt> <folder> --tokenizer <folder>` saves that tokenizer beside the weights, as the
+    callback's `tokenizer` does. The checkpoint is a complete one as the strategy commits it (manifest, recorded
+    config), the consolidation of its stand-in shards replaced by the trained module's state dict."""
+    module = CausalLMModule.from_pretrained(str(pretrained))
+    module.configure_model()
+    model = _trained(module)
+    tokenizer = save_tiny_tokenizer(tmp_path / "tokenizer", vocab_size=300)  # not the pretrained folder's (320)
+    path = tmp_path / "last.ckpt"
+    staging = checkpoints.prepare_staging(path)
+    (staging / checkpoints.DEEPSPEED_TAG).mkdir()
+    torch.save({}, staging / checkpoints.DEEPSPEED_TAG / "mp_rank_00_model_states.pt")
+    checkpoints.save_hf_configs(staging, {"model": model.config}, module)
+    checkpoints.commit(path, checkpoints.CheckpointManifest(
+        world_size=1, sequence_parallel_size=1, data_parallel_size=1, zero_stage=0, epoch_samples_consumed=0,
+        hf_models=("model",)))
+    monkeypatch.setattr(checkpoints, "consolidated_state_dict", lambda checkpoint: module.state_dict())
+    command = ["export", str(path), str(tmp_path / "export"), "--tokenizer", str(tmp_path / "tokenizer")]
+    assert checkpoints.main(command) == 0
+    exported = tmp_path / "export" / "model"
+    assert AutoTokenizer.from_pretrained(exported).get_vocab() == tokenizer.get_vocab()
+    tokens = torch.arange(24).reshape(2, 12)
+    assert torch.equal(_logits(AutoModelForCausalLM.from_pretrained(exported), tokens), _logits(model, tokens))
