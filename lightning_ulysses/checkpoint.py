@@ -8,10 +8,12 @@ A checkpoint is DeepSpeed's directory (one shard file per rank) plus what this m
   its steps draw dropout masks from (`lightning_ulysses.rng`), restored at the first training batch after a resume.
 - `hf/<module path>/config.json`: the config of every Hugging Face model in the LightningModule, so `export`
   can write a `save_pretrained` directory without the training code; beside it, for a model a PEFT (LoRA) model
-  adapts, `adapter_config.json` (peft's own file: the active adapter's `LoraConfig`), so that `export` rebuilds the
-  PEFT model and writes its `adapter/` (and `merged/`) folders as `ExportPretrained` does at the end of `fit`. The
-  PEFT model's state-dict keys are the recorded model's under `base_model.model.` (`export.PEFT_BASE`): nothing
-  else needs recording.
+  adapts, every adapter's `LoraConfig` as peft's own `adapter_config.json`, in the layout of peft's `save_pretrained`
+  (the adapter `default` beside `config.json`, any other in `<name>/`), and `adapters.json` (the adapters' names in
+  peft's order and the active ones: `{"adapters": [...], "active": [...]}`), so that `export` rebuilds the PEFT model
+  and writes its `adapter/` (and `merged/`) folders as `ExportPretrained` does at the end of `fit`. The PEFT model's
+  state-dict keys are the recorded model's under `base_model.model.` (`export.PEFT_BASE`): nothing else needs
+  recording. Checkpoints written before `adapters.json` record the one adapter `default` (beside `config.json`).
 
 Saves are atomic: ranks write into `<path>.partial`; rank 0 then moves a previous checkpoint at `<path>` aside
 to `<path>.previous`, renames `<path>.partial` to `<path>` and deletes `<path>.previous`. A save interrupted at
@@ -29,7 +31,8 @@ and its barriers, the loop state rewritten to the data position, the resume stat
 batch, and evaluation loads of ZeRO-3 checkpoints (which DeepSpeed cannot load into an engine without optimizer).
 
 Command line: `python -m lightning_ulysses checkpoint {inspect,export} ...` (see `main`; `export --merged` also
-writes a LoRA model's adapters merged into its base weights).
+writes a LoRA model's adapters merged into its base weights, `export --tokenizer` saves a tokenizer beside the
+weights).
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from lightning_ulysses import _lightning_private as lightning_private
+from lightning_ulysses.export import (DEFAULT_ADAPTER, PEFT_BASE, PeftAdapters, adapter_configs,
+                                      save_pretrained_folders)
 from lightning_ulysses.rng import SequenceParallelRNG
 
 MANIFEST = "ulysses.json"
@@ -57,6 +62,7 @@ PARTIAL_SUFFIX = ".partial"
 PREVIOUS_SUFFIX = ".previous"
 DEEPSPEED_TAG = "checkpoint"  # the tag Lightning's DeepSpeedStrategy saves under
 ADAPTER_CONFIG = "adapter_config.json"  # peft's file name (`PeftConfig.save_pretrained` / `from_pretrained`)
+ADAPTERS = "adapters.json"  # a PEFT model's adapter names and active ones, beside its recorded configs
 
 
 class IncompleteCheckpointError(RuntimeError):
@@ -256,11 +262,14 @@ def consolidated_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return get_fp32_state_dict_from_zero_checkpoint(str(path), tag=deepspeed_tag(path))
 
 
-def export(path: Path, output: Path, hf_model: Optional[str] = None, merged: bool = False) -> list[Path]:
+def export(path: Path, output: Path, hf_model: Optional[str] = None, merged: bool = False,
+           tokenizer: Optional[str] = None) -> list[Path]:
     """Write `output/model.pt` (the consolidated state dict) and, for every Hugging Face model recorded in the
     checkpoint (or only `hf_model`, a module path like `model`), a `save_pretrained` directory
-    `output/<module path>`; for a model with LoRA adapters, `output/<PEFT model's module path>/adapter` and, with
-    `merged`, `.../merged`, as `ExportPretrained` writes them. Returns the paths written."""
+    `output/<module path>`; for a model with LoRA adapters, `output/<PEFT model's module path>/adapter` (every
+    adapter, peft's layout) and, with `merged`, `.../merged` (the active adapters merged), as `ExportPretrained`
+    writes them. `tokenizer` (a folder or Hub name): saved beside the weights in each of those directories, as the
+    callback's `tokenizer` is. Returns the paths written."""
     path = resolve_checkpoint(Path(path))
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
@@ -274,40 +283,53 @@ def export(path: Path, output: Path, hf_model: Optional[str] = None, merged: boo
             raise ValueError(f"The checkpoint records no Hugging Face model at {hf_model!r}; it records {names}.")
         names = [hf_model]
     for name in names:
-        written += _export_hf_model(path / "hf" / name, state, name, output, merged)
+        written += _export_hf_model(path / "hf" / name, state, name, output, merged, tokenizer)
     return written
 
 
 def _export_hf_model(config_dir: Path, state: Mapping[str, torch.Tensor], name: str, output: Path,
-                     merged: bool) -> list[Path]:
+                     merged: bool, tokenizer: Optional[str] = None) -> list[Path]:
     """The folder(s) `save_pretrained_folders` writes for the model recorded at `name` (see `export`)."""
     from transformers import AutoConfig
 
-    from lightning_ulysses.export import PEFT_BASE, save_pretrained_folders
-
     prefix = f"{name}."
     weights = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
-    config, lora, target = AutoConfig.from_pretrained(config_dir), None, output / name
-    if (config_dir / ADAPTER_CONFIG).exists():
-        from peft import PeftConfig
-
-        lora = PeftConfig.from_pretrained(str(config_dir))
+    config, target = AutoConfig.from_pretrained(config_dir), output / name
+    adapters = read_adapters(config_dir)
+    _refuse_unrecorded_adapters(config_dir, name, weights, adapters)
+    if adapters is not None:
         # The PEFT model's own keys and module path (`name` is that of the model it adapts, see the module docstring).
         weights = {f"{PEFT_BASE}.{key}": value for key, value in weights.items()}
         target = output / name.removesuffix(f".{PEFT_BASE}")
-        # The adapter folder names the base the run loaded (as the callback's does), not this checkpoint's folder.
-        config.name_or_path = lora.base_model_name_or_path or config.name_or_path
-    else:
-        _refuse_unrecorded_adapters(config_dir, name, weights)
+        # The adapter folders name the base the run loaded (as the callback's do), not this checkpoint's folder. peft
+        # records it in the first adapter's config only (`get_peft_model`; `add_adapter` leaves it unset).
+        loaded = [lora.base_model_name_or_path for lora in adapters.configs.values() if lora.base_model_name_or_path]
+        config.name_or_path = loaded[0] if loaded else config.name_or_path
     try:
-        return save_pretrained_folders(config, weights, target, lora=lora, merged=merged)
+        return save_pretrained_folders(config, weights, target, lora=adapters, merged=merged, tokenizer=tokenizer)
     except ValueError as error:
         raise ValueError(f"{name}: checkpoint weights do not match the model: {error}") from error
 
 
-def _refuse_unrecorded_adapters(config_dir: Path, name: str, weights: Mapping[str, torch.Tensor]) -> None:
+def _refuse_unrecorded_adapters(config_dir: Path, name: str, weights: Mapping[str, torch.Tensor],
+                                adapters: Optional[PeftAdapters]) -> None:
     """A model whose weights carry peft's names (`...base_layer.weight`, `...lora_A.default.weight`) in a checkpoint
-    without its adapter config (one written before checkpoints recorded it) cannot be rebuilt: say how to record it."""
+    without its adapter config (one written before checkpoints recorded it), or adapters (`...lora_A.<adapter>...`)
+    the checkpoint does not record (written before checkpoints recorded several), cannot be rebuilt: say how to
+    record them."""
+    if adapters is not None:
+        unrecorded = sorted(_adapter_names(weights) - set(adapters.configs))
+        if unrecorded:
+            raise ValueError(
+                f"{name} was trained with the LoRA adapters {sorted(_adapter_names(weights))}, and this checkpoint"
+                f" records the config of {list(adapters.configs)} only (checkpoints written before several adapters"
+                f" were recorded hold the active one's, as `default`). Record them all and export again: each"
+                f" adapter's config as peft saves it, `LoraConfig(...).save_pretrained('{config_dir}')` for `default`"
+                f" and `.save_pretrained('{config_dir}/<adapter>')` for each other, and the names in"
+                f" {config_dir / ADAPTERS}: {{'adapters': [every adapter], 'active': [those the model applied,"
+                f" which --merged merges]}} as JSON."
+            )
+        return
     peft_keys = [key for key in weights if any(part == "base_layer" or part.startswith("lora_")
                                                for part in key.split("."))]
     if peft_keys:
@@ -321,16 +343,49 @@ def _refuse_unrecorded_adapters(config_dir: Path, name: str, weights: Mapping[st
         )
 
 
-def save_hf_configs(directory: Path, configs: Mapping[str, Any], module: Optional[torch.nn.Module] = None) -> None:
-    """`hf/<module path>/config.json` of every model of `configs`, and `adapter_config.json` beside it for a model a
-    PEFT model in `module` (the LightningModule) adapts."""
-    from lightning_ulysses.export import adapter_configs
+def _adapter_names(weights: Mapping[str, torch.Tensor]) -> set[str]:
+    """The adapters named in peft's parameter names (`...q_proj.lora_A.<adapter>.weight`,
+    `...lora_embedding_A.<adapter>`)."""
+    return {parts[i + 1] for parts in (key.split(".") for key in weights)
+            for i, part in enumerate(parts[:-1]) if part.startswith("lora_")}
 
+
+def save_hf_configs(directory: Path, configs: Mapping[str, Any], module: Optional[torch.nn.Module] = None) -> None:
+    """`hf/<module path>/config.json` of every model of `configs`, and beside it, for a model a PEFT model in `module`
+    (the LightningModule) adapts, its adapters' configs and `adapters.json` (see the module docstring)."""
     adapters = adapter_configs(module) if module is not None else {}
     for name, config in configs.items():
         config.save_pretrained(directory / "hf" / name)
         if name in adapters:
-            adapters[name].save_pretrained(directory / "hf" / name)
+            _save_adapters(directory / "hf" / name, adapters[name])
+
+
+def _save_adapters(config_dir: Path, adapters: PeftAdapters) -> None:
+    for name, lora in adapters.configs.items():
+        lora.save_pretrained(_adapter_dir(config_dir, name))
+    (config_dir / ADAPTERS).write_text(json.dumps({"adapters": list(adapters.configs), "active": list(adapters.active)},
+                                                  indent=2))
+
+
+def read_adapters(config_dir: Path) -> Optional[PeftAdapters]:
+    """The `PeftAdapters` recorded beside the config at `config_dir` (see the module docstring); None: the model is
+    not adapted by PEFT (or the checkpoint predates recording its adapters)."""
+    if (config_dir / ADAPTERS).exists():
+        record = json.loads((config_dir / ADAPTERS).read_text())
+        names, active = record["adapters"], record["active"]
+    elif (config_dir / ADAPTER_CONFIG).exists():  # recorded before several adapters were: the one, `default`
+        names, active = [DEFAULT_ADAPTER], [DEFAULT_ADAPTER]
+    else:
+        return None
+    from peft import PeftConfig
+
+    return PeftAdapters({name: PeftConfig.from_pretrained(str(_adapter_dir(config_dir, name))) for name in names},
+                        tuple(active))
+
+
+def _adapter_dir(config_dir: Path, adapter: str) -> Path:
+    """Where peft's `save_pretrained` puts an adapter of a PEFT model saved to `config_dir`."""
+    return config_dir if adapter == DEFAULT_ADAPTER else config_dir / adapter
 
 
 # -- the strategy's side: atomic saves, exact resumes, evaluation loads of ZeRO-3 checkpoints -----------------------
@@ -556,7 +611,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     exporter.add_argument("output", type=Path)
     exporter.add_argument("--hf-model", default=None, help="only this Hugging Face model (its module path)")
     exporter.add_argument("--merged", action="store_true",
-                          help="for a LoRA model, also write its adapters merged into the base weights (merged/)")
+                          help="for a LoRA model, also write its (active) adapters merged into the base weights"
+                               " (merged/)")
+    exporter.add_argument("--tokenizer", default=None,
+                          help="a tokenizer (folder or Hub name) to save beside the weights of every folder written")
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
@@ -564,7 +622,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             manifest = read_manifest(path)
             print(json.dumps({"path": str(path), **(asdict(manifest) if manifest else {"manifest": None})}, indent=2))
         else:
-            for written in export(args.checkpoint, args.output, args.hf_model, args.merged):
+            for written in export(args.checkpoint, args.output, args.hf_model, args.merged, args.tokenizer):
                 print(f"wrote {written}")
     except (IncompleteCheckpointError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

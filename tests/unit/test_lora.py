@@ -1,11 +1,16 @@
 """LoRA wiring (`lightning_ulysses.models.lora`) and the end-of-training export (`lightning_ulysses.export`) in one
-process, and `checkpoint export` of a LoRA model (its adapter config recorded in the checkpoint). Under ZeRO-3 at SP 2
-(adapters partitioned at creation, weights gathered for the export): tests/distributed/test_parity.py
-`-pretrained-lora` and the `-export` and `-checkpoint_export` claims."""
+process, and `checkpoint export` of a LoRA model (its adapter configs recorded in the checkpoint), also of one with
+several adapters, and with `--tokenizer`. Under ZeRO-3 at SP 2 (adapters partitioned at creation, weights gathered
+for the export): tests/distributed/test_parity.py `-pretrained-lora` and the `-export` and `-checkpoint_export`
+claims."""
 
 from __future__ import annotations
 
+import copy
+import json
 import re
+import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,10 +19,10 @@ from peft.tuners.lora import LoraLayer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_ulysses import checkpoint as checkpoints
-from lightning_ulysses.export import save_pretrained_folders
+from lightning_ulysses.export import ExportPretrained, PeftAdapters, adapter_configs, save_pretrained_folders
 from lightning_ulysses.models import CausalLMModule
 from lightning_ulysses.models.lora import LoraSettings, _peft_initial_pair, with_lora
-from tests.finetune_fixtures import save_tiny_pretrained
+from tests.finetune_fixtures import save_tiny_pretrained, save_tiny_tokenizer
 
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"], "seed": 5}
 
@@ -138,14 +143,12 @@ def test_a_checkpoint_records_the_lora_config_and_exports_the_callbacks_folders(
     `checkpoint export` then writes `adapter/` and `merged/` under the PEFT model's module path, as `ExportPretrained`
     does (the adapter naming the base the run loaded). The distributed round trip: test_parity.py's `-pretrained-lora`
     `checkpoint_export` claim."""
-    from lightning_ulysses.export import adapter_configs
-
     module = _lora_module(pretrained)
     model = _trained(module)
-    assert adapter_configs(module) == {RECORDED: model.peft_config["default"]}
+    assert adapter_configs(module) == {RECORDED: PeftAdapters({"default": model.peft_config["default"]}, ("default",))}
     checkpoints.save_hf_configs(tmp_path / "ckpt", {RECORDED: model.get_base_model().config}, module)
     config_dir = tmp_path / "ckpt" / "hf" / RECORDED
-    assert sorted(p.name for p in config_dir.iterdir()) == ["adapter_config.json", "config.json"]
+    assert sorted(p.name for p in config_dir.iterdir()) == ["adapter_config.json", "adapters.json", "config.json"]
     folders = _checkpoint_export(module, config_dir, tmp_path / "export")
     assert folders == [tmp_path / "export" / "model" / "adapter", tmp_path / "export" / "model" / "merged"]
     assert PeftConfig.from_pretrained(folders[0]).base_model_name_or_path == str(pretrained)
@@ -173,7 +176,6 @@ def test_recipe_keys_compose_into_lora_and_export(pretrained, tmp_path):
     from hydra.utils import instantiate
 
     from lightning_ulysses.config import register_resolvers
-    from lightning_ulysses.export import ExportPretrained
     from lightning_ulysses.recipe import export_callbacks
     from tests.recipes.test_recipes import CONF
 
@@ -190,3 +192,117 @@ def test_recipe_keys_compose_into_lora_and_export(pretrained, tmp_path):
     assert (callback.directory, callback.tokenizer) == (tmp_path / "export", str(pretrained))
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         assert export_callbacks(compose(config_name="train").export, module.spec, tmp_path) == []
+
+
+# A second adapter of another rank, also on a layer the first does not adapt (`o_proj`).
+SECOND = LoraConfig(r=2, lora_alpha=6, target_modules=["q_proj", "o_proj"], task_type="CAUSAL_LM")
+
+
+def _two_adapter_module(pretrained, active):
+    """A LoRA module whose PeftModel has a second adapter (`add_adapter`), both trained, `active` active."""
+    module = _lora_module(pretrained)
+    module.model.add_adapter("second", SECOND)
+    with torch.no_grad():  # peft freezes an inactive adapter: move every adapter weight, as training both would
+        for name, p in module.named_parameters():
+            if ".lora_" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    module.model.base_model.set_adapter(list(active))
+    return module
+
+
+def _check_two_adapter_folders(model, pretrained, folders, active):
+    """`adapter/` holds `default` at its root and `second` in `adapter/second` (peft's layout); loaded as peft loads
+    several adapters, each adapter alone and the active ones together give the trained model's logits exactly.
+    `merged/` is peft's merge of the active adapters, within 1e-5 of the trained model (merging reorders the sums)."""
+    assert {p.name for p in folders[0].iterdir()} >= {"adapter_config.json", "adapter_model.safetensors", "second"}
+    assert {p.name for p in (folders[0] / "second").iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+    tokens = torch.arange(24).reshape(2, 12)
+    expected = _logits(model, tokens)
+    merged = _logits(AutoModelForCausalLM.from_pretrained(folders[1]), tokens)
+    assert torch.equal(merged, _logits(copy.deepcopy(model).merge_and_unload(), tokens))
+    assert (merged - expected).abs().max() < 1e-5
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(pretrained), folders[0])
+    loaded.load_adapter(folders[0] / "second", adapter_name="second")
+    for adapters in (["default"], ["second"], list(active)):
+        for peft_model in (model, loaded):
+            peft_model.base_model.set_adapter(adapters)
+        assert torch.equal(_logits(loaded, tokens), _logits(model, tokens)), adapters
+    assert torch.equal(_logits(loaded, tokens), expected)
+
+
+@pytest.mark.parametrize("active", [("second",), ("default", "second")])
+def test_the_callback_exports_every_adapter_and_merges_the_active_ones(pretrained, tmp_path, active):
+    """`ExportPretrained` on a PeftModel with two adapters: both in `adapter/` (peft's layout), `merged/` the active
+    ones merged (what the trained model computes); an adapter left out of `merged/` is named in a warning."""
+    module = _two_adapter_module(pretrained, active)
+    trainer = SimpleNamespace(is_global_zero=True, strategy=SimpleNamespace(barrier=lambda name: None))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ExportPretrained(str(tmp_path), merged=True, tokenizer=str(pretrained)).on_train_end(trainer, module)
+    left_out = [str(w.message) for w in caught if "not the inactive ['default']" in str(w.message)]
+    assert len(left_out) == (active == ("second",)), [str(w.message) for w in caught]
+    assert (tmp_path / "adapter" / "tokenizer_config.json").exists()
+    _check_two_adapter_folders(module.model.eval(), pretrained, [tmp_path / "adapter", tmp_path / "merged"], active)
+
+
+def test_a_checkpoint_records_every_adapter_and_exports_them_as_the_callback_does(pretrained, tmp_path):
+    """Every adapter's config is recorded in peft's layout beside the config, with their names and the active ones
+    (`adapters.json`); `checkpoint export` then rebuilds the PEFT model with all of them and writes the callback's
+    folders, every adapter naming the base the run loaded."""
+    module = _two_adapter_module(pretrained, ["second"])
+    model = module.model.eval()
+    checkpoints.save_hf_configs(tmp_path / "ckpt", {RECORDED: model.get_base_model().config}, module)
+    config_dir = tmp_path / "ckpt" / "hf" / RECORDED
+    assert json.loads((config_dir / "adapters.json").read_text()) == {"adapters": ["default", "second"],
+                                                                      "active": ["second"]}
+    assert PeftConfig.from_pretrained(config_dir / "second").r == SECOND.r
+    with pytest.warns(UserWarning, match=r"not the inactive \['default'\]"):
+        folders = _checkpoint_export(module, config_dir, tmp_path / "export")
+    assert folders == [tmp_path / "export" / "model" / "adapter", tmp_path / "export" / "model" / "merged"]
+    for folder in (folders[0], folders[0] / "second"):
+        assert PeftConfig.from_pretrained(folder).base_model_name_or_path == str(pretrained)
+    _check_two_adapter_folders(model, pretrained, folders, ["second"])
+
+
+def test_a_checkpoint_missing_adapters_its_weights_hold_is_refused_naming_the_fix(pretrained, tmp_path):
+    """A checkpoint of a two-adapter model written before several adapters were recorded (only `adapter_config.json`
+    beside the config): refused, naming the files to write; writing them as it says makes the export work."""
+    module = _two_adapter_module(pretrained, ["default"])
+    model = module.model.eval()
+    config_dir = tmp_path / "ckpt" / "hf" / RECORDED
+    model.get_base_model().config.save_pretrained(config_dir)
+    model.peft_config["default"].save_pretrained(config_dir)  # what such a checkpoint holds
+    refusal = (r"LoRA adapters \['default', 'second'\], and this checkpoint records the config of \['default'\] only"
+               r".*" + re.escape(f"{config_dir}/<adapter>") + ".*" + re.escape(str(config_dir / "adapters.json")))
+    with pytest.raises(ValueError, match=refusal):
+        _checkpoint_export(module, config_dir, tmp_path / "export")
+    SECOND.save_pretrained(config_dir / "second")
+    (config_dir / "adapters.json").write_text(json.dumps({"adapters": ["default", "second"], "active": ["default"]}))
+    with pytest.warns(UserWarning, match=r"not the inactive \['second'\]"):
+        folders = _checkpoint_export(module, config_dir, tmp_path / "export")
+    _check_two_adapter_folders(model, pretrained, folders, ["default"])
+
+
+def test_checkpoint_export_saves_the_tokenizer_given_on_the_command_line(pretrained, tmp_path, monkeypatch):
+    """`checkpoint export <ckpt> <folder> --tokenizer <folder>` saves that tokenizer beside the weights, as the
+    callback's `tokenizer` does. The checkpoint is a complete one as the strategy commits it (manifest, recorded
+    config), the consolidation of its stand-in shards replaced by the trained module's state dict."""
+    module = CausalLMModule.from_pretrained(str(pretrained))
+    module.configure_model()
+    model = _trained(module)
+    tokenizer = save_tiny_tokenizer(tmp_path / "tokenizer", vocab_size=300)  # not the pretrained folder's (320)
+    path = tmp_path / "last.ckpt"
+    staging = checkpoints.prepare_staging(path)
+    (staging / checkpoints.DEEPSPEED_TAG).mkdir()
+    torch.save({}, staging / checkpoints.DEEPSPEED_TAG / "mp_rank_00_model_states.pt")
+    checkpoints.save_hf_configs(staging, {"model": model.config}, module)
+    checkpoints.commit(path, checkpoints.CheckpointManifest(
+        world_size=1, sequence_parallel_size=1, data_parallel_size=1, zero_stage=0, epoch_samples_consumed=0,
+        hf_models=("model",)))
+    monkeypatch.setattr(checkpoints, "consolidated_state_dict", lambda checkpoint: module.state_dict())
+    command = ["export", str(path), str(tmp_path / "export"), "--tokenizer", str(tmp_path / "tokenizer")]
+    assert checkpoints.main(command) == 0
+    exported = tmp_path / "export" / "model"
+    assert AutoTokenizer.from_pretrained(exported).get_vocab() == tokenizer.get_vocab()
+    tokens = torch.arange(24).reshape(2, 12)
+    assert torch.equal(_logits(AutoModelForCausalLM.from_pretrained(exported), tokens), _logits(model, tokens))
