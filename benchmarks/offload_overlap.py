@@ -8,8 +8,8 @@ kept attention outputs offloaded, copies on the side stream (`HostActivationStor
 and on the compute stream, in fp32 and bf16, with every input kept and with every second one; the loss and every
 gradient must equal those of the same checkpointing without offload bit for bit (the copies move bytes, nothing
 else). The layers' compute is padded with a long sequence so that the copies really do run beside it. Deterministic
-algorithms are on, and the reference runs twice: its own repeatability is part of the line (atomics in an attention
-backward would make any two runs differ).
+algorithms are on, attention runs on the memory-efficient kernel (flash's bf16 backward accumulates with atomics:
+two runs of the reference itself differ), and the reference runs twice: its own repeatability is part of the line.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import json
 import os
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_ulysses.memory import HostActivationStore, MemoryOptions, apply_memory_options
@@ -26,8 +27,9 @@ from lightning_ulysses.memory import HostActivationStore, MemoryOptions, apply_m
 
 def _step(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
-    loss = model(input_ids=input_ids, labels=input_ids).loss
-    loss.backward()
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):  # forward and backward (recomputes) alike
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
     torch.cuda.synchronize()
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
@@ -41,7 +43,7 @@ def main() -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=16384,
+                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=16384,
                          attn_implementation="sdpa")
     base = LlamaForCausalLM(config).cuda().train()
     input_ids = torch.randint(0, config.vocab_size, (1, 16384), device="cuda")
