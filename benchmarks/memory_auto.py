@@ -96,7 +96,8 @@ def main() -> None:
         error = f"refused: {refused}"
     config = llama_config(args.shape, args.seq)
     result = {"variant": args.variant, "shape": args.shape, "seq": args.seq, "features": args.features,
-              "offload_optimizer": args.offload_optimizer, "offload_copies": args.offload_copies, "error": error, **extra,
+              "offload_optimizer": args.offload_optimizer, "offload_copies": args.offload_copies, "error": error,
+              **extra,
               "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
               "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
               "device": torch.cuda.get_device_name(), "torch": torch.__version__}

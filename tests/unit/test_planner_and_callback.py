@@ -60,8 +60,8 @@ def test_hand_computed_plan():
     assert plan.gpu["checkpointed layer inputs"] == 0
     # One layer recomputed and run backward, per token: norms 2 × (2·8·2) + q,k,v 2·(8+4+4) + attention output and
     # o-projection input 2·16 + lse 4·2 + MLP 2·4·16 + gradients 2·(16+8+8+8) = 344 bytes, + the next layer's input
-    # brought back from the host meanwhile 2·8 = 360; × 50 tokens = 18000 > untiled logits 50 × 10 × (2+4+4+2) = 6000
-    # > optimizer step on the largest GPU sub-group 2·4·100 = 800.
+    # brought back from the host meanwhile 2·8 = 360; × 50 tokens = 18000 > untiled logits 50 × 10 × (2+4+4+2) =
+    # 6000 > optimizer step on the largest GPU sub-group 2·4·100 = 800.
     assert plan.gpu["largest transient: one layer's backward"] == 18000
     assert plan.gpu_total == sum(plan.gpu.values()) and plan.fits(plan.gpu_total, plan.host_total)
     assert not plan.fits(plan.gpu_total - 1)
