@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import lightning as L
 import torch
 import torch.distributed as dist
@@ -103,7 +105,8 @@ def build_model(kind: str, num_key_value_heads: int, reference: bool = False, pr
 # `pretrained*` kinds: a Llama saved with `save_pretrained` and loaded with `from_pretrained`; `-tied`: tied input and
 # output embeddings; `-frozen`: the embeddings and the first layer's MLP frozen after the load; `-yarn`: loaded through
 # the recipes' `PretrainedCausalLM` with YaRN RoPE scaling added (past 8 positions: the rows are 16 long); `-lora`:
-# LoRA adapters added after the load by `lightning_ulysses.models.lora` (the reference: peft's own, seeded alike).
+# LoRA adapters added after the load by `lightning_ulysses.models.lora` (the reference: peft's own, seeded alike);
+# `-lora2`: the same, plus a second adapter (`add_second_adapter`).
 PRETRAINED_SEED = 3  # no other model here starts from it: weights a fresh initialisation would not give
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"], "seed": 5}
@@ -143,6 +146,8 @@ def pretrained_model(kind: str, num_key_value_heads: int, attn_implementation: s
         model.model.layers[0].mlp.requires_grad_(False)
     if kind.endswith("-lora"):
         return lora_model(model, plain=folder is None)
+    if kind.endswith("-lora2"):
+        return add_second_adapter(lora_model(model, plain=folder is None))
     return model
 
 
@@ -158,6 +163,39 @@ def lora_model(model, plain: bool):
     torch.manual_seed(LORA["seed"])
     return get_peft_model(model, LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], target_modules=LORA["target_modules"],
                                             task_type="CAUSAL_LM"))
+
+
+# The `-lora2` kinds' second adapter: another rank, and a layer the first does not adapt (`o_proj`), so that its
+# folder cannot pass for the first's. `seed`: its values (see `add_second_adapter`).
+SECOND_ADAPTER = "second"
+SECOND_LORA = {"r": 2, "alpha": 6, "target_modules": ["q_proj", "o_proj"], "seed": 7}
+
+
+def add_second_adapter(peft_model):
+    """`peft_model` with the adapter `SECOND_ADAPTER` added by `add_adapter` (in configure_model: under ZeRO-3's
+    `zero.Init`, partitioned at creation). peft leaves it inactive and frozen, so training moves the first adapter
+    only and this one must come back unchanged. Its `A` and `B` are set to seeded normal values, `B` non-zero unlike
+    peft's own initialisation: with `B` zero the adapter would change no logit, and an export that dropped it, or
+    merged it, would give the same logits. Gathered to be set (each rank holds a partition under ZeRO-3); every rank
+    draws the same values, rank 0's are broadcast."""
+    from peft import LoraConfig
+
+    peft_model.add_adapter(SECOND_ADAPTER, LoraConfig(r=SECOND_LORA["r"], lora_alpha=SECOND_LORA["alpha"],
+                                                      target_modules=SECOND_LORA["target_modules"],
+                                                      task_type="CAUSAL_LM"))
+    params = [p for name, p in peft_model.named_parameters() if f".{SECOND_ADAPTER}." in name]
+    generator = torch.Generator().manual_seed(SECOND_LORA["seed"])
+    values = [0.1 * torch.randn(tuple(getattr(p, "ds_shape", p.shape)), generator=generator) for p in params]
+    partitioned = hasattr(params[0], "ds_id")
+    gathered = contextlib.nullcontext()
+    if partitioned:
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+    with gathered, torch.no_grad():
+        for p, value in zip(params, values):
+            p.copy_(value)
+    return peft_model
 
 
 def save_pretrained_once(kind: str, num_key_value_heads: int, folder: str, rank: int) -> None:

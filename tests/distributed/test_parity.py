@@ -8,6 +8,7 @@ its own Trainer and its own SP/DP groups.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from pathlib import Path
@@ -16,7 +17,8 @@ import pytest
 import torch
 
 from lightning_ulysses.layout import ShardOrder
-from tests.distributed.common import NUM_HEADS, UnevenlyMaskedTokens, build_model, built_labels, collate
+from tests.distributed.common import (NUM_HEADS, SECOND_ADAPTER, UnevenlyMaskedTokens, build_model, built_labels,
+                                      collate)
 from tests.distributed.harness import ROOT
 from tests.distributed.pool import shared
 from tests.distributed.reference import assert_weights_match, reference_training
@@ -117,6 +119,9 @@ def _matrix():
         # `checkpoint export` from a checkpoint saved after fit (`checkpoint_export`).
         _case(4, 2, 3, "mha", suffix="-pretrained-lora", model="pretrained-lora", in_configure_model=True, export=True,
               checkpoint_export=True),
+        # The same with a second adapter (`add_adapter`, inactive: only the first trains), exported beside the first.
+        _case(4, 2, 3, "mha", suffix="-pretrained-lora2", model="pretrained-lora2", in_configure_model=True,
+              export=True, checkpoint_export=True),
         _case(4, 2, 3, "mqa", suffix="-pretrained-frozen", model="pretrained-frozen", in_configure_model=True),
         _case(4, 2, 3, "gqa", suffix="-pretrained-yarn", model="pretrained-yarn", in_configure_model=True),
         _case(4, 2, 2, "mha", suffix="-pretrained-tied", model="pretrained-tied", in_configure_model=True),
@@ -315,7 +320,11 @@ def _check_checkpoint_export(case: dict, ranks: list[dict], steps) -> None:
 
     rank = next(rank for rank in ranks if rank["weights"] is not None)
     output = Path(rank["checkpoint"]).with_suffix(".exported")
-    assert main(["export", rank["checkpoint"], str(output), "--merged"]) == 0
+    # With a second, inactive adapter, `merged/` leaves it out and says so (`export` module docstring).
+    warns = (pytest.warns(UserWarning, match=rf"not the inactive \['{SECOND_ADAPTER}'\]")
+             if case["model"].endswith("-lora2") else contextlib.nullcontext())
+    with warns:
+        assert main(["export", rank["checkpoint"], str(output), "--merged"]) == 0
     assert sorted(p.name for p in output.iterdir()) == ["model", "model.pt"]  # the PEFT model's module path
     _check_exported(case, rank, output / "model")
 
@@ -324,7 +333,9 @@ def _check_exported(case: dict, rank: dict, export: Path) -> None:
     """Exported folders load, without the training code, with the trained model's logits (eager attention on both
     sides): a full model through `AutoModelForCausalLM` identically; LoRA's adapter folder on the saved base through
     `PeftModel` identically, and the merged folder identically to peft's merge of the trained model (within 1e-5 of
-    the unmerged one: merging changes the order of the sums)."""
+    the unmerged one: merging changes the order of the sums). With a second adapter (`-lora2`): that one too, from
+    its subfolder (peft's layout), with the reference's own logits exactly (inactive and frozen, it never changes),
+    and the merged folder merges the active (trained) adapter only, as the comparisons above then demand."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -333,12 +344,22 @@ def _check_exported(case: dict, rank: dict, export: Path) -> None:
     assert not result.unexpected_keys and all("rotary" in key or key == "lm_head.weight" for key in result.missing_keys)
     tokens = torch.arange(2 * case["seq_len"]).reshape(2, -1) % trained.config.vocab_size
     logits = _logits(trained, tokens)
-    if not case["model"].endswith("-lora"):
+    if not case["model"].endswith(("-lora", "-lora2")):
         assert torch.equal(_logits(AutoModelForCausalLM.from_pretrained(export, attn_implementation="eager"), tokens),
                            logits)
         return
     base = AutoModelForCausalLM.from_pretrained(rank["pretrained"], attn_implementation="eager")
-    assert torch.equal(_logits(PeftModel.from_pretrained(base, export / "adapter"), tokens), logits)
+    loaded = PeftModel.from_pretrained(base, export / "adapter")
+    if case["model"].endswith("-lora2"):
+        second = export / "adapter" / SECOND_ADAPTER
+        assert sorted(p.name for p in second.glob("*")) == ["adapter_config.json", "adapter_model.safetensors"]
+        loaded.load_adapter(second, adapter_name=SECOND_ADAPTER)  # loaded inactive: `default` stays the one applied
+    assert torch.equal(_logits(loaded, tokens), logits)
+    if case["model"].endswith("-lora2"):
+        reference = build_model(case["model"], case["kv_heads"], reference=True)  # untrained: as its second adapter
+        for model in (loaded, reference):
+            model.base_model.set_adapter([SECOND_ADAPTER])
+        assert torch.equal(_logits(loaded, tokens), _logits(reference, tokens))
     merged = _logits(AutoModelForCausalLM.from_pretrained(export / "merged", attn_implementation="eager"), tokens)
     assert torch.equal(merged, _logits(trained.merge_and_unload(), tokens))
     assert (merged - logits).abs().max() < 1e-5

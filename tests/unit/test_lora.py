@@ -1,8 +1,8 @@
 """LoRA wiring (`lightning_ulysses.models.lora`) and the end-of-training export (`lightning_ulysses.export`) in one
 process, and `checkpoint export` of a LoRA model (its adapter configs recorded in the checkpoint), also of one with
 several adapters, and with `--tokenizer`. Under ZeRO-3 at SP 2 (adapters partitioned at creation, weights gathered
-for the export): tests/distributed/test_parity.py `-pretrained-lora` and the `-export` and `-checkpoint_export`
-claims."""
+for the export): tests/distributed/test_parity.py `-pretrained-lora` (two adapters: `-pretrained-lora2`) and the
+`-export` and `-checkpoint_export` claims."""
 
 from __future__ import annotations
 
