@@ -380,7 +380,10 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     def _prepare_modules(self) -> None:
         """The module pipeline (`preparation.py`): scan the models, settle the ring size from their heads, build the
         runtime, check everything, then prepare everything."""
+        from lightning_ulysses.models.lora import check_adapters_initialised  # lazily: `models` loads transformers
+
         self._restore_modules()
+        check_adapters_initialised(self.lightning_module)  # raises before any collective, on every rank alike
         size = self.parallel_groups.sequence_parallel_world_size
         found = preparation.scan(self.lightning_module, size)  # raises before any collective
         if size > 1:  # identical on every rank (same model, same arguments): the sub-groups are created in step

@@ -4,8 +4,13 @@
 the base weights frozen, an `A`/`B` pair beside every targeted linear layer, trainable. Under ZeRO-3 this runs inside
 Lightning's `deepspeed.zero.Init`, so the adapters are partitioned when peft creates them; their initial values are
 nevertheless those of a plain `get_peft_model` in one process seeded with `settings.seed` (`A` as `nn.Linear`'s
-default, `B` zero), see `_initialise_adapters`. The strategy then prepares the `PeftModel`'s inner transformers model
+default, `B` zero), see `_initialise_adapter`. The strategy then prepares the `PeftModel`'s inner transformers model
 as any other (peft wraps the projections; attention, loss and memory engine are untouched by that).
+
+More adapters (several adapters trained in turn, or exported side by side): `add_adapter(peft_model, name, settings)`,
+not peft's own `peft_model.add_adapter(name, config)`, which under ZeRO-3 leaves the new adapter's `B` random (the
+model would no longer start as the pretrained one). The strategy refuses, at setup, a partitioned adapter that none
+of these functions initialised (`check_adapters_initialised`).
 
 Dropout (`settings.dropout` > 0) is allowed, as the model's own dropout is under the strategy: at SP > 1 each SP
 rank's steps draw from a random stream of their own (`lightning_ulysses.rng`), so each rank draws the masks of its
@@ -16,10 +21,11 @@ replicas draw alike, as under Lightning's DDP), and the memory engine's recomput
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Iterator, Sequence, Union
 
 import torch
 
@@ -57,14 +63,34 @@ def with_lora(model: torch.nn.Module, settings: LoraSettings):
     from peft import get_peft_model
 
     check_targets(model, settings.target_modules)
-    # A fork, so that the adapters' draws neither depend on nor move the generators the run is seeded with (under
-    # ZeRO-3 on a GPU, `zero.Init` builds the adapters on the GPU and draws there).
+    with _seeded(settings.seed):
+        peft_model = get_peft_model(model, settings.peft_config())
+    (name,) = peft_model.peft_config  # peft's name for a model's first adapter ("default")
+    _initialise_adapter(peft_model, name, settings.seed)
+    return peft_model
+
+
+def add_adapter(peft_model, name: str, settings: LoraSettings) -> None:
+    """Adds the LoRA adapter `name` to `peft_model` (a `PeftModel`, e.g. `with_lora`'s), with the values a plain
+    process's `torch.manual_seed(settings.seed); peft_model.add_adapter(name, settings.peft_config())` gives it, also
+    under ZeRO-3 (in `configure_model`), where peft's own `add_adapter` leaves `B` random. As peft's: the new adapter
+    is inactive and frozen (`peft_model.set_adapter(name)` trains it). Refuses targets that match no layer before
+    anything changes; the run's random generators do not move (see `with_lora`)."""
+    check_targets(peft_model.get_base_model(), settings.target_modules)
+    with _seeded(settings.seed):
+        peft_model.add_adapter(name, settings.peft_config())
+    _initialise_adapter(peft_model, name, settings.seed)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """The random generators seeded with `seed`, in a fork: the adapters' draws neither depend on nor move the
+    generators the run is seeded with (under ZeRO-3 on a GPU, `zero.Init` builds the adapters on the GPU and draws
+    there)."""
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(settings.seed)
-        peft_model = get_peft_model(model, settings.peft_config())
-    _initialise_adapters(peft_model, settings.seed)
-    return peft_model
+        torch.manual_seed(seed)
+        yield
 
 
 def check_targets(model: torch.nn.Module, target_modules: Union[Sequence[str], str]) -> None:
@@ -84,19 +110,29 @@ def check_targets(model: torch.nn.Module, target_modules: Union[Sequence[str], s
                          f" are named {linear}: set model.lora.target_modules to some of those.")
 
 
-def _initialise_adapters(peft_model, seed: int) -> None:
+# Set on an adapter weight whose initial values are known to be peft's: given by `_initialise_adapter`, or whole (not
+# partitioned) when peft initialised it. `check_adapters_initialised` refuses partitioned adapter weights without it.
+_INITIALISED = "lightning_ulysses_lora_initialised"
+
+
+def _initialise_adapter(peft_model, name: str, seed: int) -> None:
     """Under ZeRO-3 (`zero.Init`), peft initialises adapters that are already partitioned (empty on every rank):
     measured at SP 2, `B` kept `nn.Linear`'s random init instead of zero (the model no longer starts as the
-    pretrained one) and `A` its first draw instead of peft's. So the adapters are gathered and given the values a
-    plain process's `torch.manual_seed(seed); get_peft_model(...)` gives. Those are drawn on the CPU whatever the
-    device (peft builds each pair on the CPU, initialises it, then moves it): per adapted layer, in creation order,
-    `nn.Linear`'s default init of `A` then of `B` (discarded by peft), then `A` redrawn like `nn.Linear`'s
-    (`kaiming_uniform_(a=sqrt(5))`) and `B` zero (`reset_lora_parameters`). `tests/unit/test_lora.py` pins this order
-    against peft itself. Without partitioning, peft's own values stand."""
+    pretrained one) and `A` its first draw instead of peft's; the same for an adapter added later by peft's
+    `add_adapter` (measured 2026-12-02). So the adapter `name` is gathered and given the values a plain process's
+    `torch.manual_seed(seed)`, then the peft call that created it (`get_peft_model`, `add_adapter`), gives. Those are
+    drawn on the CPU whatever the device (peft builds each pair on the CPU, initialises it, then moves it): per
+    adapted layer, in creation order (the module tree's), `nn.Linear`'s default init of `A` then of `B` (discarded by
+    peft), then `A` redrawn like `nn.Linear`'s (`kaiming_uniform_(a=sqrt(5))`) and `B` zero (`reset_lora_parameters`).
+    `tests/unit/test_lora.py` pins this order against peft itself. One adapter per call: a peft call creates one,
+    and the draws of two would interleave by layer, not by adapter. Without partitioning, peft's own values stand.
+    Every weight set (or left) here is marked (`_INITIALISED`)."""
     from peft.tuners.lora import LoraLayer
 
-    layers = [m for m in peft_model.modules() if isinstance(m, LoraLayer)]
-    pairs = [(layer.lora_A[name].weight, layer.lora_B[name].weight) for layer in layers for name in layer.lora_A]
+    layers = [m for m in peft_model.modules() if isinstance(m, LoraLayer) and name in m.lora_A]
+    pairs = [(layer.lora_A[name].weight, layer.lora_B[name].weight) for layer in layers]
+    for weight in (w for pair in pairs for w in pair):
+        setattr(weight, _INITIALISED, True)
     if not pairs or not hasattr(pairs[0][0], "ds_id"):
         return
     import deepspeed
@@ -111,8 +147,44 @@ def _initialise_adapters(peft_model, seed: int) -> None:
                 b.copy_(b_value)
 
 
+def check_adapters_initialised(root: torch.nn.Module) -> None:
+    """Refuses LoRA adapter weights in `root` that ZeRO-3 partitioned at creation (`zero.Init`: `configure_model`)
+    and none of this module's functions initialised: peft's own initialisation of them was a no-op (see
+    `_initialise_adapter`), so they hold random values the user never asked for. Decided from the module tree alone
+    (the same on every rank: no collective). A weight that is whole here got peft's own values and is marked, so
+    that once DeepSpeed has partitioned it (a model built in `__init__`) a later setup (validate after fit) does not
+    refuse it. Nothing to do without peft or without adapters."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return
+    unset: dict[str, str] = {}  # adapter name -> one of its weights
+    for path, layer in root.named_modules():
+        if not isinstance(layer, LoraLayer):
+            continue
+        for kind in layer.adapter_layer_names:
+            for adapter, part in getattr(layer, kind, {}).items():
+                weights = part.named_parameters() if isinstance(part, torch.nn.Module) else [("", part)]
+                for weight_name, weight in weights:
+                    if getattr(weight, _INITIALISED, False):
+                        continue
+                    if not hasattr(weight, "ds_id"):
+                        setattr(weight, _INITIALISED, True)
+                    else:
+                        unset.setdefault(adapter, ".".join(filter(None, (path, kind, adapter, weight_name))))
+    if unset:
+        raise ValueError(
+            f"The LoRA adapters {sorted(unset)} were created partitioned by ZeRO-3 (in configure_model, under"
+            f" deepspeed.zero.Init) and their initial values were never set ({next(iter(unset.values()))}, ...):"
+            " peft initialises an adapter after ZeRO-3 has emptied its tensors, so `B` keeps a random init instead of"
+            " zero and the model no longer starts as the pretrained one. Add adapters with"
+            " lightning_ulysses.models.lora.add_adapter(peft_model, name, LoraSettings(...)) instead of peft's"
+            " peft_model.add_adapter(name, config) (and the first with lightning_ulysses.models.lora.with_lora"
+            " instead of get_peft_model): they give peft's values in the partitions.")
+
+
 def _peft_initial_pair(a_shape, b_shape, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """One adapter pair's initial values, drawn as peft's `update_layer` draws them (see `_initialise_adapters`)."""
+    """One adapter pair's initial values, drawn as peft's `update_layer` draws them (see `_initialise_adapter`)."""
     def linear_init(shape):  # `nn.Linear.reset_parameters` of a bias-free layer
         return torch.nn.init.kaiming_uniform_(torch.empty(tuple(shape), device="cpu"), a=math.sqrt(5),
                                               generator=generator)

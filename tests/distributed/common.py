@@ -147,7 +147,7 @@ def pretrained_model(kind: str, num_key_value_heads: int, attn_implementation: s
     if kind.endswith("-lora"):
         return lora_model(model, plain=folder is None)
     if kind.endswith("-lora2"):
-        return add_second_adapter(lora_model(model, plain=folder is None))
+        return add_second_adapter(lora_model(model, plain=folder is None), plain=folder is None)
     return model
 
 
@@ -166,35 +166,26 @@ def lora_model(model, plain: bool):
 
 
 # The `-lora2` kinds' second adapter: another rank, and a layer the first does not adapt (`o_proj`), so that its
-# folder cannot pass for the first's. `seed`: its values (see `add_second_adapter`).
+# folder cannot pass for the first's; its own seed.
 SECOND_ADAPTER = "second"
 SECOND_LORA = {"r": 2, "alpha": 6, "target_modules": ["q_proj", "o_proj"], "seed": 7}
 
 
-def add_second_adapter(peft_model):
-    """`peft_model` with the adapter `SECOND_ADAPTER` added by `add_adapter` (in configure_model: under ZeRO-3's
-    `zero.Init`, partitioned at creation). peft leaves it inactive and frozen, so training moves the first adapter
-    only and this one must come back unchanged. Its `A` and `B` are set to seeded normal values, `B` non-zero unlike
-    peft's own initialisation: with `B` zero the adapter would change no logit, and an export that dropped it, or
-    merged it, would give the same logits. Gathered to be set (each rank holds a partition under ZeRO-3); every rank
-    draws the same values, rank 0's are broadcast."""
-    from peft import LoraConfig
+def add_second_adapter(peft_model, plain: bool):
+    """`peft_model` with the adapter `SECOND_ADAPTER`: through `lightning_ulysses.models.lora.add_adapter` (in
+    configure_model: under ZeRO-3's `zero.Init`, partitioned at creation), or (`plain`, the reference) peft's own
+    `add_adapter` in one process seeded with the same seed. peft leaves it inactive and frozen, so training moves the
+    first adapter only and this one keeps its initial values: the `weights` claim holds them `torch.equal` to the
+    reference's (peft's `A`, `B` zero; peft's own `add_adapter` under ZeRO-3 would leave `B` random), and the export
+    claims compare its exported weights with them."""
+    from lightning_ulysses.models.lora import LoraSettings, add_adapter
 
-    peft_model.add_adapter(SECOND_ADAPTER, LoraConfig(r=SECOND_LORA["r"], lora_alpha=SECOND_LORA["alpha"],
-                                                      target_modules=SECOND_LORA["target_modules"],
-                                                      task_type="CAUSAL_LM"))
-    params = [p for name, p in peft_model.named_parameters() if f".{SECOND_ADAPTER}." in name]
-    generator = torch.Generator().manual_seed(SECOND_LORA["seed"])
-    values = [0.1 * torch.randn(tuple(getattr(p, "ds_shape", p.shape)), generator=generator) for p in params]
-    partitioned = hasattr(params[0], "ds_id")
-    gathered = contextlib.nullcontext()
-    if partitioned:
-        import deepspeed
-
-        gathered = deepspeed.zero.GatheredParameters(params, modifier_rank=0)
-    with gathered, torch.no_grad():
-        for p, value in zip(params, values):
-            p.copy_(value)
+    settings = LoraSettings(**SECOND_LORA)
+    if plain:
+        torch.manual_seed(settings.seed)
+        peft_model.add_adapter(SECOND_ADAPTER, settings.peft_config())
+    else:
+        add_adapter(peft_model, SECOND_ADAPTER, settings)
     return peft_model
 
 

@@ -30,6 +30,10 @@ CASES = {
     "unknown_router_loss": ({}, "NotImplementedError", ["DogeForCausalLM computes its MoE load-balancing loss", "Set output_router_logits=False"]),
     "unavailable_backend": ({"stage": 0}, "ImportError", ["'flash_attention_2' needs the flash-attn package", "use 'sdpa'"]),
     # Its small buckets divide by DP, its oversized ones by DP × SP: refused before any group is created.
+    # In configure_model under ZeRO-3: peft's init of an adapter it adds is a no-op on the partitions; refused at setup.
+    "lora_adapter_added_by_peft": ({"stage": 3}, "ValueError", [
+        "The LoRA adapters ['second'] were created partitioned by ZeRO-3",
+        "lightning_ulysses.models.lora.add_adapter(peft_model, name, LoraSettings(...))"]),
     "zero3_without_reduce_scatter": ({"stage": 3}, "ValueError", ["reduce_scatter=False cannot train exactly at sequence_parallel_size=2", "Leave reduce_scatter on"]),
 }
 # In the shared 2-rank launch (pool.py).

@@ -6,6 +6,7 @@ for the export): tests/distributed/test_parity.py `-pretrained-lora` (two adapte
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import re
@@ -21,7 +22,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lightning_ulysses import checkpoint as checkpoints
 from lightning_ulysses.export import ExportPretrained, PeftAdapters, adapter_configs, save_pretrained_folders
 from lightning_ulysses.models import CausalLMModule
-from lightning_ulysses.models.lora import LoraSettings, _peft_initial_pair, with_lora
+from lightning_ulysses.models.lora import (LoraSettings, _peft_initial_pair, add_adapter, check_adapters_initialised,
+                                          with_lora)
+from tests.distributed.common import tiny_llama
 from tests.finetune_fixtures import save_tiny_pretrained, save_tiny_tokenizer
 
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"], "seed": 5}
@@ -79,6 +82,102 @@ def test_the_adapters_start_as_peft_initialises_them_and_the_model_as_the_pretra
 def test_a_target_that_matches_no_layer_is_refused(pretrained, targets, unmatched):
     with pytest.raises(ValueError, match=r"match no layer of LlamaForCausalLM; its linear layers are named \['down_proj'"):
         _lora_module(pretrained, target_modules=targets)
+
+
+# `add_adapter`'s second adapter: another rank and seed, and a layer the first does not adapt (`o_proj`).
+ADDED = LoraSettings(r=2, alpha=6, target_modules=("q_proj", "o_proj"), seed=7)
+
+
+@pytest.fixture
+def zero3_init(monkeypatch):
+    """`deepspeed.zero.Init` of ZeRO-3 in this process (a gloo group of one rank, torn down afterwards): modules
+    built inside it are partitioned at creation, as in `configure_model` under the strategy."""
+    import socket
+
+    import deepspeed
+
+    from lightning_ulysses.strategy import skip_shared_memory_all_reduce_build
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
+                           WORLD_SIZE="1").items():
+        monkeypatch.setenv(key, value)
+    skip_shared_memory_all_reduce_build()
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1}
+    yield lambda: deepspeed.zero.Init(config_dict_or_path=config, remote_device="cpu")
+    torch.distributed.destroy_process_group()
+
+
+def _added(model, name: str) -> dict[str, torch.Tensor]:
+    """The values of adapter `name`'s weights, gathered where ZeRO-3 partitioned them."""
+    params = {key: p for key, p in model.named_parameters() if f".{name}." in key}
+    gathered = contextlib.nullcontext()
+    if hasattr(next(iter(params.values())), "ds_id"):
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(list(params.values()))
+    with gathered:
+        return {key: p.detach().clone() for key, p in params.items()}
+
+
+def _plain_two_adapters():
+    """The reference: what a plain process's peft gives, seeded as `LoraSettings.seed` says."""
+    torch.manual_seed(LORA["seed"])
+    plain = get_peft_model(tiny_llama(2), LoraSettings(**LORA).peft_config())
+    torch.manual_seed(ADDED.seed)
+    plain.add_adapter("second", ADDED.peft_config())
+    return plain
+
+
+@pytest.mark.parametrize("partitioned", [False, True], ids=["whole", "zero3-partitioned"])
+def test_an_added_adapter_starts_with_peft_values_also_partitioned_by_zero3(partitioned, request):
+    """`add_adapter` gives the adapter exactly the values a plain process's seeded peft `add_adapter` gives (`B`
+    zero, `A` peft's draws), also when ZeRO-3 partitions it at creation, where peft's own leaves `B` random
+    (measured: non-zero, `nn.Linear`'s init); inactive and frozen as peft's; the run's generator does not move."""
+    context = request.getfixturevalue("zero3_init") if partitioned else contextlib.nullcontext
+    with context():
+        model = with_lora(tiny_llama(2), LoraSettings(**LORA))
+        torch.manual_seed(123)
+        add_adapter(model, "second", ADDED)
+        after = torch.rand(1)
+    torch.manual_seed(123)
+    assert torch.equal(torch.rand(1), after)
+    expected = _added(_plain_two_adapters(), "second")
+    values = _added(model, "second")
+    assert list(values) == list(expected) and len(values) == 8  # 2 layers x (q_proj, o_proj) x (A, B)
+    for key, value in values.items():
+        assert torch.equal(value, expected[key]), key
+    assert all(not p.requires_grad for key, p in model.named_parameters() if ".second." in key)
+    assert model.active_adapters == ["default"]
+    check_adapters_initialised(model)
+
+
+def test_an_adapter_peft_adds_partitioned_by_zero3_is_refused_naming_the_fix(zero3_init):
+    """peft's own `add_adapter` under ZeRO-3's `zero.Init` leaves `B` random: refused (the check the strategy runs at
+    setup), naming `add_adapter`; the first adapter (`with_lora`'s) is not named."""
+    with zero3_init():
+        model = with_lora(tiny_llama(2), LoraSettings(**LORA))
+        model.add_adapter("second", ADDED.peft_config())
+    assert any(value.abs().max() > 0 for key, value in _added(model, "second").items() if ".lora_B." in key)
+    fix = "lightning_ulysses.models.lora.add_adapter(peft_model, name, LoraSettings(...))"
+    with pytest.raises(ValueError, match=r"The LoRA adapters \['second'\] were created partitioned by ZeRO-3 .*"
+                                         + re.escape(fix)):
+        check_adapters_initialised(model)
+
+
+def test_an_adapter_peft_adds_whole_is_not_refused_even_once_deepspeed_partitions_it():
+    """Outside `zero.Init` peft's own values stand: not refused; the check marks them, so that once DeepSpeed has
+    partitioned them (a model built in `__init__`, at `deepspeed.initialize`) a later setup (validate after fit)
+    does not refuse them either."""
+    model = with_lora(tiny_llama(2), LoraSettings(**LORA))
+    model.add_adapter("second", ADDED.peft_config())
+    check_adapters_initialised(model)
+    for p in model.parameters():
+        p.ds_id = 0  # what DeepSpeed's partitioning adds
+    check_adapters_initialised(model)
 
 
 def _trained(module):

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from tests.distributed.families import tiny_model
 
 import lightning_ulysses
-from tests.distributed.common import CausalLM, UnevenlyMaskedTokens, collate
+from tests.distributed.common import CausalLM, UnevenlyMaskedTokens, collate, tiny_llama
 
 
 class PlainModule(L.LightningModule):
@@ -107,6 +107,18 @@ class ShardedByGlobalRank(torch.utils.data.IterableDataset):
         return iter([rows[i] for i in range(dist.get_rank(), 64, dist.get_world_size())])
 
 
+class PeftAddsAdapter(CausalLM):
+    """LoRA in configure_model (under ZeRO-3 partitioned at creation), a second adapter added by peft's own
+    `add_adapter`, which leaves its `B` random there."""
+
+    def configure_model(self):
+        from lightning_ulysses.models.lora import LoraSettings, with_lora
+
+        settings = LoraSettings(r=2, target_modules=("q_proj",))
+        self.model = with_lora(tiny_llama(4), settings)
+        self.model.add_adapter("second", settings.peft_config())
+
+
 def build(case):
     data = DataLoader(UnevenlyMaskedTokens(8, 16), batch_size=2, collate_fn=collate)
     strategy_kwargs = {"sequence_parallel_size": case.get("sp", 2), "ring_size": case.get("ring_size")}
@@ -146,6 +158,8 @@ def build(case):
         for attention in module.model.modules():
             if isinstance(attention, lightning_ulysses.UlyssesAttention):
                 attention.backend = "flash_attention_2"
+    elif kind == "lora_adapter_added_by_peft":
+        module = PeftAddsAdapter(num_key_value_heads=4, in_configure_model=True)
     elif kind == "zero3_without_reduce_scatter":
         strategy_kwargs["reduce_scatter"] = False
     return module, lightning_ulysses.UlyssesDeepSpeedStrategy(stage=case.get("stage", 3), **strategy_kwargs), data
