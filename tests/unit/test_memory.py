@@ -490,6 +490,9 @@ def test_host_store_unpins_every_buffer_it_drops(monkeypatch):
     assert registered == set() and store.host_bytes == 0
 
 
+HIDDEN = 32  # tiny_llama's hidden size: how the store tells a layer input from an attention output
+
+
 class _LoggingStore(HostActivationStore):
     """A host store that logs which layer's tensor each copy back starts (`fetch`) and is waited for (`wait`)."""
 
@@ -510,9 +513,6 @@ class _LoggingStore(HostActivationStore):
         wait = fetch.wait
         fetch.wait = lambda: (self.log.append(("wait", *owner)), wait())[1]
         return fetch
-
-
-HIDDEN = 32  # tiny_llama's hidden size: how the store tells a layer input from an attention output
 
 
 @pytest.mark.parametrize("interval", [1, 2])
