@@ -13,7 +13,9 @@ measurement). What the model counts:
   `heads / sp` heads), twice that backward, at the measured rate of each SDPA kernel;
 - recompute: a checkpointed layer runs its forward once more in backward, and `checkpoint_interval` k adds
   `(k − 1) / k` forwards per layer (the stretch's inputs); the attention forward is recomputed unless
-  `keep_attention_outputs` replays it; a tiled MLP recomputes its forward once more in its own backward;
+  `keep_attention_outputs` replays it; a tiled MLP recomputes its forward once more in its own backward, which
+  costs nothing more under layer checkpointing (the layer's recompute leaves the MLP's forward out: `tiled_mlp.py`;
+  measured before 2026-12-02 it ran there too: `Measured.deferred_mlp`);
 - host transfers: offloaded layer inputs (and kept attention outputs) go to the host in forward and come back in
   backward (`host_link_bytes`); the copies overlap with compute (`HostActivationStore.overlap_transfers`), leaving
   `overlapped_transfer_factor` of that time on the critical path (`OVERLAP_PAIRS`: measured with the copies on the
@@ -102,10 +104,13 @@ def _matmul_parameters(shape: ModelShape) -> tuple[float, float, float]:
 
 
 def predict_step_time(shape: ModelShape, setup: TrainingSetup, kernel: Optional[str] = "cudnn",
-                      speeds: DeviceSpeeds = H200, overlapped_copies: bool = True) -> StepTime:
+                      speeds: DeviceSpeeds = H200, overlapped_copies: bool = True,
+                      deferred_mlp: bool = True) -> StepTime:
     """Seconds of one training step on one rank, by term. `kernel`: the SDPA kernel attention runs with (None:
     torch's default order, i.e. flash on Hopper); `overlapped_copies`: whether offloaded activations are copied
-    beside compute (the default; False: on the compute stream, as measured before 2026-12-02)."""
+    beside compute (the default; False: on the compute stream, as measured before 2026-12-02); `deferred_mlp`:
+    whether a checkpointed layer's recompute leaves its tiled MLP's forward out (the default; False: as measured
+    before it did)."""
     m, kernel = setup.memory, kernel or "flash"
     tokens = setup.local_tokens
     layers, mlp, head = _matmul_parameters(shape)
@@ -125,7 +130,7 @@ def predict_step_time(shape: ModelShape, setup: TrainingSetup, kernel: Optional[
                                                                + terms["elementwise kernels"] / 3)
         if not m.keep_attention_outputs:
             terms["recompute: attention forward"] = extra_forwards * terms["attention forward"]
-    if m.tiled_mlp:
+    if m.tiled_mlp and not (m.activation_checkpointing and deferred_mlp):
         terms["recompute: tiled MLP forward"] = 2 * shape.num_layers * mlp * tokens / speeds.matmul_flops
     if m.offload_activations:
         kept = shape.hidden_size * math.ceil(shape.num_layers / m.checkpoint_interval)
@@ -148,8 +153,9 @@ def predict_step_time(shape: ModelShape, setup: TrainingSetup, kernel: Optional[
 @dataclass(frozen=True)
 class Measured:
     """One committed measurement: model, length, features (`plan.memory_options` syntax), optimizer share on the
-    host, sub-group size, SDPA kernel, measured step seconds, where it is committed, and whether offloaded
-    activations were copied beside compute (measurements before 2026-12-02 copied on the compute stream)."""
+    host, sub-group size, SDPA kernel, measured step seconds, where it is committed, whether offloaded
+    activations were copied beside compute (measurements before 2026-12-02 copied on the compute stream) and whether
+    a checkpointed layer's recompute left its tiled MLP's forward out (from the second run of 2026-12-02 on)."""
 
     model: str
     seq: int
@@ -160,6 +166,7 @@ class Measured:
     step_s: float
     source: str
     overlapped: bool = False
+    deferred_mlp: bool = False
 
 
 _ENGINE = "2026-11-29-h200-memory-engine"
@@ -226,7 +233,8 @@ def predicted(row: Measured, speeds: DeviceSpeeds = H200) -> StepTime:
 
     setup = TrainingSetup(seq_len=row.seq, offload_optimizer=row.offload, sub_group_size=row.sub_group_size,
                           memory=memory_options(row.features))
-    return predict_step_time(MODELS[row.model], setup, row.kernel, speeds, overlapped_copies=row.overlapped)
+    return predict_step_time(MODELS[row.model], setup, row.kernel, speeds, overlapped_copies=row.overlapped,
+                             deferred_mlp=row.deferred_mlp)
 
 
 def calibration_table(speeds: DeviceSpeeds = H200) -> str:

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_ulysses.memory.tiled_mlp import TiledMLP, deferred_recompute, tiled_mlps
 from lightning_ulysses.views import view_key
 
 # The fused attention kernels whose outputs `keep_attention_outputs` records (what F.scaled_dot_product_attention
@@ -360,10 +361,12 @@ class _LayerCall:
     """One checkpointed call of one layer: what its backward, and later layers' backward, need to recompute it."""
 
     def __init__(self, run: Callable, layer: str, earlier: list["_LayerCall"], previous: Optional[weakref.ref],
-                 store: Optional[HostActivationStore], keep_attention_outputs: bool) -> None:
+                 store: Optional[HostActivationStore], keep_attention_outputs: bool,
+                 mlps: list[TiledMLP]) -> None:
         # The calls before this one in its stretch. Only later calls refer to earlier ones (no cycle): each call lives
         # exactly as long as its autograd node needs it, so a graph dropped without backward frees what it kept.
         self.run, self.layer, self.earlier, self.store = run, layer, earlier, store
+        self.mlps = mlps  # the layer's tiled MLPs: their forward can be left out of the recompute with gradients
         # The call checkpointed just before this one, whatever its stretch: the next to run backward, whose kept
         # tensors this call's backward starts bringing back (weak, like the stretches').
         self.previous = previous
@@ -460,7 +463,10 @@ class _CheckpointedLayer(torch.autograd.Function):
         previous = call.previous() if call.previous is not None else None
         if previous is not None:
             previous.prefetch_input()
-        outputs, args = call.recompute(hidden, with_grad=True)
+        # The recompute's outputs only carry gradients back: a tiled MLP need not produce its values.
+        with deferred_recompute(call.mlps) as deferred:
+            outputs, args = call.recompute(hidden, with_grad=True)
+        deferred.check(outputs)
         call.release()
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grad_outputs)
@@ -513,13 +519,13 @@ class _Stretches:
         self.last_output: Optional[tuple] = None  # `view_key` of the last call's hidden-state output
         self.last_call: Optional[weakref.ref] = None
 
-    def call(self, hidden: torch.Tensor, run: Callable, layer: str) -> _LayerCall:
+    def call(self, hidden: torch.Tensor, run: Callable, layer: str, mlps: list[TiledMLP]) -> _LayerCall:
         earlier = [reference() for reference in self.current]
         # A call whose graph is already gone (its output was detached, say) cannot recompute the next one's input.
         continues = (self.last_output is not None and self.last_output == view_key(hidden)
                      and len(earlier) < self.interval and None not in earlier)
         call = _LayerCall(run, layer, earlier if continues else [], self.last_call, self.store,
-                          self.keep_attention_outputs)
+                          self.keep_attention_outputs, mlps)
         # Weak: the calls live in their autograd nodes, and a dropped graph must free them at once.
         self.current = [*self.current, weakref.ref(call)] if continues else [weakref.ref(call)]
         self.last_call = weakref.ref(call)
@@ -539,7 +545,7 @@ def _checkpointed_forward(layer: nn.Module, original: Callable, signature: inspe
     if not args or not torch.is_tensor(args[0]):
         raise ValueError(f"activation_checkpointing needs {type(layer).__name__}'s hidden states as its first"
                          " argument.")
-    call = stretches.call(args[0], functools.partial(original, **kwargs), type(layer).__name__)
+    call = stretches.call(args[0], functools.partial(original, **kwargs), type(layer).__name__, tiled_mlps(layer))
     # A layer whose inputs need no gradient (frozen embeddings, adapters on a frozen base) may still have trainable
     # parameters: an input that requires grad makes autograd run its backward, which accumulates theirs.
     needs_anchor = (not any(torch.is_tensor(a) and a.requires_grad for a in args)

@@ -15,12 +15,20 @@ Dropout in the MLP (GPT-2's `resid_pdrop`, PEFT's `lora_dropout`): each tile's r
 the tile, not the slice of the mask an untiled MLP would draw: the same distribution, another sample. The MLP is
 tiled without gradients too, so that a checkpointed layer's forward (run without gradients) and its recompute (with
 them) draw their masks tile by tile alike.
+
+Under layer checkpointing the MLP's forward is not run again in the layer's recompute (`deferred_recompute`): the
+recompute's outputs only carry gradients back, the MLP's backward recomputes its tiles from its input anyway, and
+so the MLP's output values are never read — provided nothing between the MLP and the layer's outputs keeps a tensor
+for its backward (Llama-style layers: a residual add). That is checked on the recompute's autograd graph: the first
+recompute of each MLP runs it and checks; only an MLP that passed (and whose forward draws no random numbers) is
+deferred from then on, and every deferred recompute is checked again. A tiled MLP then costs no extra forward at
+all: its forward runs twice, as an untiled checkpointed MLP's does.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Callable
+import contextlib
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -49,13 +57,20 @@ class _TiledPositionwise(torch.autograd.Function):
     """`forward_fn` applied to tiles of `x` along dim -2 (the sequence); `params` are what `forward_fn` reads."""
 
     @staticmethod
-    def forward(ctx, forward_fn: Callable, tile_tokens: int, x: torch.Tensor, *params: torch.Tensor):
+    def forward(ctx, forward_fn: Callable, tile_tokens: int, deferred: Optional[tuple], x: torch.Tensor,
+                *params: torch.Tensor):
         ctx.forward_fn, ctx.tile_tokens = forward_fn, tile_tokens
         ctx.params = params  # references only (the module's own parameters); nothing is copied
         ctx.save_for_backward(x)
         # The random state before each tile, for its recompute to draw the same dropout masks (GPT-2's
         # `resid_pdrop`, PEFT's `lora_dropout`), as torch.utils.checkpoint's `preserve_rng_state` does.
         ctx.devices = [x.device.index] if x.is_cuda else []
+        if deferred is not None:
+            # Output values nobody reads (`TiledMLP`): no tile runs; a forward that draws nothing leaves every tile
+            # the state it starts from now.
+            shape, dtype = deferred
+            ctx.rng_states = [_rng_state(ctx.devices)] * len(range(0, x.size(-2), tile_tokens))
+            return x.new_zeros(shape, dtype=dtype)
         ctx.rng_states = []
         outputs = []
         with torch.no_grad():
@@ -67,10 +82,10 @@ class _TiledPositionwise(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (x,) = ctx.saved_tensors
-        trainable = [i for i, p in enumerate(ctx.params) if ctx.needs_input_grad[3 + i]]
+        trainable = [i for i, p in enumerate(ctx.params) if ctx.needs_input_grad[4 + i]]
         # fp32 accumulators: summing bf16 tile gradients in bf16 would round once per tile.
         param_grads = {i: torch.zeros_like(ctx.params[i], dtype=torch.float32) for i in trainable}
-        grad_x = torch.empty_like(x) if ctx.needs_input_grad[2] else None
+        grad_x = torch.empty_like(x) if ctx.needs_input_grad[3] else None
         start = 0
         # fork_rng: the replayed states are undone afterwards, so the step's random stream goes on as without tiles.
         with torch.random.fork_rng(devices=ctx.devices):
@@ -90,19 +105,126 @@ class _TiledPositionwise(torch.autograd.Function):
                     if grad is not None:
                         param_grads[i] += grad
                 start += size
-        return (None, None, grad_x,
+        return (None, None, None, grad_x,
                 *(param_grads[i].to(p.dtype) if i in param_grads else None for i, p in enumerate(ctx.params)))
 
 
-def tiled_forward(module: nn.Module, forward_fn: Callable, x: torch.Tensor, tile_tokens: int) -> torch.Tensor:
-    """Run the position-wise `forward_fn` (reading `module`'s parameters) over sequence tiles of `x`."""
-    if x.size(-2) <= tile_tokens:
-        return forward_fn(x)  # one tile: the plain path is the same computation, without the recompute
-    if not torch.is_grad_enabled():
-        # Tiled without gradients too: a checkpointed layer runs its forward so, and its recompute (with gradients)
-        # must draw the same dropout masks, tile by tile. It also bounds the intermediate activations of inference.
-        return torch.cat([forward_fn(tile) for tile in _tiles(x, tile_tokens)], dim=-2)
-    return _TiledPositionwise.apply(forward_fn, tile_tokens, x, *module.parameters())
+def _tiles_without_grad(forward_fn: Callable, x: torch.Tensor, tile_tokens: int) -> torch.Tensor:
+    return torch.cat([forward_fn(tile) for tile in _tiles(x, tile_tokens)], dim=-2)
+
+
+def _signature(tensor: torch.Tensor) -> tuple:
+    return tuple(tensor.shape), tensor.dtype, tensor.device
+
+
+class TiledMLP:
+    """The forward `tile_mlp` gives an MLP: `forward_fn` over `tile_tokens`-token tiles of the sequence."""
+
+    def __init__(self, module: nn.Module, forward_fn: Callable, tile_tokens: int) -> None:
+        self.module, self.forward_fn, self.tile_tokens = module, forward_fn, tile_tokens
+        self.defer = False  # set by `deferred_recompute` around a recompute whose outputs only carry gradients
+        self.deferrable: Optional[bool] = None  # None until a recompute's graph has been checked
+        # The last call without gradients: (input signature, output signature, whether it drew random numbers).
+        # A checkpointed layer's forward runs so just before its recompute, on the same input.
+        self.last_forward: Optional[tuple] = None
+        self.outputs: list = []  # autograd nodes of the outputs made inside the current `deferred_recompute`
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            # Tiled without gradients too: a checkpointed layer runs its forward so, and its recompute (with
+            # gradients) must draw the same dropout masks, tile by tile. It also bounds the intermediate
+            # activations of inference.
+            devices = [x.device.index] if x.is_cuda else []
+            before = _rng_state(devices)
+            y = self.forward_fn(x) if x.size(-2) <= self.tile_tokens else _tiles_without_grad(
+                self.forward_fn, x, self.tile_tokens)
+            after = _rng_state(devices)
+            drew = not all(torch.equal(a, b) for a, b in zip([before[0], *before[1]], [after[0], *after[1]]))
+            self.last_forward = (_signature(x), (tuple(y.shape), y.dtype), drew)
+            return y
+        if not self.defer:
+            if x.size(-2) <= self.tile_tokens:
+                return self.forward_fn(x)  # one tile: the plain path is the same computation, without the recompute
+            return _TiledPositionwise.apply(self.forward_fn, self.tile_tokens, None, x, *self.module.parameters())
+        deferred = None
+        if self.deferrable and self.last_forward is not None:
+            signature, output, drew = self.last_forward
+            deferred = output if signature == _signature(x) and not drew else None
+        # Through the autograd function even for one tile: its node is what the graph check looks for.
+        y = _TiledPositionwise.apply(self.forward_fn, self.tile_tokens, deferred, x, *self.module.parameters())
+        self.outputs.append((y.grad_fn, deferred is not None))
+        return y
+
+
+def _saves_tensors(node: Any) -> bool:
+    """Whether an autograd node keeps any tensor for its backward (conservatively: any tensor it holds)."""
+    if isinstance(node, torch.autograd.function.BackwardCFunction):
+        held = [*node.saved_tensors, *vars(node).values()]
+    else:
+        held = [getattr(node, name) for name in dir(node) if name.startswith("_saved_")]
+    held += [item for value in held if isinstance(value, (tuple, list)) for item in value]
+    return any(torch.is_tensor(value) for value in held)
+
+
+def _values_unread(roots: list, targets: set) -> bool:
+    """Whether no node on a path from `roots` to a node of `targets` (the targets excluded) keeps a tensor: then
+    the backward of `roots` reads no value the targets produced, only their gradients flow."""
+    reaches: dict = {}
+    for root in roots:
+        stack = [(root, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if node in reaches and not expanded:
+                continue
+            children = [child for child, _ in node.next_functions if child is not None]
+            if not expanded:
+                reaches[node] = False  # on the stack; a graph has no cycles
+                stack.append((node, True))
+                stack += [(child, False) for child in children if child not in reaches]
+            else:
+                reaches[node] = node in targets or any(reaches.get(child, False) for child in children)
+    return not any(reached and node not in targets and _saves_tensors(node) for node, reached in reaches.items())
+
+
+class DeferredRecompute:
+    """What `deferred_recompute` gives: `check(outputs)` after the recompute, before its backward."""
+
+    def __init__(self, mlps: list[TiledMLP]) -> None:
+        self.mlps = mlps
+
+    def check(self, outputs: Any) -> None:
+        outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+        roots = [o.grad_fn for o in outputs if torch.is_tensor(o) and o.grad_fn is not None]
+        for mlp in self.mlps:
+            made, mlp.outputs = mlp.outputs, []
+            if not made:
+                continue
+            unread = _values_unread(roots, {node for node, _ in made})
+            if any(deferred for _, deferred in made) and not unread:
+                raise RuntimeError(
+                    f"tiled_mlp: the recompute of a checkpointed layer skipped {type(mlp.module).__name__}'s forward"
+                    " because its output values were read by no backward on an earlier step; on this step something"
+                    " keeps them (the layer's graph changed between steps). Its gradients would be wrong, so the step"
+                    " stops here. Report this model; until then switch tiled_mlp off for it.")
+            mlp.deferrable = unread
+
+
+@contextlib.contextmanager
+def deferred_recompute(mlps: list[TiledMLP]) -> Iterator[DeferredRecompute]:
+    """Around the recompute of a checkpointed layer whose outputs only carry gradients back: the layer's tiled MLPs
+    skip their forward where that is known to be exact. Call `check(outputs)` on what the recompute returned."""
+    for mlp in mlps:
+        mlp.defer, mlp.outputs = True, []
+    try:
+        yield DeferredRecompute(mlps)
+    finally:
+        for mlp in mlps:
+            mlp.defer = False
+
+
+def tiled_mlps(module: nn.Module) -> list[TiledMLP]:
+    """The tiled MLPs inside `module` (a decoder layer)."""
+    return [m.__dict__["forward"] for m in module.modules() if isinstance(m.__dict__.get("forward"), TiledMLP)]
 
 
 def tile_mlp(mlp: nn.Module, tile_tokens: int) -> Callable[[], None]:
@@ -115,9 +237,8 @@ def tile_mlp(mlp: nn.Module, tile_tokens: int) -> Callable[[], None]:
     """
     if tile_tokens < 1:
         raise ValueError(f"mlp_tile_tokens must be a positive number of tokens, got {tile_tokens}")
-    original = mlp.forward
     mlp._z3_leaf = True  # deepspeed.utils.set_z3_leaf_module, without importing DeepSpeed here
-    mlp.forward = functools.partial(tiled_forward, mlp, original, tile_tokens=tile_tokens)
+    mlp.forward = TiledMLP(mlp, mlp.forward, tile_tokens)
 
     def restore() -> None:
         mlp.__dict__.pop("forward", None)

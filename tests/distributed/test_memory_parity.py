@@ -90,6 +90,9 @@ def test_memory_features_match_plain_reference(case, tmp_path_factory):
     with sdpa_priority(check_sdpa_kernel_priority(case["strategy_kwargs"].get("sdpa_kernel_priority"))):
         expected = [tuple(torch._C._get_sdp_priority_order())]
     assert all(rank["sdpa_orders"] == expected for rank in ranks), (ranks[0]["sdpa_orders"], expected)
+    # Under ZeRO's hooks too, a checkpointed layer's recompute leaves its tiled MLP's forward out (steps 2 and 3).
+    both = memory["tiled_mlp"] and memory["activation_checkpointing"]
+    assert all(rank["mlps_deferrable"] == ([True] * 2 if both else [None] * 2 * memory["tiled_mlp"]) for rank in ranks)
     # fused_elementwise compiled its functions (an ambient dispatch mode would make dynamo run them eagerly).
     assert all((rank["compiled_graphs"] > 0) == memory["fused_elementwise"] for rank in ranks)
     steps, lengths = [], set()

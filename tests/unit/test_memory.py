@@ -327,6 +327,62 @@ def test_lora_dropout_gradients_equal_the_plain_model():
     _assert_same(expected, _seeded(11, _loss_and_grads, model, input_ids, labels))
 
 
+def _count_calls(modules):
+    calls = [0]
+
+    def count(*_):
+        calls[0] += 1
+
+    for module in modules:
+        module.register_forward_hook(count)
+    return calls
+
+
+@pytest.mark.parametrize("family,output_unread,deferred", [("llama", True, True), ("gemma3_text", False, False),
+                                                          ("gpt2-dropout", True, False)])
+def test_checkpointed_recompute_leaves_out_the_tiled_mlp_forward(family, output_unread, deferred):
+    """A checkpointed layer's recompute only carries gradients back: its tiled MLP's forward is left out (the MLP's
+    backward recomputes its tiles anyway), from the second step on, once the first recompute's graph showed nothing
+    keeps the MLP's output values. Gemma 3 normalises the MLP's output before the residual (the norm keeps it), and a
+    GPT-2 MLP with dropout draws random numbers: their MLPs run in every recompute. Gradients are exact throughout."""
+    from tests.distributed.families import family_model
+
+    plain = _tiny_gpt2(dropout=0.1) if family == "gpt2-dropout" else (
+        tiny_llama(2) if family == "llama" else family_model(family))
+    plain.train()
+    model = copy.deepcopy(plain)
+    options = MemoryOptions(tiled_mlp=True, mlp_tile_tokens=4, activation_checkpointing=True)
+    if family == "gpt2-dropout":
+        _tile_by_autograd([block.mlp for block in plain.transformer.h], options.mlp_tile_tokens)
+    apply_memory_options(model, options)
+    mlps = [m for m in model.modules() if type(m).__name__.endswith("MLP")]
+    calls = _count_calls([next(iter(mlp.children())) for mlp in mlps])
+    input_ids, labels = _batch()
+    tiles = 4 * len(mlps)  # 13 tokens in tiles of 4: 4 tiles per MLP
+    for step in range(3):
+        calls[0] = 0
+        expected = _seeded(step, _loss_and_grads, plain, input_ids, labels)
+        _assert_same(expected, _seeded(step, _loss_and_grads, model, input_ids, labels))
+        # forward, (recompute,) the MLP's own backward
+        assert calls[0] == (2 if deferred and step > 0 else 3) * tiles, step
+    assert [m.forward.deferrable for m in mlps] == [output_unread] * len(mlps)
+
+
+def test_a_graph_that_starts_keeping_the_deferred_mlp_output_is_refused():
+    """A tiled MLP left out of the recompute because nothing kept its output: a hook added later multiplies that
+    output by a trainable tensor (whose gradient needs it). The step stops with the reason instead of giving
+    wrong gradients."""
+    model = tiny_llama(2).train()
+    apply_memory_options(model, MemoryOptions(tiled_mlp=True, mlp_tile_tokens=4, activation_checkpointing=True))
+    input_ids, labels = _batch()
+    for _ in range(2):
+        _loss_and_grads(model, input_ids, labels)
+    scale = torch.ones(32, requires_grad=True)
+    model.model.layers[1].mlp.register_forward_hook(lambda module, args, output: output * scale)
+    with pytest.raises(RuntimeError, match="the layer's graph changed between steps"):
+        _loss_and_grads(model, input_ids, labels)
+
+
 def test_kept_attention_replays_the_kernels_random_draws(monkeypatch):
     """A fused attention kernel with dropout (CUDA's flash, memory-efficient and cuDNN kernels) draws from the
     generator; its replay draws nothing, so the dropout after it would draw other masks in the recompute than in

@@ -31,6 +31,10 @@ class CaptureWeights(L.Callback):
             pl_module.final_weights = {name: p.detach().clone() for name, p in params.items()}
         # Which modules trained with a wrapped forward (the memory features), seen before teardown undoes them.
         pl_module.wrapped_modules = sorted({type(m).__name__ for m in pl_module.model.modules() if "forward" in m.__dict__})
+        # The tiled MLPs a checkpointed layer's recompute leaves out (None: not checked; False: kept in)
+        pl_module.mlps_deferrable = [getattr(m.__dict__.get("forward"), "deferrable", None)
+                                     for m in pl_module.model.modules() if "forward" in m.__dict__
+                                     and hasattr(m.__dict__["forward"], "deferrable")]
         # Whether the output head still shares the input embedding's tensor (HF models; None for the native GPT).
         model = pl_module.model
         if hasattr(model, "get_input_embeddings"):
@@ -197,6 +201,7 @@ def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None) 
         "weights": weights if dist.get_rank() == 0 else None,
         "weights_checksum": sum(w.double().abs().sum().item() for w in weights.values()),
         "wrapped_modules": module.wrapped_modules,
+        "mlps_deferrable": module.mlps_deferrable,
         "tied_embeddings": module.tied_embeddings,
         "attention_runs": module.attention_runs,
         "sdpa_orders": sorted(module.sdpa_orders),
