@@ -58,7 +58,8 @@ def run(args) -> tuple[list[float], dict]:
         if args.offload_optimizer:
             kwargs.update(offload_optimizer=True, config_overrides={
                 "zero_optimization": {"offload_optimizer": {"ratio": args.offload_optimizer}}})
-    strategy = UlyssesDeepSpeedStrategy(sequence_parallel_size=1, **kwargs)
+    strategy = UlyssesDeepSpeedStrategy(sequence_parallel_size=1, zero3_leaf_layers=args.zero3_leaf_layers == "on",
+                                        **kwargs)
     timer = step_timer(StepProfiler(argparse.Namespace(profile=False, warmup=0)))
     trainer = L.Trainer(accelerator="cuda", devices=1, strategy=strategy, precision="bf16-mixed",
                         max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False,
@@ -82,10 +83,17 @@ def main() -> None:
     parser.add_argument("--offload-copies", choices=["overlapped", "compute-stream"], default="overlapped",
                         help="offloaded activations' copies: on a side stream (the default) or on the compute stream"
                              " (the baseline of the overlap, same results)")
+    parser.add_argument("--mlp-recompute", choices=["left-out", "run"], default="left-out",
+                        help="a checkpointed layer's recompute leaves its tiled MLP's forward out (the default) or runs"
+                             " it (the baseline, before 2026-12-02; same results)")
+    parser.add_argument("--zero3-leaf-layers", choices=["on", "off"], default="on",
+                        help="ZeRO-3 gathers each decoder layer whole (the default) or submodule by submodule")
     args = parser.parse_args()
     from lightning_ulysses.memory import HostActivationStore
+    from lightning_ulysses.memory.tiled_mlp import TiledMLP
 
     HostActivationStore.overlap_transfers = args.offload_copies == "overlapped"
+    TiledMLP.leave_out_of_recompute = args.mlp_recompute == "left-out"
     torch.cuda.reset_peak_memory_stats()
     extra, error, times = {}, None, []
     try:
@@ -96,8 +104,10 @@ def main() -> None:
         error = f"refused: {refused}"
     config = llama_config(args.shape, args.seq)
     result = {"variant": args.variant, "shape": args.shape, "seq": args.seq, "features": args.features,
-              "offload_optimizer": args.offload_optimizer, "offload_copies": args.offload_copies, "error": error,
+              "offload_optimizer": args.offload_optimizer, "offload_copies": args.offload_copies,
+              "mlp_recompute": args.mlp_recompute, "zero3_leaf_layers": args.zero3_leaf_layers, "error": error,
               **extra,
+              "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
               "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
               "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
               "device": torch.cuda.get_device_name(), "torch": torch.__version__}

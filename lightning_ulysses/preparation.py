@@ -31,7 +31,7 @@ from lightning_ulysses.attention.hf import (find_hf_models, hf_head_counts, prep
 from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.layout import SequenceParallelGroups
 from lightning_ulysses.loss import LossFunctionHost, SequenceParallelCausalLMLoss, swap_loss_function
-from lightning_ulysses.memory import MemoryOptions, apply_memory_options
+from lightning_ulysses.memory import MemoryOptions, apply_memory_options, mark_leaf_layers
 from lightning_ulysses.metrics import SequenceParallel
 from lightning_ulysses.moe import SequenceParallelRouterLoss, exact_router_loss, sharder_padding, validate_router_loss
 from lightning_ulysses.sharding import SequenceSharder
@@ -50,6 +50,7 @@ class SequenceParallelRuntime:
     loss: SequenceParallelCausalLMLoss
     memory: MemoryOptions
     overlap_head_groups: int = 1
+    leaf_layers: bool = False  # ZeRO-3 gathers each decoder layer whole (`ZeroLeafLayers`)
 
     @property
     def sharded(self) -> bool:
@@ -183,6 +184,18 @@ class MemoryEngine(ModuleAdapter):
         return [undo for model in found for undo in apply_memory_options(model, runtime.memory)]
 
 
+class ZeroLeafLayers(ModuleAdapter):
+    """Under ZeRO-3 (`zero3_leaf_layers`), every decoder layer of the models the memory engine serves is a DeepSpeed
+    leaf: its parameters are gathered whole around its forward and backward, not submodule by submodule."""
+
+    find = MemoryEngine.find
+
+    def prepare(self, found, runtime):
+        if not runtime.leaf_layers:
+            return []
+        return [undo for model in found for undo in mark_leaf_layers(model, runtime.memory)]
+
+
 @dataclass
 class ModuleScan:
     """What pass 1 found: per adapter, its modules; and what the layout and the sharder must follow."""
@@ -225,7 +238,7 @@ class PreparedModule:
 def pipeline() -> list[ModuleAdapter]:
     """The adapters, in the order they prepare (HF models before the modules bound to groups, the memory engine
     last: it wraps the layers as the attention left them)."""
-    return [HuggingFaceModels(), GroupBound(), NativeAttention(), LossHosts(), MemoryEngine()]
+    return [HuggingFaceModels(), GroupBound(), NativeAttention(), LossHosts(), MemoryEngine(), ZeroLeafLayers()]
 
 
 def scan(root: torch.nn.Module, sequence_parallel_size: int) -> ModuleScan:

@@ -152,6 +152,12 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             of a fingerprint per checked batch; ranks fed different samples, e.g. by an `IterableDataset` sharded by
             global rank or a sampler of its own, train silently wrong otherwise): `"first"` (default) the first
             batches of every loop, `"every"` each batch (debugging), `"never"`.
+        zero3_leaf_layers: under ZeRO-3, gather each decoder layer's parameters whole, once around its forward and
+            once around its backward (DeepSpeed "leaf" modules), instead of linear by linear: a few hooks per layer
+            instead of one set per submodule, the host work that bounds short steps (measured:
+            `benchmarks/results/`). Costs one layer's 16-bit parameters gathered at a time, which the planner
+            counts. Left off for `checkpoint_interval` > 1 (a stretch's recompute runs layers outside their hooks).
+            `True` by default; the same math either way.
         heartbeat_timeout: seconds after which a rank that stopped sending heartbeats (killed, crashed, frozen)
             makes every other rank exit with status 75 and a message naming it, instead of hanging until the
             collective timeout (`lightning_ulysses.faults`). `None` turns the watchdog off.
@@ -184,6 +190,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         overlap_head_groups: int = 1,
         check_batches: CheckBatches = "first",
         exchange: copy_engine.Exchange = "nccl",
+        zero3_leaf_layers: bool = True,
         **kwargs: Any,
     ) -> None:
         memory = auto.coerce_memory(memory)  # bad options fail here, in the launching process
@@ -230,6 +237,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         # "auto" is decided in `setup`; until then (and on CPU, where torch ignores it) torch's order
         self.sdpa_kernel_priority = None if sdpa_kernel_priority == "auto" else sdpa_kernel_priority
         self.overlap_head_groups = overlap_head_groups
+        self.zero3_leaf_layers = zero3_leaf_layers
         self.exchange: Optional[str] = None  # "nccl" or "copy_engine" once agreed in `setup` (`_decide_exchange`)
         self._transport_group = None  # the group `_decide_exchange` gave the copy-engine transport
         self._batch_check = SameBatchCheck(check_batches)
@@ -393,7 +401,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._decide_auto(found)
         runtime = preparation.SequenceParallelRuntime(
             self.parallel_groups, self._sharder, self._batch_rows, self.loss_function, self.memory,
-            self.overlap_head_groups)
+            self.overlap_head_groups, leaf_layers=self.zero3_leaf_layers and self.zero_stage_3)
         self._prepared = found.prepare(runtime)
         self._hf_model_configs = self._prepared.hf_configs
 

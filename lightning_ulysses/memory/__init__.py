@@ -155,6 +155,42 @@ def fused_elementwise_applies(model: nn.Module) -> bool:
     return bool(layers)
 
 
+def _input_requiring_grad(layer: nn.Module, args: tuple, kwargs: dict):
+    """A leaf layer's forward pre-hook: hidden states that need no gradient (frozen embeddings: LoRA, a frozen
+    first stretch) come in as a fresh tensor that does, when the layer has trainable parameters. DeepSpeed releases
+    a leaf's gathered parameters when the gradient of its inputs is computed; with no input needing one, its
+    backward reads released (empty) parameters. The extra input gradient is dropped at the detach: parameter
+    gradients are unchanged."""
+    if not torch.is_grad_enabled() or not any(p.requires_grad for p in layer.parameters()):
+        return None
+    if args and torch.is_tensor(args[0]) and not args[0].requires_grad and args[0].is_floating_point():
+        return (args[0].detach().requires_grad_(), *args[1:]), kwargs
+    hidden = kwargs.get("hidden_states")
+    if not args and torch.is_tensor(hidden) and not hidden.requires_grad and hidden.is_floating_point():
+        return args, {**kwargs, "hidden_states": hidden.detach().requires_grad_()}
+    return None
+
+
+def mark_leaf_layers(model: nn.Module, options: MemoryOptions) -> list[Callable[[], None]]:
+    """Mark `model`'s decoder layers DeepSpeed ZeRO-3 leaf modules (as `deepspeed.utils.set_z3_leaf_modules` does):
+    each layer's parameters are then gathered whole, once around its forward (and its checkpointed recompute) and
+    once around its backward, instead of one submodule at a time, which costs host time per submodule. Must run
+    before `deepspeed.initialize`. Not with `checkpoint_interval` > 1: a stretch recomputes its earlier layers
+    inside a later layer's backward, outside their own hooks, where only submodule hooks gather parameters.
+
+    The marks stay (DeepSpeed registers its hooks for a leaf, none on its submodules, and a leaf is gathered
+    correctly however it is run afterwards: `tile_mlp` leaves its mark for the same reason); the returned undos
+    remove the input hooks (`_input_requiring_grad`)."""
+    if options.activation_checkpointing and options.checkpoint_interval > 1:
+        return []
+    undo = []
+    for layer in _decoder_layers(model):
+        layer._z3_leaf = True  # deepspeed.utils.set_z3_leaf_module, without importing DeepSpeed here
+        # before DeepSpeed's own pre-forward hooks, which read which inputs need a gradient
+        undo.append(layer.register_forward_pre_hook(_input_requiring_grad, prepend=True, with_kwargs=True).remove)
+    return undo
+
+
 def apply_memory_options(model: nn.Module, options: MemoryOptions,
                          store: Optional[HostActivationStore] = None) -> list[Callable[[], None]]:
     """Apply `options` to one causal LM (Hugging Face or native GPT); return the callables that undo it.
@@ -218,4 +254,4 @@ def apply_memory_options(model: nn.Module, options: MemoryOptions,
 
 
 __all__ = ["HostActivationStore", "MemoryOptions", "TiledLogitsLoss", "apply_allocator_settings", "apply_memory_options",
-           "fused_elementwise_applies"]
+           "fused_elementwise_applies", "mark_leaf_layers"]

@@ -564,6 +564,11 @@ def checkpoint_layers(layers: list[nn.Module], store: Optional[HostActivationSto
                 " option activation_checkpointing=True the layer would be recomputed twice. Disable one of them (for"
                 " the recipes: model.activation_checkpointing=false)."
             )
+    if interval > 1 and any(getattr(layer, "_z3_leaf", False) for layer in layers):
+        raise ValueError("checkpoint_interval > 1 recomputes a stretch's earlier layers inside a later layer's"
+                         " backward, where a DeepSpeed ZeRO-3 leaf layer's parameters are not gathered; these decoder"
+                         " layers are marked leaves (the strategy's zero3_leaf_layers, or set_z3_leaf_modules). Use"
+                         " checkpoint_interval=1, or leave the layers unmarked (zero3_leaf_layers=False).")
     signatures = []
     for layer in layers:
         try:

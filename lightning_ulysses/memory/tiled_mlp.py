@@ -120,6 +120,9 @@ def _signature(tensor: torch.Tensor) -> tuple:
 class TiledMLP:
     """The forward `tile_mlp` gives an MLP: `forward_fn` over `tile_tokens`-token tiles of the sequence."""
 
+    # False: the MLP runs in every recompute (the behaviour before 2026-12-02, for a benchmark's same-run baseline)
+    leave_out_of_recompute = True
+
     def __init__(self, module: nn.Module, forward_fn: Callable, tile_tokens: int) -> None:
         self.module, self.forward_fn, self.tile_tokens = module, forward_fn, tile_tokens
         self.defer = False  # set by `deferred_recompute` around a recompute whose outputs only carry gradients
@@ -214,7 +217,7 @@ def deferred_recompute(mlps: list[TiledMLP]) -> Iterator[DeferredRecompute]:
     """Around the recompute of a checkpointed layer whose outputs only carry gradients back: the layer's tiled MLPs
     skip their forward where that is known to be exact. Call `check(outputs)` on what the recompute returned."""
     for mlp in mlps:
-        mlp.defer, mlp.outputs = True, []
+        mlp.defer, mlp.outputs = mlp.leave_out_of_recompute, []
     try:
         yield DeferredRecompute(mlps)
     finally:

@@ -93,6 +93,9 @@ def test_memory_features_match_plain_reference(case, tmp_path_factory):
     # Under ZeRO's hooks too, a checkpointed layer's recompute leaves its tiled MLP's forward out (steps 2 and 3).
     both = memory["tiled_mlp"] and memory["activation_checkpointing"]
     assert all(rank["mlps_deferrable"] == ([True] * 2 if both else [None] * 2 * memory["tiled_mlp"]) for rank in ranks)
+    # ZeRO-3 gathers each decoder layer whole, except where a stretch recomputes layers outside their hooks.
+    leaves = case["stage"] == 3 and memory["checkpoint_interval"] == 1
+    assert all(rank["leaf_layers"] == [leaves] * 2 for rank in ranks), ranks[0]["leaf_layers"]
     # fused_elementwise compiled its functions (an ambient dispatch mode would make dynamo run them eagerly).
     assert all((rank["compiled_graphs"] > 0) == memory["fused_elementwise"] for rank in ranks)
     steps, lengths = [], set()

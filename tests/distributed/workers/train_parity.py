@@ -31,6 +31,11 @@ class CaptureWeights(L.Callback):
             pl_module.final_weights = {name: p.detach().clone() for name, p in params.items()}
         # Which modules trained with a wrapped forward (the memory features), seen before teardown undoes them.
         pl_module.wrapped_modules = sorted({type(m).__name__ for m in pl_module.model.modules() if "forward" in m.__dict__})
+        # Decoder layers DeepSpeed gathers whole (ZeRO-3 leaves: it points their parameters at them)
+        from lightning_ulysses.memory import _decoder_layers
+
+        pl_module.leaf_layers = [all(getattr(p, "ds_z3_leaf_module", None) is layer for p in layer.parameters())
+                                 for layer in _decoder_layers(pl_module.model)]
         # The tiled MLPs a checkpointed layer's recompute leaves out (None: not checked; False: kept in)
         pl_module.mlps_deferrable = [getattr(m.__dict__.get("forward"), "deferrable", None)
                                      for m in pl_module.model.modules() if "forward" in m.__dict__
@@ -202,6 +207,7 @@ def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None) 
         "weights_checksum": sum(w.double().abs().sum().item() for w in weights.values()),
         "wrapped_modules": module.wrapped_modules,
         "mlps_deferrable": module.mlps_deferrable,
+        "leaf_layers": module.leaf_layers,
         "tied_embeddings": module.tied_embeddings,
         "attention_runs": module.attention_runs,
         "sdpa_orders": sorted(module.sdpa_orders),
