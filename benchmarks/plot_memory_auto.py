@@ -20,6 +20,9 @@ VARIANTS = {"auto": "memory=\"auto\"", "hand": "hand-picked", "raw": "plain HF +
 
 def main(out: str, *files: str) -> None:
     runs = [json.loads(line) for name in files for line in open(name) if line.strip()]
+    # the same-run baselines of a change (`--zero3-leaf-layers off`, `--mlp-recompute run`) are not auto's own runs
+    runs = [r for r in runs if r.get("zero3_leaf_layers", "on") == "on" and r.get("mlp_recompute", "left-out")
+            == "left-out"]
     points = sorted({(r["shape"], r["seq"]) for r in runs}, key=lambda p: (p[0] != "1b", p[1]))
     fig, (speed, model) = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / len(VARIANTS)

@@ -155,6 +155,11 @@ def fused_elementwise_applies(model: nn.Module) -> bool:
     return bool(layers)
 
 
+# DeepSpeed's own bound for leaves it picks (`stage3_module_granularity_threshold`) and its default
+# `stage3_max_live_parameters`: GPT-3 176B's layers (1.8B parameters) stay gathered submodule by submodule.
+LEAF_LAYER_MAX_PARAMETERS = 10**9
+
+
 def _input_requiring_grad(layer: nn.Module, args: tuple, kwargs: dict):
     """A leaf layer's forward pre-hook: hidden states that need no gradient (frozen embeddings: LoRA, a frozen
     first stretch) come in as a fresh tensor that does, when the layer has trainable parameters. DeepSpeed releases
@@ -176,7 +181,8 @@ def mark_leaf_layers(model: nn.Module, options: MemoryOptions) -> list[Callable[
     each layer's parameters are then gathered whole, once around its forward (and its checkpointed recompute) and
     once around its backward, instead of one submodule at a time, which costs host time per submodule. Must run
     before `deepspeed.initialize`. Not with `checkpoint_interval` > 1: a stretch recomputes its earlier layers
-    inside a later layer's backward, outside their own hooks, where only submodule hooks gather parameters.
+    inside a later layer's backward, outside their own hooks, where only submodule hooks gather parameters. Nor a
+    layer of more than `LEAF_LAYER_MAX_PARAMETERS`.
 
     The marks stay (DeepSpeed registers its hooks for a leaf, none on its submodules, and a leaf is gathered
     correctly however it is run afterwards: `tile_mlp` leaves its mark for the same reason); the returned undos
@@ -185,6 +191,8 @@ def mark_leaf_layers(model: nn.Module, options: MemoryOptions) -> list[Callable[
         return []
     undo = []
     for layer in _decoder_layers(model):
+        if sum(getattr(p, "ds_numel", p.numel()) for p in layer.parameters()) > LEAF_LAYER_MAX_PARAMETERS:
+            continue  # gathered whole, it would hold more at once than DeepSpeed's default live-parameter budget
         layer._z3_leaf = True  # deepspeed.utils.set_z3_leaf_module, without importing DeepSpeed here
         # before DeepSpeed's own pre-forward hooks, which read which inputs need a gradient
         undo.append(layer.register_forward_pre_hook(_input_requiring_grad, prepend=True, with_kwargs=True).remove)

@@ -10,7 +10,8 @@ import pytest
 from lightning_ulysses.auto import AutoMemory, Layout, choose, coerce_memory, longest_fit
 from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.planner import GIB, MODELS, TrainingSetup, plan_memory
-from lightning_ulysses.step_time import CALIBRATION, FUSED_PAIRS, OVERLAP_PAIRS, predict_step_time, predicted
+from lightning_ulysses.step_time import (CALIBRATION, DEFERRED_MLP_PAIRS, FUSED_PAIRS, OVERLAP_PAIRS, predict_step_time,
+                                         predicted)
 
 LLAMA_1B, LLAMA_8B = MODELS["llama3.2-1b"], MODELS["llama3-8b"]
 
@@ -133,6 +134,14 @@ def test_step_time_model_reproduces_the_measured_overlap_saving(pair):
     in_line, overlapped = pair
     assert predicted(in_line).total - predicted(overlapped).total == pytest.approx(
         in_line.step_s - overlapped.step_s, rel=0.20)
+
+
+@pytest.mark.parametrize("pair", DEFERRED_MLP_PAIRS, ids=lambda p: f"{p[0].model}-{p[0].seq}")
+def test_step_time_model_reproduces_the_measured_saving_of_leaving_the_mlp_out_of_the_recompute(pair):
+    """A checkpointed layer's recompute without its tiled MLP's forward: the saving measured in one run (2.25 s of
+    47.7 at 8B 128K) predicted within 20% (the model: one MLP forward per layer at the matmul rate)."""
+    run, left_out = pair
+    assert predicted(run).total - predicted(left_out).total == pytest.approx(run.step_s - left_out.step_s, rel=0.20)
 
 
 def test_cpu_layout_never_offloads():

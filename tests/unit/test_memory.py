@@ -383,6 +383,51 @@ def test_a_graph_that_starts_keeping_the_deferred_mlp_output_is_refused():
         _loss_and_grads(model, input_ids, labels)
 
 
+@pytest.mark.parametrize("trainable", ["q_proj", "nothing", "everything"])
+def test_leaf_layers_give_frozen_hidden_states_a_gradient_only_where_a_layer_trains(trainable):
+    """ZeRO-3 leaf layers (`mark_leaf_layers`): DeepSpeed releases a leaf's parameters when its inputs' gradient is
+    computed, so a layer with trainable parameters must get hidden states that need one, also behind a frozen
+    embedding (LoRA). The parameters' gradients are those of the unmarked model; nothing changes where the hidden
+    states need a gradient already or the layer trains nothing; a layer over the size bound is not marked."""
+    from lightning_ulysses.memory import LEAF_LAYER_MAX_PARAMETERS, mark_leaf_layers
+
+    plain = tiny_llama(2).train()
+    for name, parameter in plain.named_parameters():
+        parameter.requires_grad_(trainable == "everything" or trainable in name)
+    model = copy.deepcopy(plain)
+    undo = mark_leaf_layers(model, MemoryOptions())
+    assert all(layer._z3_leaf for layer in model.model.layers)
+    seen = []
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda module, args: seen.append(args[0].requires_grad))
+    input_ids, labels = _batch()
+    expected = _loss_and_grads(plain, input_ids, labels) if trainable != "nothing" else None
+    if trainable == "nothing":
+        with torch.no_grad():
+            model(input_ids=input_ids, labels=labels)
+        model(input_ids=input_ids, labels=labels)
+        assert seen == [False] * 4
+    else:
+        _assert_same(expected, _loss_and_grads(model, input_ids, labels))
+        assert seen == [True, True]
+    for remove in undo:
+        remove()
+    assert mark_leaf_layers(tiny_llama(2), MemoryOptions(activation_checkpointing=True, checkpoint_interval=2)) == []
+    big = tiny_llama(2)
+    big.model.layers[0].register_parameter("extra", torch.nn.Parameter(torch.empty(0)))
+    big.model.layers[0].extra.ds_numel = LEAF_LAYER_MAX_PARAMETERS
+    mark_leaf_layers(big, MemoryOptions())
+    assert [getattr(layer, "_z3_leaf", False) for layer in big.model.layers] == [False, True]
+
+
+def test_checkpoint_interval_refuses_layers_marked_leaves():
+    model = tiny_llama(2)
+    for layer in model.model.layers:
+        layer._z3_leaf = True
+    with pytest.raises(ValueError, match="zero3_leaf_layers=False"):
+        apply_memory_options(model, MemoryOptions(activation_checkpointing=True, checkpoint_interval=2))
+
+
 def test_kept_attention_replays_the_kernels_random_draws(monkeypatch):
     """A fused attention kernel with dropout (CUDA's flash, memory-efficient and cuDNN kernels) draws from the
     generator; its replay draws nothing, so the dropout after it would draw other masks in the recompute than in
