@@ -368,6 +368,25 @@ def test_checkpointed_recompute_leaves_out_the_tiled_mlp_forward(family, output_
     assert [m.forward.deferrable for m in mlps] == [output_unread] * len(mlps)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_a_one_tile_mlp_runs_twice_per_step_under_checkpointing(family):
+    """Rows no longer than a tile: after the first step (which checks the graph) the MLP runs twice per step either
+    way — left out of the recompute and recomputed in its own backward (Llama), or run in the recompute with plain
+    autograd as without tiling (Gemma 3, whose output a norm keeps), never three times."""
+    from tests.distributed.families import family_model
+
+    plain = (tiny_llama(2) if family == "llama" else family_model(family)).train()
+    model = copy.deepcopy(plain)
+    apply_memory_options(model, MemoryOptions(tiled_mlp=True, mlp_tile_tokens=16, activation_checkpointing=True))
+    mlps = [m for m in model.modules() if type(m).__name__.endswith("MLP")]
+    calls = _count_calls([next(iter(mlp.children())) for mlp in mlps])
+    input_ids, labels = _batch()
+    for step in range(3):
+        calls[0] = 0
+        _assert_same(_loss_and_grads(plain, input_ids, labels), _loss_and_grads(model, input_ids, labels))
+        assert calls[0] == (3 if step == 0 else 2) * len(mlps), step
+
+
 def test_a_graph_that_starts_keeping_the_deferred_mlp_output_is_refused():
     """A tiled MLP left out of the recompute because nothing kept its output: a hook added later multiplies that
     output by a trainable tensor (whose gradient needs it). The step stops with the reason instead of giving
