@@ -538,14 +538,14 @@ class _Stretches:
 
 
 def _checkpointed_forward(layer: nn.Module, original: Callable, signature: inspect.Signature, stretches: _Stretches,
-                          *args: Any, **kwargs: Any):
+                          mlps: list[TiledMLP], *args: Any, **kwargs: Any):
     if not (layer.training and torch.is_grad_enabled()):
         return original(*args, **kwargs)
     args, kwargs = _without_cache(layer, signature, args, kwargs)
     if not args or not torch.is_tensor(args[0]):
         raise ValueError(f"activation_checkpointing needs {type(layer).__name__}'s hidden states as its first"
                          " argument.")
-    call = stretches.call(args[0], functools.partial(original, **kwargs), type(layer).__name__, tiled_mlps(layer))
+    call = stretches.call(args[0], functools.partial(original, **kwargs), type(layer).__name__, mlps)
     # A layer whose inputs need no gradient (frozen embeddings, adapters on a frozen base) may still have trainable
     # parameters: an input that requires grad makes autograd run its backward, which accumulates theirs.
     needs_anchor = (not any(torch.is_tensor(a) and a.requires_grad for a in args)
@@ -580,6 +580,8 @@ def checkpoint_layers(layers: list[nn.Module], store: Optional[HostActivationSto
     stretches = _Stretches(interval, store, keep_attention_outputs)
     restores = []
     for layer, signature in zip(layers, signatures):
-        layer.forward = functools.partial(_checkpointed_forward, layer, layer.forward, signature, stretches)
+        # the layer's tiled MLPs (tiled before it is checkpointed), found once rather than on every call
+        layer.forward = functools.partial(_checkpointed_forward, layer, layer.forward, signature, stretches,
+                                          tiled_mlps(layer))
         restores.append(functools.partial(layer.__dict__.pop, "forward", None))
     return restores
