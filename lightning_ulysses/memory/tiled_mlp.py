@@ -125,7 +125,8 @@ class TiledMLP:
 
     def __init__(self, module: nn.Module, forward_fn: Callable, tile_tokens: int) -> None:
         self.module, self.forward_fn, self.tile_tokens = module, forward_fn, tile_tokens
-        self.defer = False  # set by `deferred_recompute` around a recompute whose outputs only carry gradients
+        self.recomputing = False  # set by `deferred_recompute` around a checkpointed layer's recompute
+        self.defer = False  # ... and this, where the MLP may be left out of it (`leave_out_of_recompute`)
         self.deferrable: Optional[bool] = None  # None until a recompute's graph has been checked
         # The last call without gradients: (input signature, output signature, whether it drew random numbers).
         # A checkpointed layer's forward runs so just before its recompute, on the same input.
@@ -146,8 +147,12 @@ class TiledMLP:
             self.last_forward = (_signature(x), (tuple(y.shape), y.dtype), drew)
             return y
         if not self.defer or self.deferrable is False:  # (an MLP whose output a backward reads runs as it did)
-            if x.size(-2) <= self.tile_tokens:
-                return self.forward_fn(x)  # one tile: the plain path is the same computation, without the recompute
+            if x.size(-2) <= self.tile_tokens and self.recomputing:
+                # One tile inside a checkpointed layer's recompute: its intermediates live only until this layer's
+                # backward, as one tile's do, so the plain path keeps no more and saves the tile's second forward.
+                # Anywhere else one tile goes through the function too: the plain path would keep every layer's
+                # intermediates until backward, the memory `tiled_mlp` promises (and the planner counts) not to use.
+                return self.forward_fn(x)
             return _TiledPositionwise.apply(self.forward_fn, self.tile_tokens, None, x, *self.module.parameters())
         deferred = None
         if self.deferrable and self.last_forward is not None:
@@ -217,12 +222,12 @@ def deferred_recompute(mlps: list[TiledMLP]) -> Iterator[DeferredRecompute]:
     """Around the recompute of a checkpointed layer whose outputs only carry gradients back: the layer's tiled MLPs
     skip their forward where that is known to be exact. Call `check(outputs)` on what the recompute returned."""
     for mlp in mlps:
-        mlp.defer, mlp.outputs = mlp.leave_out_of_recompute, []
+        mlp.recomputing, mlp.defer, mlp.outputs = True, mlp.leave_out_of_recompute, []
     try:
         yield DeferredRecompute(mlps)
     finally:
         for mlp in mlps:
-            mlp.defer = False
+            mlp.recomputing = mlp.defer = False
 
 
 def tiled_mlps(module: nn.Module) -> list[TiledMLP]:
