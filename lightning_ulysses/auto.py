@@ -20,7 +20,8 @@ and the optimizer on the host last (CPU Adam is the slowest per byte saved).
 The decision is made once per run in the strategy's `setup`, after the model is built (its shape comes from its
 config, also under ZeRO-3, where the parameters are already partitioned) and before the memory features are applied
 and DeepSpeed starts: every rank measures its free memory, one all-reduce takes the minimum over all ranks, and every
-rank then computes the same choice from the same numbers (a refusal, too, is raised on every rank alike).
+rank then computes the same choice from the same numbers (a refusal, too, is raised on every rank alike). The first
+training steps confirm it (`StepProbe`): their measured step time and device peak are logged against the prediction.
 """
 
 from __future__ import annotations
@@ -28,9 +29,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import statistics
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
+
+import torch
 
 from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.planner import GIB, MemoryPlan, ModelShape, TrainingSetup, plan_memory
@@ -81,6 +86,9 @@ class AutoMemory:
     # it keeps less for backward (the planner counts it) and its measured gain is in the step-time model.
     fused_elementwise: Optional[bool] = None
     fused_backend: str = "inductor"
+    # Training steps timed after the first (warm-up) one to confirm the prediction: their step time and device peak
+    # are logged against the predicted ones, with a warning where the peak exceeds the plan (`StepProbe`); 0: off.
+    confirm_steps: int = 3
 
     def __post_init__(self) -> None:
         if self.seq_len is not None and int(self.seq_len) < 1:
@@ -91,6 +99,8 @@ class AutoMemory:
             raise ValueError(f"memory auto: offload_optimizer is a fraction in [0, 1], got {self.offload_optimizer}")
         if self.checkpoint_interval is not None and self.checkpoint_interval < 1:
             raise ValueError(f"memory auto: checkpoint_interval must be >= 1, got {self.checkpoint_interval}")
+        if int(self.confirm_steps) < 0:
+            raise ValueError(f"memory auto: confirm_steps is a number of steps (0: off), got {self.confirm_steps}")
 
     def pinned(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in (*FEATURES, "offload_optimizer", "sub_group_size")
@@ -350,7 +360,8 @@ def _best_share(shape, request, layout, budget, options, offloads) -> Optional[C
         setup = _setup(request, layout, options, share, cut)
         plan = plan_memory(shape, setup)
         if budget.fits(plan):
-            return Candidate(setup, plan, predict_step_time(shape, setup, layout.kernel))
+            return Candidate(setup, plan, predict_step_time(shape, setup, layout.kernel,
+                                                            host_beside_device=layout.on_cuda))
     return None
 
 
@@ -503,3 +514,82 @@ def shape_of(models: Sequence[Any]) -> ModelShape:
                          " shape); set the memory features by hand for other models.")
     return max(shapes, key=lambda shape: shape.num_parameters)
 
+
+
+@dataclass(frozen=True)
+class Confirmation:
+    """What the first training steps measured, against what `memory="auto"` predicted for them."""
+
+    steps: int
+    step_s: float  # median seconds per optimizer step over the timed steps, on the slowest rank
+    device_peak_bytes: Optional[float]  # the allocator's peak over the timed steps on the fullest rank (CUDA only)
+    choice: AutoChoice
+
+    @property
+    def over_plan_bytes(self) -> float:
+        """How far the measured device peak exceeds the planned one (0 if it does not, or on CPU)."""
+        if self.device_peak_bytes is None:
+            return 0.0
+        return max(0.0, self.device_peak_bytes - self.choice.best.plan.gpu_total)
+
+    @property
+    def exceeds_plan(self) -> bool:
+        """More than 1% over the planned device peak (the planner over-predicts long rows by 2-3%: measured)."""
+        return self.over_plan_bytes > 0.01 * self.choice.best.plan.gpu_total
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "step_s": self.step_s, "device_peak_bytes": self.device_peak_bytes,
+                "over_plan_bytes": self.over_plan_bytes}
+
+    def report(self) -> str:
+        best = self.choice.best
+        line = f'lightning_ulysses memory="auto" confirmed over {self.steps} steps: step {self.step_s:.3f} s'
+        if self.choice.layout.on_cuda:
+            line += f" (predicted {best.time.total:.3f} s, {self.step_s / best.time.total - 1:+.0%})"
+        else:  # the step-time model's rates are a GPU's
+            line += " (no prediction on CPU)"
+        if self.device_peak_bytes is not None:
+            line += (f", device peak {self.device_peak_bytes / GIB:.2f} GiB (planned {best.plan.gpu_total / GIB:.2f},"
+                     f" usable {self.choice.budget.device / GIB:.2f})")
+        if self.exceeds_plan:
+            line += (f". The device peak is {self.over_plan_bytes / GIB:.2f} GiB over the plan: the margin is being"
+                     " used up, and a longer row or a fuller step may run out of memory. Pin a memory-saving feature"
+                     ' (e.g. memory={"auto": True, "activation_checkpointing": True, ...}) or raise device_margin, and'
+                     " report the block above (the planner under-predicted this model)")
+        return line
+
+
+class StepProbe:
+    """Times `steps` optimizer steps after the first one (which compiles, allocates the optimizer's states and
+    settles the allocator) at the batch boundaries, from inside the strategy's `on_train_batch_start`; then one
+    all-reduce (the maximum over ranks) makes the result the same on every rank. Nothing runs besides the training
+    itself, so it costs no time beyond `steps + 1` CUDA synchronisations; every rank reaches the all-reduce at the
+    same batch, as it trains the same number of batches."""
+
+    def __init__(self, choice: AutoChoice, steps: int, accumulate: int = 1) -> None:
+        self.choice, self.steps, self.accumulate = choice, steps, accumulate
+        self.batches = 0
+        self.starts: list[float] = []
+
+    def on_batch_start(self, device: torch.device, reduce: bool) -> Optional[Confirmation]:
+        """Call at every training batch's start; returns the confirmation once, at the batch after the last timed
+        step (`reduce`: all-reduce over the default group)."""
+        first, last = self.accumulate, self.accumulate * (self.steps + 1)  # the timed steps' first batches
+        batch, self.batches = self.batches, self.batches + 1
+        if batch < first or batch > last or (batch - first) % self.accumulate:
+            return None
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(device)
+        self.starts.append(time.perf_counter())
+        if cuda and batch == first:
+            torch.cuda.reset_peak_memory_stats(device)
+        if batch < last:
+            return None
+        step_s = statistics.median(b - a for a, b in zip(self.starts, self.starts[1:]))
+        peak = float(torch.cuda.max_memory_allocated(device)) if cuda else -1.0
+        measured = torch.tensor([step_s, peak], dtype=torch.float64, device=device)
+        if reduce:
+            torch.distributed.all_reduce(measured, op=torch.distributed.ReduceOp.MAX)
+        step_s, peak = measured.tolist()
+        return Confirmation(self.steps, step_s, peak if peak >= 0 else None, self.choice)

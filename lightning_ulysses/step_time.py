@@ -24,7 +24,8 @@ measurement). What the model counts:
   copies); with any offload, ZeRO-3's 16-bit gradients of every element cross the host link;
 - a fixed cost per step (the hooks and launches that do not grow with the sequence);
 - the host: ZeRO-3's hooks and Python cost a fixed part per step and a part per decoder layer and pass (forward,
-  backward, recompute); where that is longer than everything above, the step waits for the host (1B at 4K).
+  backward, recompute); where that is longer than everything above, the step waits for the host (1B at 4K). On a
+  CPU device (tests, notebooks) it adds up with the rest instead.
 `fused_elementwise` scales the elementwise term (and its recomputed third) by `fused_elementwise_factor`, fit to
 the whole steps measured with and without it in one run (`FUSED_PAIRS`: the saving, not the step, is what they pin;
 the 8B 32K step itself is over-predicted by ~10%, fused or not).
@@ -116,12 +117,13 @@ def _matmul_parameters(shape: ModelShape) -> tuple[float, float, float]:
 
 def predict_step_time(shape: ModelShape, setup: TrainingSetup, kernel: Optional[str] = "cudnn",
                       speeds: DeviceSpeeds = H200, overlapped_copies: bool = True,
-                      deferred_mlp: bool = True) -> StepTime:
+                      deferred_mlp: bool = True, host_beside_device: bool = True) -> StepTime:
     """Seconds of one training step on one rank, by term. `kernel`: the SDPA kernel attention runs with (None:
     torch's default order, i.e. flash on Hopper); `overlapped_copies`: whether offloaded activations are copied
     beside compute (the default; False: on the compute stream, as measured before 2026-12-02); `deferred_mlp`:
     whether a checkpointed layer's recompute leaves its tiled MLP's forward out (the default; False: as measured
-    before it did)."""
+    before it did); `host_beside_device`: the host's work runs beside the device's, so the longer bounds the step
+    (a GPU; False: the device is the host's own CPU, where the two add up)."""
     m, kernel = setup.memory, kernel or "flash"
     tokens = setup.local_tokens
     layers, mlp, head = _matmul_parameters(shape)
@@ -160,9 +162,10 @@ def predict_step_time(shape: ModelShape, setup: TrainingSetup, kernel: Optional[
         terms["host transfers: 16-bit gradients"] = setup.compute_bytes * sum(groups) / speeds.host_link_bytes
     terms["fixed per step"] = speeds.step_overhead_s
     host = speeds.host_step_s + speeds.host_layer_pass_s * shape.num_layers * (2 + extra_forwards)
-    device = sum(terms.values())
-    if host > device:
-        terms["waiting on the host (per-layer hooks)"] = host - device
+    if not host_beside_device:
+        terms["host work (per-layer hooks)"] = host
+    elif host > sum(terms.values()):
+        terms["waiting on the host (per-layer hooks)"] = host - sum(terms.values())
     return StepTime(terms)
 
 

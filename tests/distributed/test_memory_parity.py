@@ -34,7 +34,7 @@ FUSED = {"fused_elementwise": True, "fused_backend": "aot_eager"}
 # 6.0 MB: layer checkpointing with kept attention outputs and a tiled MLP (planner: 5.32 MB; with 9.0 MB, rank 0's
 # own, a tiled MLP alone). Tiles as in the hand-set case it is compared with.
 AUTO = {"auto": True, "seq_len": 4096, "device_margin": 0, "host_margin": 0, "mlp_tile_tokens": 3,
-        "logits_tile_tokens": 4}
+        "logits_tile_tokens": 4, "confirm_steps": 1}  # 3 steps: one warm-up, one timed, the next batch reports
 AUTO_FREE = [[9e6, 9e6], [6e6, 6e6], [8e6, 8e6], [7e6, 7e6]]
 AUTO_CHOSEN = {"tiled_mlp": True, "mlp_tile_tokens": 3, "logits_tile_tokens": 4, "activation_checkpointing": True,
                "keep_attention_outputs": True, "expandable_segments": True}  # auto's default (an env var on CPU)
@@ -123,6 +123,12 @@ def test_auto_choice_is_identical_on_every_rank_and_trains_like_the_same_options
     assert choices[0]["predicted_device_bytes"] <= min(free for free, _ in AUTO_FREE)
     assert all(rank["memory"] == by_hand[0]["memory"] for rank in ranks)
     assert by_hand[0]["memory_choice"] is None
+    # the first steps confirmed once, from the slowest rank's time (the same on every rank); no device peak on CPU
+    confirmations = [rank["memory_confirmation"] for rank in ranks]
+    assert confirmations[0]["steps"] == 1 and confirmations[0]["step_s"] > 0
+    assert confirmations[0]["device_peak_bytes"] is None
+    assert all(confirmation == confirmations[0] for confirmation in confirmations)
+    assert by_hand[0]["memory_confirmation"] is None
     for auto_rank, hand_rank in zip(ranks, by_hand):
         assert [r["loss"] for r in auto_rank["records"]] == [r["loss"] for r in hand_rank["records"]]
         assert auto_rank["weights_checksum"] == hand_rank["weights_checksum"]

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from lightning_ulysses.auto import AutoMemory, Layout, choose, coerce_memory, longest_fit
+from lightning_ulysses.auto import AutoMemory, Confirmation, Layout, StepProbe, choose, coerce_memory, longest_fit
 from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.planner import GIB, MODELS, TrainingSetup, plan_memory
 from lightning_ulysses.step_time import (AUTO_VS_HAND_PAIRS, CALIBRATION, DEFERRED_MLP_PAIRS, FUSED_PAIRS,
@@ -160,13 +160,49 @@ def test_a_short_step_waits_for_the_host_and_a_long_one_does_not():
     and checkpointing adds a pass of it; at 32K the device's work hides it."""
     from lightning_ulysses.plan import memory_options
 
-    def terms(features, seq):
-        return predict_step_time(LLAMA_1B, TrainingSetup(seq_len=seq, memory=memory_options(features))).terms
+    def terms(features, seq, **kwargs):
+        return predict_step_time(LLAMA_1B, TrainingSetup(seq_len=seq, memory=memory_options(features)),
+                                 **kwargs).terms
 
     wait = "waiting on the host (per-layer hooks)"
     assert terms("fused", 4096)[wait] > 0
     assert terms("ac+attn+fused", 4096)[wait] > terms("fused", 4096)[wait]
     assert wait not in terms("fused", 32768)
+    # a CPU device is the host: its work adds up with the compute's instead of hiding behind it
+    assert terms("fused", 32768, host_beside_device=False)["host work (per-layer hooks)"] == pytest.approx(
+        0.158 + 1.73e-3 * 16 * 2)
+
+
+def test_the_confirmation_warns_where_the_device_peak_exceeds_the_plan():
+    """The first steps' device peak against the plan: at or under it (or within 1%) a report; more than 1% over
+    (the planner under-predicted) a report that names the risk and the fix."""
+    choice = choose(LLAMA_8B, AutoMemory(seq_len=32768), Layout(), (139.8 * GIB, 125 * GIB))
+    planned = choice.best.plan.gpu_total
+    fine = Confirmation(3, 5.6, planned - GIB, choice)
+    assert not fine.exceeds_plan and fine.over_plan_bytes == 0
+    assert f"predicted {choice.best.time.total:.3f} s" in fine.report() and "over the plan" not in fine.report()
+    assert not Confirmation(3, 5.6, 1.005 * planned, choice).exceeds_plan
+    over = Confirmation(3, 5.6, planned + 2 * GIB, choice)
+    assert over.exceeds_plan and over.over_plan_bytes == pytest.approx(2 * GIB)
+    assert "2.00 GiB over the plan" in over.report() and "raise device_margin" in over.report()
+    on_cpu = choose(LLAMA_1B, AutoMemory(seq_len=4096), Layout(on_cuda=False, kernel=None), (40 * GIB, 40 * GIB))
+    assert "no prediction on CPU" in Confirmation(3, 1.0, None, on_cpu).report()
+
+
+def test_the_step_probe_times_the_steps_after_the_first_and_reports_once(monkeypatch):
+    """With 2 micro-batches per optimizer step: batches 0-1 are the warm-up step, the starts of batches 2, 4 and 6
+    bound the two timed steps, and batch 6 reports (the median step); nothing is timed or reported after."""
+    import torch
+
+    from lightning_ulysses import auto
+
+    clock = iter([10.0, 13.0, 14.0])
+    monkeypatch.setattr(auto.time, "perf_counter", lambda: next(clock))
+    choice = choose(LLAMA_1B, AutoMemory(seq_len=4096), Layout(on_cuda=False, kernel=None), (40 * GIB, 40 * GIB))
+    probe = StepProbe(choice, steps=2, accumulate=2)
+    results = [probe.on_batch_start(torch.device("cpu"), reduce=False) for _ in range(9)]
+    assert [i for i, result in enumerate(results) if result is not None] == [6]
+    assert results[6].step_s == pytest.approx(2.0) and results[6].steps == 2 and results[6].device_peak_bytes is None
 
 
 def test_cpu_layout_never_offloads():
@@ -183,6 +219,8 @@ def test_coerce_memory():
     assert coerce_memory({"tiled_mlp": True}) == MemoryOptions(tiled_mlp=True)
     with pytest.raises(ValueError, match="Unknown memory auto field"):
         coerce_memory({"auto": True, "tile_mlp": True})
+    with pytest.raises(ValueError, match="confirm_steps"):
+        AutoMemory(confirm_steps=-1)
     with pytest.raises(ValueError, match="needs the training length"):
         choose(LLAMA_1B, AutoMemory(), Layout(), (GIB, GIB))
 

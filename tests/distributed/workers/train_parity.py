@@ -215,6 +215,7 @@ def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None) 
         "export": str(Path(case["workdir"]) / f"{case['name']}.export") if case.get("export") else None,
         "checkpoint": path if case.get("checkpoint_export") else None,
         "memory_choice": strategy.memory_choice and strategy.memory_choice.as_dict(),
+        "memory_confirmation": strategy.memory_confirmation and strategy.memory_confirmation.as_dict(),
         "memory": dataclasses.asdict(strategy.memory),
         "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before,
     }
