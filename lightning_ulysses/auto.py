@@ -515,7 +515,6 @@ def shape_of(models: Sequence[Any]) -> ModelShape:
     return max(shapes, key=lambda shape: shape.num_parameters)
 
 
-
 @dataclass(frozen=True)
 class Confirmation:
     """What the first training steps measured, against what `memory="auto"` predicted for them."""
