@@ -231,8 +231,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self.memory_choice: Optional[auto.AutoChoice] = None
         # What the first training steps measured against the choice (`AutoMemory.confirm_steps`), once known.
         self.memory_confirmation: Optional[auto.Confirmation] = None
-        self._memory_probe_steps = 0
-        self._memory_probe: Optional[auto.StepProbe] = None
+        self._memory_probe: Optional[auto.StepProbe] = None  # until it has confirmed
         self._unsharded_evaluation = False  # True while validate/test/predict runs with plain attention
         # Ours, not DDPStrategy's `_start_method` (which DeepSpeedStrategy leaves at "popen", the script launch).
         self.start_method = start_method
@@ -475,7 +474,9 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
                              fused_elementwise=fusable)
         choice = auto.choose(auto.shape_of(models), request, layout, (device_free, host_free))
         self.memory, self.memory_choice = choice.memory, choice
-        self._memory_probe_steps = int(request.confirm_steps)
+        if request.confirm_steps:
+            self._memory_probe = auto.StepProbe(choice, int(request.confirm_steps),
+                                                self.lightning_module.trainer.accumulate_grad_batches)
         if cuda and layout.zero_stage == 3:
             zero["sub_group_size"] = choice.sub_group_size
         if choice.offload_optimizer and configured is None:
@@ -644,14 +645,11 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     def _confirm_memory_choice(self) -> None:
         """`memory="auto"`: time the first steps of the first fit and log them against the prediction."""
         if self._memory_probe is None:
-            if not self._memory_probe_steps or self.memory_confirmation is not None or self.memory_choice is None:
-                return
-            accumulate = self.lightning_module.trainer.accumulate_grad_batches
-            self._memory_probe = auto.StepProbe(self.memory_choice, self._memory_probe_steps, accumulate)
+            return
         confirmation = self._memory_probe.on_batch_start(
             self.root_device, torch.distributed.is_initialized() and self.world_size > 1)
         if confirmation is not None:
-            self.memory_confirmation, self._memory_probe, self._memory_probe_steps = confirmation, None, 0
+            self.memory_confirmation, self._memory_probe = confirmation, None
             (rank_zero_warn if confirmation.exceeds_plan else rank_zero_info)(confirmation.report())
 
     @override
