@@ -27,6 +27,8 @@ from typing import Optional
 
 import torch
 
+from tests.deepspeed_builds import build_cpu_adam_without_debug_info
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -106,6 +108,7 @@ def _as_script(script: str, args: list[str], env: dict, cwd: str, log: str, erro
     os.dup2(output, 2)
     os.close(output)
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # what a fresh interpreter takes from OMP_NUM_THREADS
+    build_cpu_adam_without_debug_info()  # as in the pytest process (tests/deepspeed_builds.py)
     sys.argv = [script, *args]
     # A fresh interpreter's path: the script's folder, then PYTHONPATH, then the rest.
     sys.path[:0] = [os.path.dirname(script), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
