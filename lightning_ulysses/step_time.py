@@ -229,7 +229,7 @@ CALIBRATION = (
              f"{_LEAF}/points_8k_32k.jsonl", overlapped=True, deferred_mlp=True),
     Measured("llama3-8b", 32768, _AUTO_32K, 0.0, 200756532, "cudnn", 5.7033, f"{_LEAF}/points_8k_32k.jsonl",
              overlapped=True, deferred_mlp=True),
-    # Held out (`_AUTO_VS_HAND`/README.md): 8B at 4K (0.829 and 0.969 s on two runs, predicted 0.736: the step
+    # Held out (`_AUTO_VS_HAND`/README.md): 8B at 4K (0.829, 0.969 and 0.968 s on three runs, predicted 0.736: the step
     # varies ±15% from run to run, host-bound in part, more than `host_layer_pass_s` explains) and 1B at 128K (11.61
     # and 11.54 s, predicted 10.11: not its head_dim 64 alone, since the 1B rows at 32K are within 2.5%; unexplained
     # until the attention kernels are measured at that shape).
@@ -267,6 +267,10 @@ def _auto_vs_hand_run(model: str, seq: int, features: str, step_s: float, source
 _SHORT_1B = _8B_32K = "points_8b_32k_1b_4k_8k.jsonl"
 _ALL_128K = "points_128k.jsonl"
 AUTO_VS_HAND_PAIRS = (
+    # 8B 4K, after the one-tile fix: no checkpointing with the tiled MLP, auto's choice since its device margin is 2%
+    # (the 3% before refused it), against layer checkpointing with kept attention outputs, auto's choice before
+    (_auto_vs_hand_run("llama3-8b", 4096, "mlp+fused", 0.8512, "points_8b_4k_after_fix.jsonl"),
+     _auto_vs_hand_run("llama3-8b", 4096, "ac+attn+fused", 0.9682, "points_8b_4k_after_fix.jsonl")),
     (_auto_vs_hand_run("llama3-8b", 8192, "ac+attn+logits+fused", 1.2854, "points_8b_4k_8k.jsonl"),
      _auto_vs_hand_run("llama3-8b", 8192, "ac+attn+offload+logits+fused", 1.3099, "points_8b_4k_8k.jsonl")),
     (_auto_vs_hand_run("llama3-8b", 32768, _AUTO_32K, 5.5855, _8B_32K),
@@ -281,8 +285,8 @@ AUTO_VS_HAND_PAIRS = (
 # the 1B 4K pair is what `host_step_s` and `host_layer_pass_s` are fit to (without them: -27%); 1B 128K held out.
 # Not a pair: 1B 8K's alternative (tiled MLP, 0.2646 s) ran the plain MLP then (rows in one tile, since fixed), the
 # same computation as auto's (0.2355 s): 12% apart between identical steps, the noise of a step this short.
-CALIBRATION += tuple(row for pair in AUTO_VS_HAND_PAIRS for row in pair
-                     if row.seq != 32768 and (row.model, row.seq) != ("llama3.2-1b", 131072))
+_HELD_OUT = {("llama3-8b", 4096), ("llama3-8b", 32768), ("llama3.2-1b", 131072)}  # (see the notes above)
+CALIBRATION += tuple(row for pair in AUTO_VS_HAND_PAIRS for row in pair if (row.model, row.seq) not in _HELD_OUT)
 CALIBRATION += (_auto_vs_hand_run("llama3.2-1b", 8192, "fused", 0.2355, _SHORT_1B),)
 
 
