@@ -45,6 +45,7 @@ def main(out: str, *files: str) -> None:
     speed.legend()
     speed.set_title("memory=\"auto\" against the alternatives")
     auto = [r for r in runs if r["variant"] == "auto" and r.get("step_times_s") and r.get("choice")]
+    auto = [r for i, r in enumerate(auto) if all((q["shape"], q["seq"]) != (r["shape"], r["seq"]) for q in auto[:i])]
     for r in auto:
         measured, predicted = r["step_times_s"][-1], r["choice"]["predicted_step_s"]
         model.scatter(predicted, measured, color="C0")
