@@ -39,7 +39,6 @@ def test_plenty_of_memory_switches_nothing_on():
     assert "step" in choice.report() and "runner-up" in choice.report()
 
 
-
 def test_the_default_device_margin_admits_what_the_h200_ran_without_checkpointing():
     """8B at 4K on the H200 (138.65 GiB free to torch): without checkpointing, with the tiled MLP (planned 135.40
     GiB) it ran with an allocated peak of 132.55 GiB, 1.14x faster than with checkpointing
@@ -52,6 +51,7 @@ def test_the_default_device_margin_admits_what_the_h200_ran_without_checkpointin
     assert default.best.plan.gpu_total <= free[0] * (1 - AutoMemory.device_margin)
     assert "activation_checkpointing" in _on(choose(LLAMA_8B, AutoMemory(seq_len=4096, device_margin=0.03), layout,
                                                     free))
+
 
 # Tighter and tighter (1B at 32K): the free features first, by bytes saved (low-memory norms: 8 GiB of fp32 norm
 # inputs; tiled logits + loss: 41 GiB of logits), then recomputation (tiled MLP, then layer checkpointing with
