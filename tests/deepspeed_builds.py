@@ -11,14 +11,9 @@ from __future__ import annotations
 
 
 def build_cpu_adam_without_debug_info() -> None:
+    """Once per process: the pytest process at configure, each rank as it starts (forked from a server that never
+    calls it)."""
     from deepspeed.ops.op_builder import CPUAdamBuilder  # the builder this accelerator's DeepSpeedCPUAdam loads
 
-    if getattr(CPUAdamBuilder.cxx_args, "without_debug_info", False):
-        return
     with_debug_info = CPUAdamBuilder.cxx_args
-
-    def cxx_args(self) -> list[str]:
-        return [flag for flag in with_debug_info(self) if flag != "-g"]
-
-    cxx_args.without_debug_info = True
-    CPUAdamBuilder.cxx_args = cxx_args
+    CPUAdamBuilder.cxx_args = lambda self: [flag for flag in with_debug_info(self) if flag != "-g"]
