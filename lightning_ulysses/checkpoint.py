@@ -84,6 +84,9 @@ class CheckpointManifest:
     # Samples per training batch over all DP ranks (batch size × DP): a mid-epoch resume must keep it, since
     # Lightning's restored batch counter is in batches of this size.
     global_batch_size: Optional[int] = None
+    # Micro-batches of an unfinished accumulation window at the save (a save inside a window: a callback, a
+    # mid-window validation's checkpoint). Their gradients are not saved, so resuming training from here is refused.
+    micro_batches_accumulated: int = 0
     format: int = FORMAT_VERSION
 
     def write(self, directory: Path) -> None:
@@ -389,6 +392,20 @@ def _adapter_dir(config_dir: Path, adapter: str) -> Path:
 
 
 # -- the strategy's side: atomic saves, exact resumes, evaluation loads of ZeRO-3 checkpoints -----------------------
+def _refuse_resume_inside_window(path: Path, manifest: CheckpointManifest) -> None:
+    """A checkpoint saved inside a gradient-accumulation window holds the weights of the window's start but not the
+    gradients of its first micro-batches: continuing from it would step on part of a window. The same on every rank
+    (one manifest), before training."""
+    pending = manifest.micro_batches_accumulated
+    if pending:
+        raise ValueError(
+            f"{path} was saved inside a gradient-accumulation window, after {pending} micro-batch(es) whose gradients"
+            " a checkpoint does not hold: resuming training from it cannot be exact. Resume from a checkpoint saved at"
+            " an optimizer step (ModelCheckpoint(every_n_train_steps=...), the end of an epoch, a preemption save), or"
+            " make mid-epoch validation fall on steps (val_check_interval a multiple of accumulate_grad_batches);"
+            " validate/test/predict and `checkpoint export` read this checkpoint as it is.")
+
+
 @dataclass
 class PendingResume:
     """What a loaded checkpoint still has to restore once training starts."""
@@ -448,6 +465,7 @@ class StrategyCheckpoints:
             zero_stage=self.strategy.config["zero_optimization"]["stage"],
             epoch_samples_consumed=self.epoch_samples_consumed(),
             global_batch_size=self.global_batch_size(),
+            micro_batches_accumulated=self.strategy.micro_batches_accumulated,
             hf_models=tuple(hf_model_configs),
         )
 
@@ -522,6 +540,7 @@ class StrategyCheckpoints:
                 )
             checkpoint_path = str(path)
         if fitting and manifest is not None:
+            _refuse_resume_inside_window(path, manifest)
             same_layout = manifest.sequence_parallel_size == strategy.sequence_parallel_world_size
             self.resume = PendingResume(
                 epoch_samples_consumed=manifest.epoch_samples_consumed,

@@ -249,6 +249,9 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         # Dropout masks differ between the SP ranks: the steps draw from a stream of their own (`rng.py`).
         self._random_streams = SequenceParallelRNG()
         self._checkpoints = StrategyCheckpoints(self, self._random_streams)
+        # Micro-batches whose gradients the engine holds without having stepped yet (`backward`): a checkpoint
+        # saved inside an accumulation window records it, and a resume from it is refused (`checkpoint.py`).
+        self.micro_batches_accumulated = 0
         self._hf_model_configs: dict[str, Any] = {}  # module path → the config save_pretrained will need
         self._preflight_reported = False
 
@@ -373,6 +376,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
+        self.micro_batches_accumulated = 0  # a new engine holds no gradients
         self._prepare_modules()
         super().setup(trainer)
         # Once per node (links, NUMA and host memory are per machine) and per strategy: fit → validate → test in
@@ -686,8 +690,37 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         # that gradient clipping compares) k times too small. DeepSpeed still counts the micro-steps, so its step
         # boundary stays where it was; its loss scaler (fp16) is applied either way. Manual optimization has k = 1.
         kwargs.setdefault("scale_wrt_gas", False)
+        if self.lightning_module.automatic_optimization:
+            self._mark_accumulation_boundary()
         with sdpa_priority(self.sdpa_kernel_priority), self._step_random_stream():
             return super().backward(*args, **kwargs)
+
+    @property
+    @override
+    def handles_gradient_accumulation(self) -> bool:
+        """False: Lightning's loop owns the accumulation windows, as for DDP — they restart at every epoch, the
+        epoch's last (partial) window steps too, and only a window's last micro-batch reaches `optimizer_step`
+        (`engine.step()`). Lightning's `DeepSpeedStrategy` says True and lets DeepSpeed count micro-steps over the
+        whole run instead: whenever an epoch's batches are not a multiple of `accumulate_grad_batches`, the two step at
+        different micro-batches and a partial window's gradients leak into the next epoch's first step (1.5× the
+        update measured, issue 37). The engine learns where each window ends in `backward`."""
+        return False
+
+    @contextlib.contextmanager
+    @override
+    def block_backward_sync(self) -> Iterator[None]:
+        """Nothing to block: Lightning enters this around a window's inner micro-batches (now that it owns the windows)
+        and would call the engine's `no_sync`, which ZeRO-2/3 refuse; the boundary set in `backward` already keeps
+        ZeRO from reducing before the window's last micro-batch."""
+        yield None
+
+    def _mark_accumulation_boundary(self) -> None:
+        """Tell the engine, before this micro-batch's backward, whether it ends Lightning's accumulation window:
+        ZeRO reduces (and DeepSpeed's `step` applies) at that boundary and only there. DeepSpeed's own counter of
+        micro-steps would not know about epochs, `limit_train_batches` or an iterable dataset's end."""
+        ends_window = not lightning_private.should_accumulate(self.lightning_module.trainer)
+        self.model.set_gradient_accumulation_boundary(ends_window)
+        self.micro_batches_accumulated = 0 if ends_window else self.micro_batches_accumulated + 1
 
     # -- data ---------------------------------------------------------------------------------------------------
     @override
