@@ -37,7 +37,7 @@ from lightning_ulysses.checkpoint import StrategyCheckpoints
 from lightning_ulysses.deepspeed_config import deep_merge, inference_config, read_sequence_parallel_size
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, check_ring_size, check_sequence_parallel_size
 from lightning_ulysses.memory import MemoryOptions, apply_allocator_settings, fused_elementwise_applies
-from lightning_ulysses.loss import SequenceParallelCausalLMLoss, gradient_scale_for
+from lightning_ulysses.loss import SequenceParallelCausalLMLoss, gradient_scale_for, reduces_over_sequence
 from lightning_ulysses.notebook import configure_launcher
 from lightning_ulysses.rng import SequenceParallelRNG, seed_workers_by_data_parallel_rank
 from lightning_ulysses.sharding import SequencePadding, SequenceSharder
@@ -286,15 +286,15 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
 
     @property
     def batches_are_sharded(self) -> bool:
-        """Whether the step sees this rank's shard with shifted labels (False during evaluation with
-        `sequence_parallel_in_evaluation=False`, where whole, unshifted batches pass through)."""
+        """Whether the step sees this rank's shard of the batch (False during evaluation with
+        `sequence_parallel_in_evaluation=False`, where whole batches pass through)."""
         return self._sharder is not None and not self._unsharded_evaluation
 
     @property
     def loss_function(self) -> SequenceParallelCausalLMLoss:
         """`loss_function(logits, labels)`: the whole-sequence token-mean loss with the right ZeRO gradient, for
-        modules that compute their loss from logits. `labels`: the batch's `labels` (shifted by the strategy), or
-        any labels as Hugging Face takes them (unshifted, e.g. `batch["input_ids"]`); see `SequenceParallelCausalLMLoss`."""
+        modules that compute their loss from logits. `labels`: as Hugging Face takes them, unshifted — the batch's
+        `labels`, `batch["input_ids"]`, labels built in the step; see `SequenceParallelCausalLMLoss`."""
         groups = self.parallel_groups
         group = groups.sequence_parallel_group if groups.sequence_parallel_world_size > 1 else None
         return SequenceParallelCausalLMLoss(group, gradient_scale_for(self.config, groups.sequence_parallel_world_size),
@@ -690,10 +690,30 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         # that gradient clipping compares) k times too small. DeepSpeed still counts the micro-steps, so its step
         # boundary stays where it was; its loss scaler (fp16) is applied either way. Manual optimization has k = 1.
         kwargs.setdefault("scale_wrt_gas", False)
-        if self.lightning_module.automatic_optimization:
+        if self.batches_are_sharded and self.sequence_parallel_world_size > 1:
+            self._refuse_shard_local_loss(args[0] if args else kwargs["closure_loss"])
+        if self.lightning_module is not None and self.lightning_module.automatic_optimization:
             self._mark_accumulation_boundary()
         with sdpa_priority(self.sdpa_kernel_priority), self._step_random_stream():
             return super().backward(*args, **kwargs)
+
+    def _refuse_shard_local_loss(self, loss: torch.Tensor) -> None:
+        """At SP > 1 each rank holds `seq/P` tokens of every row: a loss computed from this rank's logits alone (the
+        hand-written `cross_entropy(logits[:, :-1], batch["labels"][:, 1:])`) drops the targets at shard boundaries,
+        averages per shard, and is then summed over the SP group by ZeRO — it trains, silently wrong. Every
+        whole-sequence loss of ours ends in a reduction over the group (`reduces_over_sequence`); one that does not is
+        refused at its first backward, before any optimizer step, on every rank alike (each runs the same step)."""
+        if reduces_over_sequence(loss):
+            return
+        raise RuntimeError(
+            f"The loss of this training step was computed from this rank's shard alone: at sequence_parallel_size="
+            f"{self.sequence_parallel_world_size} every rank holds 1/{self.sequence_parallel_world_size} of each row,"
+            " so a loss of its logits only (e.g. cross_entropy(logits[:, :-1], batch['labels'][:, 1:])) loses the"
+            " targets at shard boundaries and averages per shard. Return model(**batch).loss, or"
+            " self.trainer.strategy.loss_function(logits, batch['labels']) (labels as the batch holds them,"
+            " unshifted); for a per-token loss of your own, sum it over this rank's tokens and reduce it with"
+            " loss_fn.reduce_token_loss_sum(token_loss_sum, loss_fn.targets(batch['labels'])), where loss_fn ="
+            " self.trainer.strategy.loss_function.")
 
     @property
     @override

@@ -110,6 +110,13 @@ def _matrix():
           for world, sp, stage in layouts],
         _case(4, 2, 3, "mqa", suffix="-labels_are_input_ids-len15", seq_len=15, step="labels_are_input_ids"),
         _case(4, 2, 2, "gqa", suffix="-own_loss", step="own_loss"),
+        # The loss written by hand on batch["labels"] (which arrive as the user gave them, unshifted): exact at SP 1
+        # (ZeRO-3, DP 2; ZeRO-2 accumulating), refused at SP 2 and SP 4 before any optimizer step (`-refused`).
+        _case(2, 1, 3, "mqa", suffix="-hand_written", step="hand_written"),
+        _case(4, 1, 2, "mha", suffix="-hand_written-accumulate2", step="hand_written", batch_size=1,
+              trainer_kwargs={"accumulate_grad_batches": 2}),
+        _case(2, 2, 2, "mqa", suffix="-hand_written-refused", step="hand_written", refused=True),
+        _case(4, 4, 2, "mha", suffix="-hand_written-refused", step="hand_written", refused=True),
         _case(4, 4, 3, "gqa", suffix="-ring2-labels_are_input_ids", step="labels_are_input_ids",
               strategy_kwargs={"ring_size": 2}),
         # bf16-mixed against the fp32 reference, within bf16's precision (check_bf16_against_fp32).
@@ -155,6 +162,7 @@ def _matrix():
 REFERENCE_LOSSES = {
     "batch": lambda model, batch: model(input_ids=batch["input_ids"], labels=batch["labels"]).loss,
     "own_loss": lambda model, batch: model(input_ids=batch["input_ids"], labels=batch["labels"]).loss,
+    "hand_written": lambda model, batch: model(input_ids=batch["input_ids"], labels=batch["labels"]).loss,
     "labels_are_input_ids": lambda model, batch: model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss,
     "built_labels": lambda model, batch: model(input_ids=batch["input_ids"],
                                                labels=built_labels(batch["input_ids"])).loss,
@@ -172,14 +180,16 @@ def _results_for(world_size: int, tmp_path_factory) -> list[dict]:
 
 
 CLAIMS = ("routing", "shards", "losses", "weights", "evaluation", "replicas", "tying", "export", "checkpoint_export",
-          "groups", "engines", "resume_refused")
-_APPLIES = {"evaluation": lambda case: case.get("validate"), "export": lambda case: case.get("export"),
+          "groups", "engines", "resume_refused", "refused")
+_APPLIES = {"refused": lambda case: case.get("refused"),"evaluation": lambda case: case.get("validate"), "export": lambda case: case.get("export"),
             "resume_refused": lambda case: case.get("resume_inside_window"),
             "checkpoint_export": lambda case: case.get("checkpoint_export"),
             "tying": lambda case: case.get("model", "").startswith("pretrained")}
 
 
 def _claims_of(case: dict) -> tuple[str, ...]:
+    if case.get("refused"):  # a run refused at its first step: nothing trained to compare
+        return ("refused",)
     return tuple(claim for claim in CLAIMS if _APPLIES.get(claim, lambda case: True)(case))
 
 
@@ -194,7 +204,7 @@ def test_parity_with_single_process_reference(case, claim, tmp_path_factory):
 def check_parity(case: dict, ranks: list[dict], claims: tuple[str, ...] | None = None) -> None:
     """The `claims` of one training case (default: all that apply): its records and final weights against the
     reference."""
-    steps = _routed_samples(case, ranks)  # routing is what every later claim reads its samples from
+    steps = None if case.get("refused") else _routed_samples(case, ranks)  # what every later claim reads
     for claim in claims or _claims_of(case):
         if claim != "routing":
             _CHECKS[claim](case, ranks, steps)
@@ -239,7 +249,8 @@ def _order(case: dict) -> tuple[ShardOrder, int]:
 
 
 def _check_shards(case: dict, ranks: list[dict], steps) -> None:
-    """Shard contents: this rank's slice of the shifted labels, tokens and global positions (padded when needed)."""
+    """Shard contents: this rank's slice of the labels (as the user gave them, unshifted), tokens and global positions
+    (padded when needed)."""
     dataset, batch_size = UnevenlyMaskedTokens(10_000, case["seq_len"]), case["batch_size"]
     order, padded = _order(case)
     for rank in ranks:
@@ -247,7 +258,7 @@ def _check_shards(case: dict, ranks: list[dict], steps) -> None:
             full = collate([dataset[i] for i in record["sample_index"]])
             extra = padded - case["seq_len"]
             input_ids = torch.cat([full["input_ids"], torch.zeros(batch_size, extra, dtype=torch.long)], 1)
-            labels = torch.cat([full["labels"][:, 1:], torch.full((batch_size, extra + 1), -100)], 1)
+            labels = torch.cat([full["labels"], torch.full((batch_size, extra), -100)], 1)
             sp_rank = rank["sequence_parallel_rank"]
             assert torch.equal(record["input_ids"], order.shard(input_ids, sp_rank, dim=1)), ("input_ids", step)
             assert torch.equal(record["labels"], order.shard(labels, sp_rank, dim=1)), ("labels", step)
@@ -438,7 +449,16 @@ def _check_resume_refused(case: dict, ranks: list[dict], steps) -> None:
         assert "every_n_train_steps" in refusal, refusal
 
 
-_CHECKS = {"resume_refused": _check_resume_refused, "shards": _check_shards, "losses": _check_losses, "weights": _check_weights,
+def _check_refused(case: dict, ranks: list[dict], steps) -> None:
+    """A loss computed from this rank's shard alone is refused at the first backward, on every rank, naming the fix;
+    no optimizer step ran (one forward, the weights as they were built)."""
+    for rank in ranks:
+        assert "computed from this rank's shard alone" in (rank["refusal"] or ""), rank["refusal"]
+        assert "self.trainer.strategy.loss_function(logits, batch['labels'])" in rank["refusal"]
+        assert rank["steps_before_refusal"] == 1 and rank["weights_unchanged"], rank
+
+
+_CHECKS = {"refused": _check_refused, "resume_refused": _check_resume_refused, "shards": _check_shards, "losses": _check_losses, "weights": _check_weights,
            "evaluation": _check_evaluation, "replicas": _check_replicas, "tying": _check_tying,
            "export": _check_export, "checkpoint_export": _check_checkpoint_export, "groups": _check_groups,
            "engines": _check_engines}

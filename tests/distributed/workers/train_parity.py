@@ -177,6 +177,19 @@ def _export(case: dict) -> list[L.Callback]:
     return [ExportPretrained(str(Path(case["workdir"]) / f"{case['name']}.export"), merged=True)]
 
 
+def refused_run(module, trainer, loader) -> dict:
+    """`fit` that the strategy must refuse: what it said, after how many steps, and whether any weight moved."""
+    before = {name: p.detach().clone() for name, p in module.model.named_parameters()}
+    refusal = None
+    try:
+        trainer.fit(module, loader)
+    except RuntimeError as error:
+        refusal = str(error)
+    # (refused cases run ZeRO-0/1/2, whose module parameters stay whole)
+    unchanged = all(torch.equal(p.detach(), before[name]) for name, p in module.model.named_parameters())
+    return {"refusal": refusal, "steps_before_refusal": len(module.records), "weights_unchanged": unchanged}
+
+
 def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None) -> dict:
     kind, pretrained = case.get("model", "llama"), None
     if kind.startswith("pretrained"):  # the model the reference starts from, saved; the module loads it
@@ -213,6 +226,8 @@ def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None) 
     loader = DataLoader(dataset, batch_size=batch_size, collate_fn=collate)
     # Validation inside the training epoch ("val_check_interval" in trainer_kwargs): on the training samples.
     evaluate = case.get("trainer_kwargs", {}).get("val_check_interval") is not None
+    if case.get("refused"):  # expected to stop at its first backward
+        return refused_run(module, trainer, loader)
     trainer.fit(module, loader, loader if evaluate else None)
     weights = module.final_weights
     path = str(Path(case["workdir"]) / f"{case['name']}.ckpt")
