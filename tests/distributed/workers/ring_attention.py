@@ -83,7 +83,7 @@ def check_hf_model(groups, results):
         reference_out.loss.backward()
 
         model = tiny_llama(kv_heads, num_heads=heads)
-        prepared = prepare_hf_model(model, groups.ulysses_group, SequenceParallelCausalLMLoss(sp_group, 1.0, batch_rows=slot),
+        prepared = prepare_hf_model(model, groups.ulysses_group, SequenceParallelCausalLMLoss(sp_group, 1.0, batch_rows=slot, order=order),
                                     ring_group=groups.ring_group)
         shard = sharder(batch)
         out = model(**shard)
@@ -109,7 +109,7 @@ def check_hf_model(groups, results):
     reference, model = tiny_model("falcon"), tiny_model("falcon")
     reference_out = reference(**padded_batch())
     reference_out.loss.backward()
-    prepared = prepare_hf_model(model, groups.ulysses_group, SequenceParallelCausalLMLoss(sp_group, 1.0, batch_rows=slot),
+    prepared = prepare_hf_model(model, groups.ulysses_group, SequenceParallelCausalLMLoss(sp_group, 1.0, batch_rows=slot, order=order),
                                 ring_group=groups.ring_group)
     out = model(**sharder(padded_batch()))
     out.loss.backward()
