@@ -254,6 +254,7 @@ def resume_from(resume: Optional[str], callbacks: list, run_dir: Optional[Path] 
     from lightning_ulysses.checkpoint import resolve_checkpoint, saved_global_step
 
     if resume is None:
+        _refuse_slurm_hpc_resume(run_dir)
         return None, "resume=null: starting afresh"
     if resume != "auto":
         try:
@@ -269,6 +270,19 @@ def resume_from(resume: Optional[str], callbacks: list, run_dir: Optional[Path] 
         searched = ", ".join(map(str, folders)) or "(checkpointing off)"
         return None, f"resume=auto: no complete checkpoint in {searched}: starting afresh{skipped}"
     return str(newest.path), f"resume=auto: continuing from {newest.path} at step {newest.global_step}{skipped}"
+
+
+def _refuse_slurm_hpc_resume(run_dir: Optional[Path]) -> None:
+    """Under SLURM, Lightning resumes `fit(ckpt_path=None)` from the highest `hpc_ckpt_<n>.ckpt` in
+    `default_root_dir` whatever it is told: `resume=null` cannot start afresh in a run folder that has one."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    saved = sorted(Path(run_dir).glob("hpc_ckpt_*.ckpt")) if run_dir is not None else []
+    if saved and SLURMEnvironment.detect():
+        raise ValueError(
+            f"resume=null, but {saved[-1]} is in the run folder, and under SLURM Lightning resumes from it whatever the"
+            " recipe asks: remove the run folder's hpc_ckpt_*.ckpt, or start the run under a new name (run_name=...)."
+        )
 
 
 _RESUME_VARIABLE = "LIGHTNING_ULYSSES_RESUME_FROM"

@@ -157,11 +157,12 @@ def test_progress_bar_totals_of_a_max_steps_run():
     assert bar._get_train_description(2).strip() == "Epoch 2/3" and bar.total_train_batches == 100
 
 
-def test_auto_resume_takes_the_newest_checkpoint_of_the_run_whatever_saved_it(tmp_path):
+def test_auto_resume_takes_the_newest_checkpoint_of_the_run_whatever_saved_it(tmp_path, monkeypatch):
     """`resume=auto` continues from the checkpoint with the highest global step in the run's checkpoint folders and
     the run folder: `last.ckpt`, numbered saves (every n steps, epoch ends), a scheduler signal's `hpc_ckpt_<n>.ckpt`,
     a save interrupted between its renames (its complete `.previous`), another strategy's single file; by step,
-    not by file time; never a staging folder or an interrupted save (named in the line it prints)."""
+    not by file time; never a staging folder or an interrupted save (named in the line it prints). `resume=null` is
+    refused where Lightning would resume anyway (SLURM, a signal's save in the run folder)."""
     run, checkpoints = tmp_path, tmp_path / "checkpoints"
     callbacks = [ModelCheckpoint(dirpath=checkpoints, save_last=True)]
 
@@ -201,6 +202,11 @@ def test_auto_resume_takes_the_newest_checkpoint_of_the_run_whatever_saved_it(tm
     assert newest() == str(checkpoints / "last.ckpt")
 
     assert resume_from(None, callbacks, run) == (None, "resume=null: starting afresh")
+    with monkeypatch.context() as slurm:  # where Lightning itself resumes from the run folder's hpc_ckpt_<n>.ckpt
+        slurm.setattr(SLURMEnvironment, "detect", staticmethod(lambda: True))
+        with pytest.raises(ValueError, match="under SLURM Lightning resumes from it whatever the recipe asks"):
+            resume_from(None, callbacks, run)
+        assert resume_from(None, callbacks, tmp_path / "new_run") == (None, "resume=null: starting afresh")
     assert resume_from(str(run / "hpc_ckpt_1.ckpt"), [], run) == (
         str(run / "hpc_ckpt_1.ckpt"), f"resume: continuing from {run / 'hpc_ckpt_1.ckpt'} at step 8")
     assert resume_from("/elsewhere/step-10.ckpt", [], run) == (
