@@ -87,6 +87,10 @@ class CheckpointManifest:
     # Micro-batches of an unfinished accumulation window at the save (a save inside a window: a callback, a
     # mid-window validation's checkpoint). Their gradients are not saved, so resuming training from here is refused.
     micro_batches_accumulated: int = 0
+    # The trainer's global step (optimizer steps) the checkpoint resumes at, as Lightning's own `global_step` entry
+    # in the shards: read here without opening them (`saved_global_step`, `resume=auto`'s choice). None: written
+    # before it was recorded.
+    global_step: Optional[int] = None
     format: int = FORMAT_VERSION
 
     def write(self, directory: Path) -> None:
@@ -160,6 +164,22 @@ def resolve_checkpoint(path: Path) -> Path:
 
 def read_manifest(path: Path) -> Optional[CheckpointManifest]:
     return CheckpointManifest.read(path) if (path / MANIFEST).exists() else None
+
+
+def saved_global_step(path: Path) -> int:
+    """The global step the complete checkpoint at `path` (as `resolve_checkpoint` returns it, or a single-file
+    checkpoint of another strategy) resumes at: its manifest's, else Lightning's `global_step` entry, read from the
+    first DeepSpeed model-state file (a memory map: no tensor is read)."""
+    path = Path(path)
+    manifest = read_manifest(path) if path.is_dir() else None
+    if manifest is not None and manifest.global_step is not None:
+        return manifest.global_step
+    if path.is_dir():
+        shards = sorted((path / deepspeed_tag(path)).glob("*model_states.pt"))
+        if not shards:
+            raise IncompleteCheckpointError(f"{path} holds no DeepSpeed model-state file to read its step from.")
+        path = shards[0]
+    return int(torch.load(path, map_location="cpu", mmap=True, weights_only=False)["global_step"])
 
 
 def _check_shards(directory: Path, manifest: CheckpointManifest) -> None:
@@ -467,6 +487,7 @@ class StrategyCheckpoints:
             global_batch_size=self.global_batch_size(),
             micro_batches_accumulated=self.strategy.micro_batches_accumulated,
             hf_models=tuple(hf_model_configs),
+            global_step=self.trainer.global_step,
         )
 
     def global_batch_size(self) -> Optional[int]:

@@ -167,8 +167,11 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     in the epoch's data included), resume at any other SP × DP split of the same number of ranks, and are
     exported with `python -m lightning_ulysses checkpoint export`. A SIGTERM (and, under SLURM with Lightning's
     auto-requeue on, its requeue signal SIGUSR1) saves `hpc_ckpt_<n>.ckpt` in the Trainer's `default_root_dir` at
-    the next step boundary, on every rank together, and exits with status 0 (resume with `ckpt_path="hpc"`; SLURM
-    requeues the job when auto-requeue is on). A rank that raises makes the others exit at once naming it.
+    the next step boundary, on every rank together; `fit` then raises Lightning's `SIGTERMException`, a `SystemExit`
+    without status, so a script that lets it through exits with status 0 (`recipes/train.py` exits with
+    `faults.EXIT_PREEMPTED`, 79, and prints the command that continues the run). Resume with `ckpt_path="hpc"` (the
+    highest-numbered one) or its path; SLURM requeues the job when auto-requeue is on. A rank that raises makes the
+    others exit at once naming it.
     """
 
     strategy_name = "ulysses"

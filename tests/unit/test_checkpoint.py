@@ -12,24 +12,27 @@ from lightning_ulysses import checkpoint as checkpoints
 from lightning_ulysses.faults import RankWatchdog
 
 
-def manifest(world_size=2, stage=3, consumed=0):
+def manifest(world_size=2, stage=3, consumed=0, global_step=None):
     return checkpoints.CheckpointManifest(world_size=world_size, sequence_parallel_size=2, data_parallel_size=1,
-                                          zero_stage=stage, epoch_samples_consumed=consumed)
+                                          zero_stage=stage, epoch_samples_consumed=consumed, global_step=global_step)
 
 
 def write_shards(directory, world_size=2, step=0):
+    """DeepSpeed's shard files; the model states hold Lightning's `global_step` as DeepSpeed's client state does."""
     shards = directory / checkpoints.DEEPSPEED_TAG
     shards.mkdir(parents=True, exist_ok=True)
     for rank in range(world_size):
-        torch.save({"step": step}, shards / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+        torch.save({"global_step": step}, shards / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
         torch.save({"step": step}, shards / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
     (directory / "latest").write_text(checkpoints.DEEPSPEED_TAG)
 
 
-def save(path, step):
+def save(path, step, recorded=False):
+    """A complete checkpoint at `path` (committed as the strategy commits it) of global step `step`, with the step
+    in its manifest if `recorded` (only in the shards otherwise, as before manifests recorded it)."""
     staging = checkpoints.prepare_staging(path)
     write_shards(staging, step=step)
-    checkpoints.commit(path, manifest(consumed=step))
+    checkpoints.commit(path, manifest(consumed=step, global_step=step if recorded else None))
 
 
 def test_commit_replaces_the_previous_checkpoint_and_leaves_nothing_else(tmp_path):
@@ -60,6 +63,17 @@ def test_a_crash_between_the_two_renames_falls_back_to_the_previous_checkpoint(t
     assert checkpoints.resolve_checkpoint(path) == checkpoints.previous_path(path)
     save(path, 2)  # and the next save repairs the folder
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_the_saved_global_step_is_read_from_the_manifest_or_the_shards(tmp_path):
+    save(tmp_path / "recorded.ckpt", 7, recorded=True)
+    for shard in (tmp_path / "recorded.ckpt" / checkpoints.DEEPSPEED_TAG).glob("*model_states.pt"):
+        shard.unlink()  # the manifest alone answers: no shard is opened
+    assert checkpoints.saved_global_step(tmp_path / "recorded.ckpt") == 7
+    save(tmp_path / "older.ckpt", 5)  # a manifest from before the step was recorded: Lightning's entry in the shards
+    assert checkpoints.saved_global_step(tmp_path / "older.ckpt") == 5
+    torch.save({"global_step": 3, "state_dict": {}}, tmp_path / "single_file.ckpt")  # another strategy's file
+    assert checkpoints.saved_global_step(tmp_path / "single_file.ckpt") == 3
 
 
 def test_a_folder_without_manifest_next_to_a_staging_folder_is_refused(tmp_path):

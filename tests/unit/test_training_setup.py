@@ -6,19 +6,24 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shlex
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import OmegaConf
 
 from lightning_ulysses.callbacks import TrainingProgressBar, planned_epochs
 from lightning_ulysses.models.gpt import GPTConfig
 from lightning_ulysses.optim import LRSchedule, parameter_groups, schedule_config
-from lightning_ulysses.recipe import build_loggers, quiet_third_party, resume_decision, resume_path
+from lightning_ulysses.faults import EXIT_PREEMPTED
+from lightning_ulysses.recipe import (ResumeDecision, build_loggers, continue_command, end_preempted_run,
+                                      quiet_third_party, resume_decision, resume_from)
+from tests.unit.test_checkpoint import save
 
 
 def test_schedule_factors_by_hand():
@@ -152,31 +157,130 @@ def test_progress_bar_totals_of_a_max_steps_run():
     assert bar._get_train_description(2).strip() == "Epoch 2/3" and bar.total_train_batches == 100
 
 
-def test_auto_resume_finds_the_last_checkpoint(tmp_path):
-    checkpoint = ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_last=True)
-    assert resume_path("auto", [checkpoint]) is None  # a fresh run folder: start afresh
-    (tmp_path / "checkpoints" / "last.ckpt.previous").mkdir(parents=True)  # a save interrupted between renames
-    assert resume_path("auto", [checkpoint]) == str(tmp_path / "checkpoints" / "last.ckpt")
-    (tmp_path / "checkpoints" / "last.ckpt").mkdir()
-    assert resume_path("auto", [checkpoint]) == str(tmp_path / "checkpoints" / "last.ckpt")
-    assert resume_path(None, [checkpoint]) is None
-    assert resume_path("/elsewhere/step-10.ckpt", []) == "/elsewhere/step-10.ckpt"
-    assert resume_path("auto", []) is None  # checkpointing off
+def test_auto_resume_takes_the_newest_checkpoint_of_the_run_whatever_saved_it(tmp_path, monkeypatch):
+    """`resume=auto` continues from the checkpoint with the highest global step in the run's checkpoint folders and
+    the run folder: `last.ckpt`, numbered saves (every n steps, epoch ends), a scheduler signal's `hpc_ckpt_<n>.ckpt`,
+    a save interrupted between its renames (its complete `.previous`), another strategy's single file; by step,
+    not by file time; never a staging folder or an interrupted save (named in the line it prints). `resume=null` is
+    refused where Lightning would resume anyway (SLURM, a signal's save in the run folder)."""
+    run, checkpoints = tmp_path, tmp_path / "checkpoints"
+    callbacks = [ModelCheckpoint(dirpath=checkpoints, save_last=True)]
+
+    def newest():
+        return resume_from("auto", callbacks, run)[0]
+
+    assert resume_from("auto", callbacks, run) == (
+        None, f"resume=auto: no complete checkpoint in {checkpoints}, {run}: starting afresh")
+    save(checkpoints / "last.ckpt", 3, recorded=True)
+    assert newest() == str(checkpoints / "last.ckpt")
+    save(checkpoints / "epoch=0-step=6.ckpt", 6)  # every n steps (its step only in the shards: an older manifest)
+    assert newest() == str(checkpoints / "epoch=0-step=6.ckpt")
+    save(run / "hpc_ckpt_1.ckpt", 8, recorded=True)  # SIGTERM, in the run folder (the Trainer's default_root_dir)
+    assert resume_from("auto", callbacks, run) == (
+        str(run / "hpc_ckpt_1.ckpt"), f"resume=auto: continuing from {run / 'hpc_ckpt_1.ckpt'} at step 8")
+    save(checkpoints / "epoch=1-step=10.ckpt", 10, recorded=True)  # an epoch end, then interrupted between renames
+    (checkpoints / "epoch=1-step=10.ckpt").rename(checkpoints / "epoch=1-step=10.ckpt.previous")
+    assert newest() == str(checkpoints / "epoch=1-step=10.ckpt")  # as fit takes it: the load resolves `.previous`
+    # Newer files of less progress lose: a re-saved `last.ckpt` at step 4 (a rewound run), saved last.
+    save(checkpoints / "last.ckpt", 4, recorded=True)
+    assert newest() == str(checkpoints / "epoch=1-step=10.ckpt")
+    # Never an unfinished save, however far it got: a folder without manifest beside its staging folder, a staging
+    # folder alone, a truncated single file.
+    save(checkpoints / "epoch=2-step=12.ckpt", 12, recorded=True)
+    (checkpoints / "epoch=2-step=12.ckpt" / "ulysses.json").unlink()
+    (checkpoints / "epoch=2-step=12.ckpt.partial").mkdir()
+    (checkpoints / "epoch=2-step=14.ckpt.partial").mkdir()
+    (run / "truncated.ckpt").write_bytes(b"PK\x03\x04")
+    assert resume_from("auto", callbacks, run) == (
+        str(checkpoints / "epoch=1-step=10.ckpt"),
+        f"resume=auto: continuing from {checkpoints / 'epoch=1-step=10.ckpt'} at step 10 (passed over as incomplete:"
+        f" {checkpoints / 'epoch=2-step=12.ckpt'}, {run / 'truncated.ckpt'})")
+    torch.save({"global_step": 11, "state_dict": {}}, run / "other.ckpt")  # a single-file checkpoint
+    assert newest() == str(run / "other.ckpt")
+    save(checkpoints / "last.ckpt", 11, recorded=True)  # the same step: the later save
+    os.utime(run / "other.ckpt", (1, 1))
+    assert newest() == str(checkpoints / "last.ckpt")
+
+    assert resume_from(None, callbacks, run) == (None, "resume=null: starting afresh")
+    with monkeypatch.context() as slurm:  # where Lightning itself resumes from the run folder's hpc_ckpt_<n>.ckpt
+        slurm.setattr(SLURMEnvironment, "detect", staticmethod(lambda: True))
+        with pytest.raises(ValueError, match="under SLURM Lightning resumes from it whatever the recipe asks"):
+            resume_from(None, callbacks, run)
+        assert resume_from(None, callbacks, tmp_path / "new_run") == (None, "resume=null: starting afresh")
+    assert resume_from(str(run / "hpc_ckpt_1.ckpt"), [], run) == (
+        str(run / "hpc_ckpt_1.ckpt"), f"resume: continuing from {run / 'hpc_ckpt_1.ckpt'} at step 8")
+    assert resume_from("/elsewhere/step-10.ckpt", [], run) == (
+        "/elsewhere/step-10.ckpt", "resume: continuing from /elsewhere/step-10.ckpt")  # Lightning's load refuses it
+    assert resume_from("auto", [], tmp_path / "elsewhere")[0] is None  # checkpointing off, no signal's save
 
 
 def test_ranks_started_by_the_launching_process_take_its_resume_decision(tmp_path, monkeypatch):
-    """Under `-m` Lightning's re-run of the script for rank 1 has a run folder of its own: it must not decide."""
+    """Under `-m` Lightning's re-run of the script for rank 1 has a run folder of its own: it must not decide; only
+    the launching process says where training starts."""
     monkeypatch.delenv("LIGHTNING_ULYSSES_RESUME_FROM", raising=False)
-    (tmp_path / "checkpoints" / "last.ckpt").mkdir(parents=True)
+    save(tmp_path / "checkpoints" / "last.ckpt", 2, recorded=True)
     launching = [ModelCheckpoint(dirpath=tmp_path / "checkpoints")]
-    with resume_decision("auto", launching) as path:
-        assert path == str(tmp_path / "checkpoints" / "last.ckpt")
-        with resume_decision("auto", [ModelCheckpoint(dirpath=tmp_path / "elsewhere")]) as started:  # rank 1
-            assert started == path
+    said = []
+    with resume_decision("auto", launching, tmp_path, announce=said.append) as decision:
+        assert decision.path == str(tmp_path / "checkpoints" / "last.ckpt")
+        assert not decision.started_by_launching_process
+        with resume_decision("auto", [ModelCheckpoint(dirpath=tmp_path / "elsewhere")], tmp_path / "elsewhere",
+                             announce=said.append) as started:  # rank 1
+            assert started.path == decision.path and started.started_by_launching_process
+    assert said == [f"resume=auto: continuing from {tmp_path / 'checkpoints' / 'last.ckpt'} at step 2"]
     assert "LIGHTNING_ULYSSES_RESUME_FROM" not in os.environ  # a later run in this process decides afresh
-    with resume_decision(None, launching) as path:
-        with resume_decision("auto", launching) as started:
-            assert path is None and started is None
+    with resume_decision(None, launching, tmp_path, announce=said.append) as decision:
+        with resume_decision("auto", launching, tmp_path, announce=said.append) as started:
+            assert decision.path is None and started.path is None
+    assert said[1:] == ["resume=null: starting afresh"]
+
+
+def test_the_continue_command_is_the_same_command_with_the_run_named_and_resume_auto():
+    python, script = "/venv/bin/python", "recipes/train.py"
+    command = continue_command([script, "trainer.max_steps=50", "resume=/old/step-3.ckpt", "+callbacks.x=1"],
+                               "2026-12-03/13-15-44", executable=python)
+    assert shlex.split(command) == [python, script, "trainer.max_steps=50", "+callbacks.x=1",
+                                    "run_name=2026-12-03/13-15-44", "resume=auto"]
+    # A run the user named keeps its name as typed; a name Hydra would misread is quoted for Hydra, then for the shell.
+    assert shlex.split(continue_command([script, "run_name=my_run", "++resume=null"], "my_run", python)) == [
+        python, script, "run_name=my_run", "resume=auto"]
+    quoted = shlex.split(continue_command([script], "it's a run", python))[2]
+    assert quoted == "run_name='it\\'s a run'"
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    assert OverridesParser.create().parse_override(quoted).value() == "it's a run"
+    # A sweep: every job resumes its own folder under the same sweep folder.
+    assert shlex.split(continue_command([script, "-m", "data.seq_len=64,128", "hydra.sweep.dir=multirun/x"], "r",
+                                        python, sweep_dir="/abs/multirun/x")) == [
+        python, script, "-m", "data.seq_len=64,128", "hydra.sweep.dir=/abs/multirun/x", "resume=auto"]
+
+
+def test_a_preempted_run_exits_non_zero_except_ranks_the_launching_process_started(tmp_path, capsys):
+    """Lightning's script launcher SIGKILLs every process, itself included, when a rank it started exits non-zero:
+    those exit 0; every other process (the launching one, ranks torchrun or srun started) exits `EXIT_PREEMPTED`, the
+    launching one once its ranks have ended, and global rank 0 prints the command that continues the run."""
+    import subprocess
+    import sys
+
+    save(tmp_path / "hpc_ckpt_1.ckpt", 5, recorded=True)
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.2)"])
+    strategy = SimpleNamespace(launcher=SimpleNamespace(procs=[rank]), cluster_environment=LightningEnvironment())
+    trainer = SimpleNamespace(strategy=strategy, is_global_zero=True, global_step=5)
+    started = ResumeDecision("x", started_by_launching_process=True)
+    assert end_preempted_run(trainer, started, "python recipes/train.py run_name=r resume=auto", [], tmp_path) == 0
+    assert rank.poll() is None and capsys.readouterr().out == ""  # a started rank neither waits nor prints
+    launching = ResumeDecision(None, started_by_launching_process=False)
+    assert end_preempted_run(trainer, launching, "python recipes/train.py run_name=r resume=auto", [],
+                             tmp_path) == EXIT_PREEMPTED != 0
+    assert rank.returncode == 0  # waited for
+    printed = capsys.readouterr().out
+    assert (f"Preempted at step 5 by a scheduler's signal: the newest checkpoint of the run is"
+            f" {tmp_path / 'hpc_ckpt_1.ckpt'} (step 5); exit status {EXIT_PREEMPTED} (not finished)") in printed
+    assert printed.endswith("\n  python recipes/train.py run_name=r resume=auto\n") and "SLURM" not in printed
+    strategy.launcher, strategy.cluster_environment = None, SLURMEnvironment(auto_requeue=True)  # srun started it
+    assert end_preempted_run(trainer, launching, "c", [], tmp_path) == EXIT_PREEMPTED
+    printed = capsys.readouterr().out
+    assert "the requeued job continues this run only if the job script's command names the run" in printed
 
 
 def test_loggers_csv_always_others_when_installed(tmp_path, caplog, monkeypatch):
