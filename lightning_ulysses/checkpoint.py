@@ -49,9 +49,11 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 import torch
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.utils.data import DataLoader, IterableDataset, Sampler
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler, SequentialSampler
 
 from lightning_ulysses import _lightning_private as lightning_private
+from lightning_ulysses import console
 from lightning_ulysses.export import (DEFAULT_ADAPTER, PEFT_BASE, PeftAdapters, adapter_configs,
                                       save_pretrained_folders)
 from lightning_ulysses.rng import SequenceParallelRNG
@@ -441,13 +443,19 @@ class StrategyCheckpoints:
 
     `strategy` is the `UlyssesDeepSpeedStrategy` (its ranks, groups, config and trainer), `random_streams` the
     random streams its steps draw from; the parent `DeepSpeedStrategy`'s own save and load are passed in by the hooks
-    as `write` and `load`.
+    as `write` and `load`. `quiet`: Lightning's warning that a resume in the middle of an epoch is unreliable is
+    hidden where this resume is exact (see `process_dataloader`).
     """
 
-    def __init__(self, strategy: Any, random_streams: Optional[SequenceParallelRNG] = None) -> None:
+    def __init__(self, strategy: Any, random_streams: Optional[SequenceParallelRNG] = None,
+                 quiet: bool = False) -> None:
         self.strategy = strategy
         self.random_streams = random_streams if random_streams is not None else SequenceParallelRNG()
         self.resume: Optional[PendingResume] = None
+        # Lightning warns at the start of every resumed epoch loop whose step count is not a whole number of epochs and
+        # whose dataloader has no `state_dict` (`training_epoch_loop.py`), between `process_dataloader` and the first
+        # batch: suspended there when the data continues exactly.
+        self._not_resumable = console.SuspendedWarning(console.NOT_RESUMABLE[1], PossibleUserWarning) if quiet else None
         self.data_epoch: Optional[int] = None  # the epoch the last training batch came from (see `resumable_loops`)
         self._load_consolidated_weights = False  # see `load`
 
@@ -599,7 +607,8 @@ class StrategyCheckpoints:
     # -- resume -----------------------------------------------------------------------------------------------------
     def process_dataloader(self, dataloader: object) -> object:
         """After a resume in the middle of an epoch, skip the samples that epoch already trained on; at an epoch
-        boundary, restore the random generators here."""
+        boundary, restore the random generators here. Where the sampler's order is one a new process repeats, the
+        data then continues exactly, and Lightning's warning that it may not is suspended until the first batch."""
         resume = self.resume
         if resume is None or self.trainer.state.stage != RunningStage.TRAINING:
             return dataloader
@@ -610,6 +619,7 @@ class StrategyCheckpoints:
             if resume.rng_state is not None:
                 self.random_streams.restore(resume.rng_state)
                 resume.rng_state = None
+            self._continues_exactly(dataloader)
             return dataloader
         # An iterable dataset's DataLoader has a sampler too (torch's placeholder), which it never draws from.
         if (resume.epoch_samples_consumed < 0 or not isinstance(dataloader, DataLoader) or dataloader.sampler is None
@@ -623,9 +633,25 @@ class StrategyCheckpoints:
         # Raises before any collective (every rank has the same manifest and loader) if the position cannot continue.
         sampler.skip_once(resume.epoch_samples_consumed, resume.global_batch_size, global_batch)
         resume.epoch_samples_consumed = 0
+        self._continues_exactly(dataloader)
         return lightning_private.update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
 
+    def _continues_exactly(self, dataloader: object) -> None:
+        """Suspend Lightning's "not resumable" warning when the epoch's sample order is one a new process repeats:
+        set by seed and epoch (`DistributedSampler`, which Lightning puts in by default) or fixed
+        (`SequentialSampler`). Any other sampler (e.g. a `RandomSampler` drawing its order from the global generator
+        when its iterator is made) may not repeat it, and the warning stays."""
+        sampler = getattr(dataloader, "sampler", None)
+        if self._not_resumable is not None and isinstance(sampler, (DistributedSampler, SequentialSampler)):
+            self._not_resumable.suspend()
+
+    def end_resume(self) -> None:
+        """Lightning's "not resumable" warning back in force (at the first batch after a resume and at teardown)."""
+        if self._not_resumable is not None:
+            self._not_resumable.resume()
+
     def on_train_batch_start(self) -> None:
+        self.end_resume()  # Lightning's check ran when the epoch loop started
         # Mid-epoch, restored here, not at load: the dataloader and anything between load and the first step would
         # otherwise consume random numbers the uninterrupted run did not (at an epoch boundary: process_dataloader).
         if self.resume is not None:

@@ -5,22 +5,20 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from contextlib import contextmanager
-import logging
 import os
 import re
 import shlex
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 from hydra.utils import instantiate
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
-from typing_extensions import override
 
 from lightning_ulysses.attention.core import validate_head_counts
+from lightning_ulysses.console import quiet_third_party  # noqa: F401  (recipes/train.py: before anything is built)
 from lightning_ulysses.layout import ParallelLayout
 from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.planner import ModelShape, TrainingSetup, plan_memory
@@ -168,16 +166,11 @@ def plan(cfg: DictConfig) -> str:
 
 # -- the training run's callbacks, loggers, resume and console -----------------------------------------------------
 def build_callbacks(cfg: DictConfig) -> list:
-    """The `callbacks` block (by name, `null` entries skipped), the checkpoint callback when the trainer
-    checkpoints, and the progress bar with a max_steps run's totals (when `rich` is installed: Lightning's default
-    bar then is the rich one; its TQDM fallback shows no epoch total to get wrong)."""
-    from lightning_ulysses.callbacks import TrainingProgressBar
-
+    """The `callbacks` block (by name, `null` entries skipped) and the checkpoint callback when the trainer
+    checkpoints. (The strategy gives Lightning's default progress bar a max_steps run's totals.)"""
     callbacks = [instantiate(callback) for callback in (cfg.get("callbacks") or {}).values() if callback is not None]
     if cfg.trainer.get("enable_checkpointing", True) and cfg.get("checkpoint") is not None:
         callbacks.append(instantiate(cfg.checkpoint))
-    if cfg.trainer.get("enable_progress_bar", True) and importlib.util.find_spec("rich") is not None:
-        callbacks.append(TrainingProgressBar())
     return callbacks
 
 
@@ -378,39 +371,3 @@ def end_preempted_run(trainer: Any, decision: ResumeDecision, command: str, call
                   " job script's command names the run (run_name=...), as the command below does.", flush=True)
         print(f"Continue it with the same command, the run named and resume=auto:\n  {command}", flush=True)
     return EXIT_PREEMPTED
-
-
-class _DropMessages(logging.Filter):
-    def __init__(self, *prefixes: str) -> None:
-        super().__init__()
-        self.prefixes = prefixes
-
-    @override
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefixes)
-
-
-_QUIET_FILTER = _DropMessages("💡 Tip:")
-
-
-def quiet_third_party() -> None:
-    """Silence, each at its source, what third-party libraries print that nobody can act on; their warnings about
-    anything else, every error and everything of ours stay.
-
-    - DeepSpeed probes whether its async-I/O op could be built by compiling a test program with setuptools'
-      compiler, which logs each `gcc ... -laio` command at INFO on the `compilers` logger (shown because Hydra's
-      job logging sets the root logger to INFO): that logger now shows warnings and errors only.
-    - Lightning's `💡 Tip:` advertisements (litlogger, litmodels), logged through its rank-zero logger: dropped by a
-      filter on that logger, for those messages only.
-    - Deprecations inside DeepSpeed's and Lightning's own code, repeated once per collective or per step
-      (`torch.distributed.*` is deprecated, `LeafSpec`): ignored by message.
-    - Lightning's note at every ZeRO-3 save pointing to its own single-file conversion: the recipe prints the
-      export command of the project's checkpoints (`python -m lightning_ulysses checkpoint export`) instead.
-    """
-    logging.getLogger("compilers").setLevel(logging.WARNING)
-    rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    if _QUIET_FILTER not in rank_zero_logger.filters:
-        rank_zero_logger.addFilter(_QUIET_FILTER)
-    warnings.filterwarnings("ignore", message=r"`torch.distributed.\w+` is deprecated")
-    warnings.filterwarnings("ignore", message=r".*LeafSpec.*is deprecated")
-    warnings.filterwarnings("ignore", message="When saving the DeepSpeed Stage 3 checkpoint, each worker will save")

@@ -26,13 +26,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_ulysses import _lightning_private as lightning_private
-from lightning_ulysses import auto, faults, preflight, preparation, pretrained
+from lightning_ulysses import auto, console, faults, preflight, preparation, pretrained
 from lightning_ulysses.attention import copy_engine
 from lightning_ulysses.attention.all_to_all import use_transport
 from lightning_ulysses.attention.backends import check_sdpa_kernel_priority, sdpa_priority
 from lightning_ulysses.attention.core import check_overlap_head_groups, resolve_ring_size
 from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.batch_check import CheckBatches, SameBatchCheck
+from lightning_ulysses.callbacks import correct_progress_bar
 from lightning_ulysses.checkpoint import StrategyCheckpoints
 from lightning_ulysses.deepspeed_config import deep_merge, inference_config, read_sequence_parallel_size
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, check_ring_size, check_sequence_parallel_size
@@ -80,19 +81,22 @@ def _clear_lru_cache(function: Callable[..., Any]) -> None:
             inner.cache_clear()
 
 
-def skip_shared_memory_all_reduce_build() -> None:
+def skip_shared_memory_all_reduce_build(quiet: bool = True) -> None:
     """On CPU, DeepSpeed's backend compiles its shared-memory all-reduce op when the process group starts
     (`deepspeed/comm/torch.py: build_shm_op`): C++ against torch's headers, ~140 s of CPU on the first run of a
     machine, with every rank waiting on the build lock, and a compiler required. Only DeepSpeed-inference's
     `inference_all_reduce` uses it, which training never calls. Marked incompatible, the op is not built and
     `inference_all_reduce` falls back to torch's all-reduce; the flag is DeepSpeed's own (`__compatible_ops__`,
-    which `build_shm_op` reads)."""
+    which `build_shm_op` reads). Its first read probes every op by compiling test programs; `quiet`: with their
+    linker errors discarded (`console.quiet_compiler_probes`)."""
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is not None:
-        deepspeed.ops.__compatible_ops__[builder.NAME] = False
+        with console.quiet_compiler_probes() if quiet else contextlib.nullcontext():
+            compatible_ops = deepspeed.ops.__compatible_ops__
+        compatible_ops[builder.NAME] = False
 
 
 class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
@@ -161,6 +165,11 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         heartbeat_timeout: seconds after which a rank that stopped sending heartbeats (killed, crashed, frozen)
             makes every other rank exit with status 75 and a message naming it, instead of hanging until the
             collective timeout (`lightning_ulysses.faults`). `None` turns the watchdog off.
+        quiet_third_party: hide, by their own texts, the third-party messages nobody can act on (torch's
+            deprecations of the collectives DeepSpeed calls, Lightning's tips and migration notes, DeepSpeed's op
+            probes and "untested optimizer" for SGD, Lightning's "not resumable" where the resume is exact; the list:
+            `lightning_ulysses.console`), from the strategy's creation on, in every rank. Their other warnings,
+            every error and everything of this package still show. `False` installs nothing.
         **kwargs: every other `lightning.pytorch.strategies.DeepSpeedStrategy` argument.
 
     Checkpoints (`lightning_ulysses.checkpoint`) are saved atomically, resume exactly (RNG states and the position
@@ -194,8 +203,12 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         check_batches: CheckBatches = "first",
         exchange: copy_engine.Exchange = "nccl",
         zero3_leaf_layers: bool = True,
+        quiet_third_party: bool = True,
         **kwargs: Any,
     ) -> None:
+        if quiet_third_party:  # first: Lightning's Trainer prints its notes, and DeepSpeed is first imported, below
+            console.quiet_third_party()
+        self.quiet_third_party = quiet_third_party
         memory = auto.coerce_memory(memory)  # bad options fail here, in the launching process
         if sdpa_kernel_priority != "auto":
             sdpa_kernel_priority = check_sdpa_kernel_priority(sdpa_kernel_priority)
@@ -251,7 +264,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._signals = faults.SchedulerSignals()
         # Dropout masks differ between the SP ranks: the steps draw from a stream of their own (`rng.py`).
         self._random_streams = SequenceParallelRNG()
-        self._checkpoints = StrategyCheckpoints(self, self._random_streams)
+        self._checkpoints = StrategyCheckpoints(self, self._random_streams, quiet=quiet_third_party)
         # Micro-batches whose gradients the engine holds without having stepped yet (`backward`): a checkpoint
         # saved inside an accumulation window records it, and a resume from it is refused (`checkpoint.py`).
         self.micro_batches_accumulated = 0
@@ -324,7 +337,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         if isinstance(self.accelerator, CUDAAccelerator):
             lightning_private.validate_device_index_selection(self.parallel_devices)  # CPU devices have no index
         else:
-            skip_shared_memory_all_reduce_build()
+            skip_shared_memory_all_reduce_build(quiet=self.quiet_third_party)
         reset_seed()
         self.set_world_ranks()
         lightning_private.init_deepspeed_distributed(self)
@@ -380,6 +393,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         self.micro_batches_accumulated = 0  # a new engine holds no gradients
+        correct_progress_bar(trainer)  # before the bar draws anything (its first draw is at `on_train_start`)
         self._prepare_modules()
         super().setup(trainer)
         # Once per node (links, NUMA and host memory are per machine) and per strategy: fit → validate → test in
@@ -502,6 +516,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         # The user's models leave the Trainer with their own attention and loss again.
         self._restore_modules()
         self._batch_rows.rows = None  # the last batch's rows are not kept alive after the Trainer is done
+        self._checkpoints.end_resume()  # a resumed run that trained no batch
         self._release_groups()  # while the watchdog runs: a rank lost at the barrier is named, not waited for
         if self._watchdog is not None:
             self._watchdog.stop()
@@ -593,9 +608,10 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
                     f" needs deepspeed.ops.adam.DeepSpeedCPUAdam, but configure_optimizers returned"
                     f" {type(optimizer).__name__}. Return DeepSpeedCPUAdam, or keep the optimizer on the device:"
                     ' memory={"auto": True, "offload_optimizer": 0.0, ...}.')
-        engine, deepspeed_optimizer, _, _ = self._initialize_engine(
-            config=self.config, model=model, model_parameters=filter(lambda p: p.requires_grad, model.parameters()),
-            optimizer=optimizer, lr_scheduler=lr_scheduler)
+        with console.verified_optimizer(optimizer) if self.quiet_third_party else contextlib.nullcontext():
+            engine, deepspeed_optimizer, _, _ = self._initialize_engine(
+                config=self.config, model=model, model_parameters=filter(lambda p: p.requires_grad, model.parameters()),
+                optimizer=optimizer, lr_scheduler=lr_scheduler)
         return engine, deepspeed_optimizer
 
     @override

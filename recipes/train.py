@@ -53,7 +53,8 @@ def main(cfg: DictConfig) -> None:
     module = instantiate(cfg.model)
     check_recipe(cfg, module.spec)  # bad overrides fail here, before Lightning starts any other rank
     data = instantiate(cfg.data)
-    strategy = instantiate(cfg.strategy, memory=strategy_memory(cfg))  # memory=auto gets data.seq_len
+    # memory=auto gets data.seq_len; the strategy's quiet console follows the recipe's
+    strategy = instantiate(cfg.strategy, memory=strategy_memory(cfg), quiet_third_party=cfg.console.quiet_third_party)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     callbacks = build_callbacks(cfg)
     exports = export_callbacks(cfg.export, module.spec, run_dir)
