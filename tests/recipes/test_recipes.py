@@ -22,6 +22,7 @@ from hydra.utils import instantiate
 from lightning_ulysses.config import register_resolvers
 from lightning_ulysses.optim import LRSchedule
 from lightning_ulysses.recipe import plan
+from tests.console_noise import third_party_noise
 from tests.distributed.harness import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -200,12 +201,6 @@ def test_bad_overrides_fail_before_training(in_one_process, overrides, message):
     assert "Trainer.fit" not in result.stdout + result.stderr
 
 
-# What the main job printed before the console was quieted: DeepSpeed's async-I/O build probe (setuptools' compiler
-# commands), Lightning's tips, Lightning's ZeRO-3 save note, its epoch total of a max_steps run, the logger version.
-QUIET_CONSOLE_NOISE = [r"gcc .*-laio", r"compilers\.C", "💡", "Tip:", "When saving the DeepSpeed Stage 3", "Epoch 0/-2",
-                       "v_num", r"is deprecated"]
-
-
 def test_main_job_learns_across_shards(tmp_path):
     """The README's main job (experiment=tiny_cpu: 2 CPU ranks, SP 2, GPT-tiny, copy task), end to end.
 
@@ -222,12 +217,11 @@ def test_main_job_learns_across_shards(tmp_path):
     assert copied_half < 0.5 * chance
     assert (tmp_path / "logs" / "version_0" / "metrics.csv").is_file()
     # The console (both ranks' stdout and stderr): the throughput fields by their short names and the run's real
-    # epoch total, none of the third-party noise (lightning_ulysses.recipe.quiet_third_party).
+    # epoch total, none of the third-party noise (lightning_ulysses.console).
     console = result.stdout + result.stderr
     for field in ("tok/s:", "TFLOP/s:", "GiB:", "Epoch 0/0 "):
         assert field in console, field
-    for noise in QUIET_CONSOLE_NOISE:
-        assert not re.search(noise, console), noise
+    assert third_party_noise(console) == [], console
 
 
 def test_multirun_keeps_every_rank_of_a_job_in_one_directory(tmp_path):

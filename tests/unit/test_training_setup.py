@@ -1,5 +1,5 @@
 """The recipes' training setup without processes: learning-rate schedules, weight-decay groups, the progress bar's
-totals, auto-resume, loggers and the quiet console (through `recipes/train.py`: tests/recipes/test_recipes.py)."""
+totals, auto-resume and loggers (the quiet console: tests/unit/test_console.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import logging
 import math
 import os
 import shlex
-import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,7 +21,7 @@ from lightning_ulysses.models.gpt import GPTConfig
 from lightning_ulysses.optim import LRSchedule, parameter_groups, schedule_config
 from lightning_ulysses.faults import EXIT_PREEMPTED
 from lightning_ulysses.recipe import (ResumeDecision, build_loggers, continue_command, end_preempted_run,
-                                      quiet_third_party, resume_decision, resume_from)
+                                      resume_decision, resume_from)
 from tests.unit.test_checkpoint import save
 
 
@@ -138,9 +137,11 @@ def test_module_steps_with_cpu_adam_where_the_strategy_offloads_the_optimizer():
     assert any(not torch.equal(a, before) for a, before in zip(modules[0].parameters(), start))
 
 
-def _fake_trainer(max_steps, batches, accumulate=1, max_epochs=-1, global_step=0):
+def _fake_trainer(max_steps, batches, accumulate=1, max_epochs=-1, global_step=0, epoch_batches=0):
+    progress = SimpleNamespace(current=SimpleNamespace(processed=epoch_batches), is_last_batch=False)
     return SimpleNamespace(max_steps=max_steps, max_epochs=max_epochs, num_training_batches=batches,
-                           accumulate_grad_batches=accumulate, global_step=global_step, is_global_zero=True)
+                           accumulate_grad_batches=accumulate, global_step=global_step, is_global_zero=True,
+                           fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)))
 
 
 def test_progress_bar_totals_of_a_max_steps_run():
@@ -155,6 +156,52 @@ def test_progress_bar_totals_of_a_max_steps_run():
     assert bar.total_train_batches == 600  # micro-batches of the 300 steps left
     bar.setup(_fake_trainer(400, 100), None, "fit")
     assert bar._get_train_description(2).strip() == "Epoch 2/3" and bar.total_train_batches == 100
+
+
+def test_progress_bar_counts_the_epoch_from_its_start_after_a_resume_in_its_middle(monkeypatch):
+    """Resumed after 399 steps of an epoch of 2048 batches, with 250 to go, the bar is first drawn at the end of the
+    first batch: batch 400 of the epoch's 649 (Lightning's own: `400/249`, the steps left). At an epoch's start
+    Lightning's batch counter still holds the previous epoch's count: the epoch starts at 0."""
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    bar = TrainingProgressBar()
+    bar.setup(_fake_trainer(649, 2048, global_step=400, epoch_batches=400), None, "fit")
+    assert bar.total_train_batches == 649
+    # with accumulation 4, in the middle of a window: 100 steps done (batches 0-399), batch 400 opens the next
+    bar.setup(_fake_trainer(150, 2048, accumulate=4, global_step=100, epoch_batches=401), None, "fit")
+    assert bar.total_train_batches == 600  # the window of batch 400 and 49 more: batches 400-599
+    # the last epoch, 52 steps: as it starts, the counter still says 2048 (the epoch before)
+    bar.setup(_fake_trainer(2100, 2048, global_step=2048, epoch_batches=2048), None, "fit")
+    drawn = []
+    monkeypatch.setattr(RichProgressBar, "on_train_epoch_start",
+                        lambda self, trainer, module: drawn.append(self.total_train_batches))
+    bar.on_train_epoch_start(bar.trainer, None)
+    assert drawn == [52]
+
+
+def test_the_strategy_corrects_lightnings_default_bar_and_leaves_others(tmp_path):
+    import lightning as L
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+    from lightning.pytorch.callbacks.progress.rich_progress import RichProgressBarTheme
+
+    from lightning_ulysses.callbacks import correct_progress_bar
+
+    trainer = L.Trainer(accelerator="cpu", logger=False, default_root_dir=tmp_path)
+    correct_progress_bar(trainer)
+    assert type(trainer.progress_bar_callback) is TrainingProgressBar
+    themed = RichProgressBar(leave=True, theme=RichProgressBarTheme(description="green"))
+    trainer = L.Trainer(accelerator="cpu", logger=False, default_root_dir=tmp_path, callbacks=[themed])
+    correct_progress_bar(trainer)
+    assert trainer.progress_bar_callback is themed and type(themed) is TrainingProgressBar
+    assert themed.theme.description == "green" and themed._leave  # the settings it was made with
+
+    class Mine(RichProgressBar):
+        pass
+
+    for bar in (Mine(), TQDMProgressBar()):
+        trainer = L.Trainer(accelerator="cpu", logger=False, default_root_dir=tmp_path, callbacks=[bar])
+        correct_progress_bar(trainer)
+        assert trainer.progress_bar_callback is bar and type(bar) in (Mine, TQDMProgressBar)
 
 
 def test_auto_resume_takes_the_newest_checkpoint_of_the_run_whatever_saved_it(tmp_path, monkeypatch):
@@ -296,21 +343,3 @@ def test_loggers_csv_always_others_when_installed(tmp_path, caplog, monkeypatch)
     notes = [record.getMessage() for record in caplog.records]
     assert len(notes) == 2 and "loggers.tensorboard=true but tensorboard or tensorboardX is not installed" in notes[0]
     assert "loggers.wandb=true but wandb is not installed" in notes[1]
-
-
-def test_quiet_console_drops_third_party_noise_only(caplog):
-    quiet_third_party()
-    with caplog.at_level(logging.INFO):
-        logging.getLogger("compilers.C.base").info("gcc /tmp/x/test.o -laio -o /tmp/x/a.out")
-        logging.getLogger("compilers.C.base").error("gcc failed")
-        rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-        rank_zero.info("💡 Tip: For seamless cloud logging, try installing litlogger")
-        rank_zero.info("lightning_ulysses: dp(1) × sp(2) = world_size(2)")
-    assert [record.getMessage() for record in caplog.records] == ["gcc failed",
-                                                                  "lightning_ulysses: dp(1) × sp(2) = world_size(2)"]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("default")
-        quiet_third_party()  # the recipe's filters go in front of the default ones
-        warnings.warn("`torch.distributed.reduce_op` is deprecated", FutureWarning)
-        warnings.warn("lightning_ulysses: a warning of ours", UserWarning)
-    assert [str(w.message) for w in caught] == ["lightning_ulysses: a warning of ours"]
