@@ -5,9 +5,10 @@ matched by its own text (or its logger), so that their other warnings, every err
 when it is created: before Lightning's `Trainer` prints its start-up notes and before DeepSpeed is first imported, and
 in every rank (the ranks Lightning re-runs the script for, torchrun's and SLURM's create the strategy again; the
 ranks `strategy="ulysses_notebook"` forks inherit it). `recipes/train.py` installs it before it builds anything.
-Three messages are true in general and hidden only where they are not (see each): DeepSpeed's "untested optimizer"
-(`verified_optimizer`), Lightning's "dataloader is not resumable" (`SuspendedWarning`, for an exact resume) and the
-linker's errors of DeepSpeed's op probes (`quiet_compiler_probes`).
+Three are hidden only where they say nothing (see each): DeepSpeed's "untested optimizer" for an optimizer the
+project's tests run under ZeRO (`verified_optimizer`), Lightning's "dataloader is not resumable" while a resume that
+continues exactly starts (`SuspendedWarning`), the linker's errors of DeepSpeed's op probe around that probe
+(`quiet_compiler_probes`).
 
 Each text below is verbatim from the module named beside it, as of the versions in docs/internals.md;
 `tests/unit/test_console.py` fails when an installed library no longer has it.
