@@ -32,3 +32,20 @@ def test_a_users_own_script_is_quiet_and_says_what_is_ours(tmp_path):
     # left, the epoch's 6 batches (Lightning: `6/2`).
     assert "Epoch 0/0 " in console and "3/3" in console and "6/6" in console and "6/2" not in console
     assert third_party_noise(console) == [], console
+
+
+def test_the_readme_contract_example_is_this_file_and_trains_quietly(tmp_path):
+    """The README's contract example is `examples/your_module.py` verbatim, and runs as it is: two ranks, ZeRO-3,
+    SP 2, a few steps, no third-party noise."""
+    example = ROOT / "examples" / "your_module.py"
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Your module's contract\n\n```python\n", 1)[1].split("```\n", 1)[0]
+    assert block == example.read_text(), "README's contract example differs from examples/your_module.py"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.pop("PYTHONWARNINGS", None)
+    result = subprocess.run([sys.executable, str(example)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300)
+    console = result.stdout + result.stderr
+    assert result.returncode == 0, console[-3000:]
+    assert "`Trainer.fit` stopped: `max_steps=8` reached" in console, console[-3000:]
+    assert third_party_noise(console) == [], console
