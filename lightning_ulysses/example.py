@@ -139,6 +139,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {folder} already exists and is not an empty folder: name a new one (nothing was written).",
               file=sys.stderr)
         return 1
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # "Writing model shards" of a one-file model
     example = write_example_finetune(folder)
     text, chat = example.commands()
     print(f"Wrote a tiny model and data to {folder} (offline; random weights, for trying the recipe):\n"
