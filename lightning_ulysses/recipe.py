@@ -293,10 +293,10 @@ def plan(cfg: DictConfig) -> str:
     if choice is not None:
         lines += [f"memory=auto:  free memory {free_from}; what the strategy would choose at start-up:",
                   choice.report()]
+    planned = "lightning_ulysses.planner, of auto's choice" if choice is not None else "lightning_ulysses.planner"
     lines += [
         f"memory/GPU:   {memory_plan.gpu_total / gib:.1f} GiB, optimizer states"
-        f" {f'({offload.fraction:.0%} offloaded to CPU)' if offload.fraction else '(on GPU)'};"
-        f" terms (lightning_ulysses.planner{', of auto' + chr(39) + 's choice' if choice else ''}):",
+        f" {f'({offload.fraction:.0%} offloaded to CPU)' if offload.fraction else '(on GPU)'}; terms ({planned}):",
         memory_plan.table(),
     ]
     if offload.fraction or memory.offload_activations:
@@ -334,8 +334,8 @@ def auto_choice(cfg: DictConfig, spec: Any, layout: ParallelLayout) -> tuple[Any
     priority = cfg.strategy.get("sdpa_kernel_priority")
     if not on_cuda:
         kernel = None
-    elif priority == "auto":  # cuDNN on Hopper (auto_sdpa_kernel); a GPU not here is taken to be one
-        kernel = "cudnn" if here is None or auto.auto_sdpa_kernel(here) == ("cudnn",) else None
+    elif priority == "auto":  # cuDNN on Hopper (auto_sdpa_kernel); with no GPU here to ask, Hopper is assumed
+        kernel = "cudnn" if here is None or auto.auto_sdpa_kernel(here) == ("cudnn",) else None  # (the report says)
     else:
         kernel = list(priority)[0] if priority else None
     shape, offload = _shape(spec), _OptimizerOffload.of(cfg.strategy)
