@@ -148,7 +148,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"  {example.model}    Llama, 2 layers, width 32, 4 heads, with tokenizer and chat template\n"
           f"  {example.text}    plain text, {{\"text\": ...}} per line\n"
           f"  {example.chat}    conversations, {{\"messages\": [{{role, content}}, ...]}} per line\n"
-          f"\nFine-tune it on 2 CPU processes (SP 2, 60 steps; from the project's root):\n  {text}\n"
+          f"\nFine-tune it on 2 CPU processes (SP 2, 60 steps, a minute or two; from the project's root):\n  {text}\n"
           f"On the chat data (trains on the assistant's tokens only):\n  {chat}")
     return 0
 
