@@ -177,6 +177,15 @@ def test_what_cannot_run_is_refused_before_the_run_folder_naming_the_fix(finetun
     assert "data.text_field to" not in str(refused.value)  # never advice to read conversations as text
 
 
+def test_example_finetune_writes_into_a_new_or_empty_folder_only(tmp_path, capsys):
+    from lightning_ulysses.example import main
+
+    (tmp_path / "notes.txt").write_text("mine")
+    assert main([str(tmp_path)]) == 1
+    assert "already exists and is not an empty folder" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
 def test_a_hub_name_is_left_to_transformers_and_a_folder_passes(finetune_folder):
     """A name that can only be a Hub name is not refused as a missing folder (transformers decides); a folder
     `save_pretrained` wrote, with its data, passes every check."""
