@@ -63,7 +63,8 @@ def summary_lines(metrics: Mapping[int, Mapping[str, float]]) -> list[str]:
     speeds = [value for _, value in column(metrics, TOKENS_PER_S)]
     timed = speeds[1:] or speeds
     if timed:
-        which = (f"median of {len(timed)} logged steps after the first" if len(speeds) > 1 else "one logged step")
+        which = ("one logged step" if len(speeds) == 1 else "the logged step after the first" if len(timed) == 1
+                 else f"median of {len(timed)} logged steps after the first")
         lines.append(f"{'tokens/s':<13}{statistics.median(timed):,.0f} ({which})")
     return lines
 
