@@ -137,8 +137,8 @@ def data_flow() -> str:
         g = strip(rank, y, "all", "N tokens")
     y += max(h, g) + gap
 
-    h = describe(y, "2", ["Shift labels (target of t = token t+1) before the", "cut, fill in global position_ids, pad N to a",
-                          "multiple of P, then cut along the sequence:", "rank s keeps tokens [s·N/P, (s+1)·N/P)"],
+    h = describe(y, "2", ["Fill in global position_ids, pad N to a multiple", "of P, then cut every sequence key (labels",
+                          "as given, unshifted) along the sequence:", "rank s keeps tokens [s·N/P, (s+1)·N/P)"],
                  "sharding.py  SequenceSharder")
     for rank in range(P):
         g = strip(rank, y, held[rank], "N/P tokens")
@@ -170,8 +170,8 @@ def data_flow() -> str:
         g = grid(rank, y, lambda hd, c, rank=rank: RANK_COLOURS[c] if c in held[rank] else None, "N/P tokens, all heads")
     y += g + gap
 
-    h = describe(y, "7", ["SP loss: each rank sums its shard's token losses", "and divides by the all-reduced target count;",
-                          "the value is all-reduced, so every rank logs the", "whole sequence's token mean"],
+    h = describe(y, "7", ["SP loss: labels shifted across shard boundaries", "(target of t = label t+1); each rank sums its",
+                          "shard's token losses over the all-reduced target", "count; every rank logs the whole mean"],
                  "loss.py  sequence_parallel_cross_entropy")
     spanning(y - 4, h + 4, "#FFF7E0", "#E0C060", ["value: Σ over the SP group of (local sum / global count)",
                                                   "backward: only the local share, × the ZeRO scale",

@@ -119,7 +119,8 @@ def set_rng_states(states: dict[str, Any]) -> None:
 def should_accumulate(trainer: "pl.Trainer") -> bool:
     """`trainer.fit_loop._should_accumulate()`: whether the current batch ends inside a gradient-accumulation window
     (no optimizer step after it). No public property; recomputing it from `accumulate_grad_batches` would have to
-    repeat Lightning's rules (the epoch's last batch always steps)."""
+    repeat Lightning's rules (the epoch's last batch always steps — for a strategy whose `handles_gradient_accumulation`
+    is False, as ours)."""
     return trainer.fit_loop._should_accumulate()
 
 

@@ -23,6 +23,7 @@ import torch
 from lightning.pytorch.callbacks import RichProgressBar
 from typing_extensions import override
 
+from lightning_ulysses import _lightning_private as lightning_private
 from lightning_ulysses.planner import ModelShape
 
 
@@ -121,17 +122,35 @@ def planned_epochs(trainer: "pl.Trainer") -> Optional[int]:
 class TrainingProgressBar(RichProgressBar):
     """Lightning's rich progress bar with the totals of a `max_steps` run: `Epoch 0/2` counts to the last epoch
     `max_steps` reaches (Lightning prints `max_epochs - 1`, i.e. `Epoch 0/-2` for `max_epochs=-1`), and the batch
-    total counts micro-batches also under gradient accumulation (Lightning takes the remaining optimizer steps);
-    without the logger's `v_num`."""
+    total is the batches this epoch will run, counted in micro-batches under gradient accumulation and from the
+    epoch's start also after a resume in its middle (Lightning takes the optimizer steps left: `400/249`, i.e.
+    batch 400 of an epoch of which 249 steps remain); without the logger's `v_num`. The strategy turns Lightning's
+    default bar into this one (`correct_progress_bar`)."""
+
+    # True inside `on_train_epoch_start`, where Lightning's batch counter still holds the previous epoch's count.
+    _epoch_starting = False
 
     @property
     @override
     def total_train_batches(self) -> Union[int, float]:
         trainer = self.trainer
-        if trainer.max_steps > 0:
-            remaining = (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches
-            return min(trainer.num_training_batches, remaining)
-        return trainer.num_training_batches
+        if trainer.max_steps <= 0:
+            return trainer.num_training_batches
+        accumulate = trainer.accumulate_grad_batches
+        # Batches of this epoch run so far: none as it starts; after a resume in its middle, the bar is first drawn at
+        # the end of a batch, with the checkpoint's batches and this one counted, and this batch's step in
+        # `global_step`. An accumulation window steps every `accumulate` batches from the epoch's start.
+        done = 0 if self._epoch_starting else lightning_private.epoch_batch_progress(trainer)[0]
+        steps_left = trainer.max_steps - trainer.global_step
+        return min(trainer.num_training_batches, (done // accumulate + steps_left) * accumulate)
+
+    @override
+    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._epoch_starting = True
+        try:
+            super().on_train_epoch_start(trainer, pl_module)
+        finally:
+            self._epoch_starting = False
 
     @override
     def get_metrics(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> dict[str, Union[int, str, float]]:
@@ -145,6 +164,16 @@ class TrainingProgressBar(RichProgressBar):
         description = f"Epoch {current_epoch}" + ("" if epochs is None else f"/{epochs - 1}")
         # Lightning pads to the validation bar's description: equal widths do not flicker.
         return f"{description:{len(self.validation_description)}}"
+
+
+def correct_progress_bar(trainer: "pl.Trainer") -> None:
+    """Lightning's own rich progress bar, the default (exactly `RichProgressBar`, not a subclass someone wrote),
+    becomes a `TrainingProgressBar`: the same object, so the settings it was made with stay, with the class that
+    corrects its totals (which adds no state of its own). Another bar is left as it is. `transformers` (through
+    `typer`) installs `rich`, so the rich bar is Lightning's default wherever the strategy runs."""
+    bar = trainer.progress_bar_callback
+    if type(bar) is RichProgressBar:
+        bar.__class__ = TrainingProgressBar
 
 
 def _compute_dtype(trainer) -> torch.dtype:

@@ -49,9 +49,11 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 import torch
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.utils.data import DataLoader, IterableDataset, Sampler
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler, SequentialSampler
 
 from lightning_ulysses import _lightning_private as lightning_private
+from lightning_ulysses import console
 from lightning_ulysses.export import (DEFAULT_ADAPTER, PEFT_BASE, PeftAdapters, adapter_configs,
                                       save_pretrained_folders)
 from lightning_ulysses.rng import SequenceParallelRNG
@@ -84,6 +86,13 @@ class CheckpointManifest:
     # Samples per training batch over all DP ranks (batch size × DP): a mid-epoch resume must keep it, since
     # Lightning's restored batch counter is in batches of this size.
     global_batch_size: Optional[int] = None
+    # Micro-batches of an unfinished accumulation window at the save (a save inside a window: a callback, a
+    # mid-window validation's checkpoint). Their gradients are not saved, so resuming training from here is refused.
+    micro_batches_accumulated: int = 0
+    # The trainer's global step (optimizer steps) the checkpoint resumes at, as Lightning's own `global_step` entry
+    # in the shards: read here without opening them (`saved_global_step`, `resume=auto`'s choice). None: written
+    # before it was recorded.
+    global_step: Optional[int] = None
     format: int = FORMAT_VERSION
 
     def write(self, directory: Path) -> None:
@@ -157,6 +166,22 @@ def resolve_checkpoint(path: Path) -> Path:
 
 def read_manifest(path: Path) -> Optional[CheckpointManifest]:
     return CheckpointManifest.read(path) if (path / MANIFEST).exists() else None
+
+
+def saved_global_step(path: Path) -> int:
+    """The global step the complete checkpoint at `path` (as `resolve_checkpoint` returns it, or a single-file
+    checkpoint of another strategy) resumes at: its manifest's, else Lightning's `global_step` entry, read from the
+    first DeepSpeed model-state file (a memory map: no tensor is read)."""
+    path = Path(path)
+    manifest = read_manifest(path) if path.is_dir() else None
+    if manifest is not None and manifest.global_step is not None:
+        return manifest.global_step
+    if path.is_dir():
+        shards = sorted((path / deepspeed_tag(path)).glob("*model_states.pt"))
+        if not shards:
+            raise IncompleteCheckpointError(f"{path} holds no DeepSpeed model-state file to read its step from.")
+        path = shards[0]
+    return int(torch.load(path, map_location="cpu", mmap=True, weights_only=False)["global_step"])
 
 
 def _check_shards(directory: Path, manifest: CheckpointManifest) -> None:
@@ -393,6 +418,20 @@ def _adapter_dir(config_dir: Path, adapter: str) -> Path:
 
 
 # -- the strategy's side: atomic saves, exact resumes, evaluation loads of ZeRO-3 checkpoints -----------------------
+def _refuse_resume_inside_window(path: Path, manifest: CheckpointManifest) -> None:
+    """A checkpoint saved inside a gradient-accumulation window holds the weights of the window's start but not the
+    gradients of its first micro-batches: continuing from it would step on part of a window. The same on every rank
+    (one manifest), before training."""
+    pending = manifest.micro_batches_accumulated
+    if pending:
+        raise ValueError(
+            f"{path} was saved inside a gradient-accumulation window, after {pending} micro-batch(es) whose gradients"
+            " a checkpoint does not hold: resuming training from it cannot be exact. Resume from a checkpoint saved at"
+            " an optimizer step (ModelCheckpoint(every_n_train_steps=...), the end of an epoch, a preemption save), or"
+            " make mid-epoch validation fall on steps (val_check_interval a multiple of accumulate_grad_batches);"
+            " validate/test/predict and `checkpoint export` read this checkpoint as it is.")
+
+
 @dataclass
 class PendingResume:
     """What a loaded checkpoint still has to restore once training starts."""
@@ -408,13 +447,19 @@ class StrategyCheckpoints:
 
     `strategy` is the `UlyssesDeepSpeedStrategy` (its ranks, groups, config and trainer), `random_streams` the
     random streams its steps draw from; the parent `DeepSpeedStrategy`'s own save and load are passed in by the hooks
-    as `write` and `load`.
+    as `write` and `load`. `quiet`: Lightning's warning that a resume in the middle of an epoch is unreliable is
+    hidden where this resume is exact (see `process_dataloader`).
     """
 
-    def __init__(self, strategy: Any, random_streams: Optional[SequenceParallelRNG] = None) -> None:
+    def __init__(self, strategy: Any, random_streams: Optional[SequenceParallelRNG] = None,
+                 quiet: bool = False) -> None:
         self.strategy = strategy
         self.random_streams = random_streams if random_streams is not None else SequenceParallelRNG()
         self.resume: Optional[PendingResume] = None
+        # Lightning warns at the start of every resumed epoch loop whose step count is not a whole number of epochs and
+        # whose dataloader has no `state_dict` (`training_epoch_loop.py`), between `process_dataloader` and the first
+        # batch: suspended there when the data continues exactly.
+        self._not_resumable = console.SuspendedWarning(console.NOT_RESUMABLE[1], PossibleUserWarning) if quiet else None
         self.data_epoch: Optional[int] = None  # the epoch the last training batch came from (see `resumable_loops`)
         self._load_consolidated_weights = False  # see `load`
 
@@ -452,7 +497,9 @@ class StrategyCheckpoints:
             zero_stage=self.strategy.config["zero_optimization"]["stage"],
             epoch_samples_consumed=self.epoch_samples_consumed(),
             global_batch_size=self.global_batch_size(),
+            micro_batches_accumulated=self.strategy.micro_batches_accumulated,
             hf_models=tuple(hf_model_configs),
+            global_step=self.trainer.global_step,
         )
 
     def global_batch_size(self) -> Optional[int]:
@@ -526,6 +573,7 @@ class StrategyCheckpoints:
                 )
             checkpoint_path = str(path)
         if fitting and manifest is not None:
+            _refuse_resume_inside_window(path, manifest)
             same_layout = manifest.sequence_parallel_size == strategy.sequence_parallel_world_size
             self.resume = PendingResume(
                 epoch_samples_consumed=manifest.epoch_samples_consumed,
@@ -563,7 +611,8 @@ class StrategyCheckpoints:
     # -- resume -----------------------------------------------------------------------------------------------------
     def process_dataloader(self, dataloader: object) -> object:
         """After a resume in the middle of an epoch, skip the samples that epoch already trained on; at an epoch
-        boundary, restore the random generators here."""
+        boundary, restore the random generators here. Where the sampler's order is one a new process repeats, the
+        data then continues exactly, and Lightning's warning that it may not is suspended until the first batch."""
         resume = self.resume
         if resume is None or self.trainer.state.stage != RunningStage.TRAINING:
             return dataloader
@@ -574,6 +623,7 @@ class StrategyCheckpoints:
             if resume.rng_state is not None:
                 self.random_streams.restore(resume.rng_state)
                 resume.rng_state = None
+            self._continues_exactly(dataloader)
             return dataloader
         # An iterable dataset's DataLoader has a sampler too (torch's placeholder), which it never draws from.
         if (resume.epoch_samples_consumed < 0 or not isinstance(dataloader, DataLoader) or dataloader.sampler is None
@@ -587,9 +637,25 @@ class StrategyCheckpoints:
         # Raises before any collective (every rank has the same manifest and loader) if the position cannot continue.
         sampler.skip_once(resume.epoch_samples_consumed, resume.global_batch_size, global_batch)
         resume.epoch_samples_consumed = 0
+        self._continues_exactly(dataloader)
         return lightning_private.update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
 
+    def _continues_exactly(self, dataloader: object) -> None:
+        """Suspend Lightning's "not resumable" warning when the epoch's sample order is one a new process repeats:
+        set by seed and epoch (`DistributedSampler`, which Lightning puts in by default) or fixed
+        (`SequentialSampler`). Any other sampler (e.g. a `RandomSampler` drawing its order from the global generator
+        when its iterator is made) may not repeat it, and the warning stays."""
+        sampler = getattr(dataloader, "sampler", None)
+        if self._not_resumable is not None and isinstance(sampler, (DistributedSampler, SequentialSampler)):
+            self._not_resumable.suspend()
+
+    def end_resume(self) -> None:
+        """Lightning's "not resumable" warning back in force (at the first batch after a resume and at teardown)."""
+        if self._not_resumable is not None:
+            self._not_resumable.resume()
+
     def on_train_batch_start(self) -> None:
+        self.end_resume()  # Lightning's check ran when the epoch loop started
         # Mid-epoch, restored here, not at load: the dataloader and anything between load and the first step would
         # otherwise consume random numbers the uninterrupted run did not (at an epoch boundary: process_dataloader).
         if self.resume is not None:

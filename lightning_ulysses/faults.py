@@ -52,6 +52,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EXIT_PEER_LOST = 75  # EX_TEMPFAIL: "try again" for schedulers that requeue on it
+# What `recipes/train.py` exits with after a scheduler's signal made every rank save (`SchedulerSignals`): the run is
+# not finished, and its newest checkpoint is at the step it stopped. Not 0 (a scheduler or script would take the job
+# for done), not 75 (a lost rank: work since the last checkpoint is gone), outside sysexits' 64-78 and the shells'
+# 128+signal range.
+EXIT_PREEMPTED = 79
 _PREFIX = "lightning_ulysses/watchdog"
 _POLL = 0.5  # seconds between two looks for a failure another rank reported (a single cheap store call)
 _GRACE = 2.0  # seconds a rank gives its own main thread to raise the same error before blaming another rank
@@ -363,8 +368,10 @@ class SchedulerSignals:
         auto-requeue, requeue the job."""
         path = lightning_private.hpc_save_path(trainer)
         trainer.save_checkpoint(path)
-        rank_zero_info(f"lightning_ulysses: saved {path} on a scheduler's signal. Resume with trainer.fit(...,"
-                       " ckpt_path='hpc').")
+        # How to continue depends on how the run was started (`fit(ckpt_path="hpc")`, the recipe's command with
+        # `resume=auto`): said by whoever started it, not here.
+        rank_zero_info(f"lightning_ulysses: every rank saved {path} at step {trainer.global_step} on a scheduler's"
+                       " signal.")
         if isinstance(environment, SLURMEnvironment) and environment.auto_requeue and is_global_zero:
             job_id = os.environ.get("SLURM_ARRAY_JOB_ID")
             job_id = f"{job_id}_{os.environ['SLURM_ARRAY_TASK_ID']}" if job_id else os.environ["SLURM_JOB_ID"]

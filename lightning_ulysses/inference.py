@@ -4,7 +4,8 @@ Each SP rank holds the logits of its shard only, `[batch, seq/P, vocab]`. Gather
 needs memory proportional to `seq × vocab` on one rank, so it happens only when asked for:
 
 - `"last"`: the logits at the last real position of every row, `[batch, vocab]`, on every rank;
-- `"log_probs"`: the log-probability of every target token, `[batch, seq]` (0 where the label is ignored);
+- `"log_probs"`: the log-probability of every target token, `[batch, seq]`: at position t, that of label t+1
+  (0 where that label is ignored, and at the last position);
 - `"full"`: all logits, `[batch, seq, vocab]`, on every rank.
 
 Lengths include the padding the strategy added to reach a multiple of the SP size (its labels are ignored).
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 
 from lightning_ulysses.attention.all_to_all import all_gather_sequence
 from lightning_ulysses.layout import ShardOrder
-from lightning_ulysses.loss import IGNORE_INDEX
+from lightning_ulysses.loss import IGNORE_INDEX, shift_sharded_labels
 
 OutputKind = Literal["last", "log_probs", "full"]
 
@@ -44,7 +45,8 @@ def sequence_outputs(
 ) -> torch.Tensor:
     """Assemble `kind` from this rank's `logits` shard (see the module docstring).
 
-    `labels` (aligned with the logits, as the strategy delivers them) are needed for `"log_probs"`;
+    `labels` (this rank's shard of the batch's labels, unshifted, as the strategy delivers them; shifted here across
+    shard boundaries) are needed for `"log_probs"`;
     `attention_mask` (this rank's shard) tells `"last"` where each row really ends; without one, `sequence_length`
     (the rows' length before the sharder padded them to a multiple of the SP size: `SequenceSharder.unpadded_length`)
     does, else the last position of the padded rows. `order`: how the batch was cut
@@ -56,8 +58,9 @@ def sequence_outputs(
     if kind == "log_probs":
         if labels is None:
             raise ValueError("sequence_outputs(kind='log_probs') needs the labels of the batch")
-        valid = labels != ignore_index
-        targets = labels.masked_fill(~valid, 0).unsqueeze(-1)
+        targets = shift_sharded_labels(labels, group, order, ignore_index, sequence_length)
+        valid = targets != ignore_index
+        targets = targets.masked_fill(~valid, 0).unsqueeze(-1)
         log_probs = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets).squeeze(-1) * valid
         return all_gather_sequence(log_probs, group, 1, order)
     if kind == "last":

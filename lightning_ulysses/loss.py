@@ -51,7 +51,9 @@ def gradient_scale_for(deepspeed_config: Mapping[str, Any] | None, sequence_para
 
 
 class _SumOverGroup(torch.autograd.Function):
-    """All-reduce (sum) forward; backward passes the gradient to the local share only, times `gradient_scale`."""
+    """All-reduce (sum) forward; backward passes the gradient to the local share only, times `gradient_scale`.
+
+    Every whole-sequence loss of this module ends in it, which is how `reduces_over_sequence` recognises one."""
 
     @staticmethod
     def forward(ctx, local_share, group, gradient_scale: float):
@@ -68,19 +70,33 @@ class _SumOverGroup(torch.autograd.Function):
 
 def sequence_parallel_cross_entropy(
     logits: torch.Tensor,
-    shift_labels: torch.Tensor,
+    *positional: Any,
+    labels: torch.Tensor | None = None,
+    shift_labels: torch.Tensor | None = None,
     group=None,
     gradient_scale: float = 1.0,
     ignore_index: int = IGNORE_INDEX,
     num_items_in_batch: int | torch.Tensor | None = None,
+    order=None,
 ) -> torch.Tensor:
     """Mean next-token cross-entropy of the whole (sharded) sequence.
 
-    `logits` `[..., vocab]` and `shift_labels` `[...]` are this rank's shard, already aligned (the target of
-    position t is the token t+1, as `UlyssesDeepSpeedStrategy` provides in `batch["labels"]`). `group` is the
-    SP group (None: no sequence parallelism). `num_items_in_batch`, when given, is the global number of valid
-    targets to divide by (e.g. over gradient-accumulation steps), as in Hugging Face's loss functions.
+    `logits` `[batch, seq/P, vocab]` is this rank's shard. The targets go in by keyword, exactly one of:
+    `labels=` this rank's shard of labels as Hugging Face reads them — unshifted, as `batch["labels"]` holds them —
+    shifted here across shard boundaries (the target of a shard's last token comes from the next shard); or
+    `shift_labels=` targets already aligned with the logits (target of t at t). `group` is the SP group (None: no
+    sequence parallelism), `order` how the rows were cut (`parallel_groups.shard_order`; None: contiguous).
+    `num_items_in_batch`, when given, is the global number of valid targets to divide by (e.g. over
+    gradient-accumulation steps), as in Hugging Face's loss functions. Under the strategy,
+    `trainer.strategy.loss_function(logits, labels)` is this with the group, order and ZeRO gradient scale bound.
     """
+    if positional or (labels is None) == (shift_labels is None):
+        raise TypeError(
+            "sequence_parallel_cross_entropy(logits, labels=...) or (logits, shift_labels=...): pass exactly one, by"
+            " keyword — labels= as the batch holds them (unshifted; shifted here across shard boundaries), or"
+            " shift_labels= already aligned with the logits. The strategy's batches carry unshifted labels.")
+    if shift_labels is None:
+        shift_labels = shift_sharded_labels(labels, group, order, ignore_index)
     token_loss_sum = F.cross_entropy(
         logits.reshape(-1, logits.size(-1)).float(),
         shift_labels.reshape(-1).to(logits.device),
@@ -117,14 +133,35 @@ def sequence_parallel_token_mean(
     return _SumOverGroup.apply(local_share, group, gradient_scale)
 
 
+def reduces_over_sequence(loss: torch.Tensor) -> bool:
+    """Whether `loss` went through this module's reduction over the SP group (`_SumOverGroup`), i.e. is a
+    whole-sequence loss rather than one of this rank's shard alone. Walks the autograd graph from `loss` breadth
+    first: the reduction lies a node or two below a loss (a division by the accumulation, an added auxiliary
+    term), so a whole-sequence loss answers at once; only a shard-local one is walked to the end. A loss with no
+    graph trains nothing and is not ours to judge (True)."""
+    if loss.grad_fn is None:
+        return True
+    frontier, seen = [loss.grad_fn], {loss.grad_fn}
+    while frontier:
+        following = []
+        for node in frontier:
+            if getattr(node, "_forward_cls", None) is _SumOverGroup:
+                return True
+            for parent, _ in node.next_functions:
+                if parent is not None and parent not in seen:
+                    seen.add(parent)
+                    following.append(parent)
+        frontier = following
+    return False
+
+
 class SequenceParallelCausalLMLoss:
     """Drop-in for a Hugging Face model's `loss_function` under `UlyssesDeepSpeedStrategy`, at every SP size.
 
-    The loss is right for whatever labels reach it (`targets`): the batch's own `labels`, which the sharder shifted
-    before cutting (recognised by tensor identity through the published `BatchRows`), are used as they are; any
-    other labels (`labels=input_ids`, labels built in the step, a batch the strategy did not cut) are read the way
-    Hugging Face reads them — unshifted, the target of position t is label t+1 — and shifted here exactly, across
-    shard boundaries; `shift_labels=` (Hugging Face's own argument for labels already shifted) is used as given.
+    The loss is right for whatever labels reach it (`targets`): they are read the way Hugging Face reads them —
+    unshifted, the target of position t is label t+1, as the batch's own `labels` arrive — and shifted here exactly,
+    across shard boundaries; `shift_labels=` (Hugging Face's own argument for labels already shifted) is used as
+    given.
     """
 
     def __init__(self, group, gradient_scale: float, batch_rows=None, order=None):
@@ -135,10 +172,9 @@ class SequenceParallelCausalLMLoss:
 
     def __call__(self, logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=IGNORE_INDEX,
                  shift_labels=None, **kwargs):
-        targets = self.targets(labels, shift_labels, ignore_index)
         return sequence_parallel_cross_entropy(
-            logits, targets, self.group, self.gradient_scale, ignore_index, num_items_in_batch
-        )
+            logits, shift_labels=self.targets(labels, shift_labels, ignore_index), group=self.group,
+            gradient_scale=self.gradient_scale, ignore_index=ignore_index, num_items_in_batch=num_items_in_batch)
 
     def targets(self, labels: torch.Tensor, shift_labels: torch.Tensor | None = None,
                 ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
@@ -146,8 +182,6 @@ class SequenceParallelCausalLMLoss:
         if shift_labels is not None:
             return shift_labels
         rows = None if self.batch_rows is None else self.batch_rows.rows
-        if rows is not None and rows.produced_labels(labels):
-            return labels  # the sharder shifted them before cutting
         return shift_sharded_labels(labels, self.group, self.order, ignore_index,
                                     None if rows is None else rows.unpadded_length_of(labels))
 

@@ -2,8 +2,9 @@
 
 Token-level metrics keep *sums and counts* (never means of means): every rank adds the tokens it holds, and the
 default sync over all ranks adds every token exactly once, because SP ranks hold disjoint pieces of a sequence
-and DP groups hold disjoint samples. `labels` are aligned with `logits` (the target of position t at t), as
-`UlyssesDeepSpeedStrategy` delivers them; positions labelled `ignore_index` are skipped.
+and DP groups hold disjoint samples. `labels` are the batch's, as Hugging Face reads them (unshifted: the target of
+position t is label t+1), exactly as `UlyssesDeepSpeedStrategy` delivers them: the metric shifts them across the SP
+group's shards (bound by the strategy; unbound, a plain shift); targets equal to `ignore_index` are skipped.
 
 Any other metric (sequence-level, or needing whole rows) goes through `SequenceParallel(metric)`: it gathers
 the row pieces over the SP group, updates the wrapped metric with whole rows on every SP rank, and syncs the
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from torchmetrics import Metric
 
 from lightning_ulysses.attention.all_to_all import all_gather_sequence
-from lightning_ulysses.loss import IGNORE_INDEX
+from lightning_ulysses.loss import IGNORE_INDEX, shift_sharded_labels
 
 
 class _TokenSums(Metric):
@@ -30,10 +31,20 @@ class _TokenSums(Metric):
         self.ignore_index = ignore_index
         self.add_state("total", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("count", torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+        self._sequence_parallel_group, self._shard_order = None, None  # how this rank's rows were cut
+
+    def bind_parallel_groups(self, groups, whole_rows: bool = False) -> None:
+        """Called by the strategy at setup, and with None to unbind: the SP group across whose shards the labels are
+        shifted. The sums still sync over every rank (each target lives on exactly one)."""
+        if groups is None or groups.sequence_parallel_world_size == 1 or whole_rows:
+            self._sequence_parallel_group, self._shard_order = None, None
+        else:
+            self._sequence_parallel_group, self._shard_order = groups.sequence_parallel_group, groups.shard_order
 
     def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        valid = labels != self.ignore_index
-        self.total += self._token_values(logits[valid].float(), labels[valid]).sum().double()
+        targets = shift_sharded_labels(labels, self._sequence_parallel_group, self._shard_order, self.ignore_index)
+        valid = targets != self.ignore_index
+        self.total += self._token_values(logits[valid].float(), targets[valid]).sum().double()
         self.count += valid.sum()
 
     def _token_values(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

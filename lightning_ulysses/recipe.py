@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from contextlib import contextmanager
-import logging
 import os
+import re
+import shlex
 import shutil
+import subprocess
 import sys
-import warnings
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
@@ -21,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
 from lightning_ulysses.attention.core import validate_head_counts
+from lightning_ulysses.console import quiet_third_party  # noqa: F401  (recipes/train.py: before anything is built)
 from lightning_ulysses.layout import ParallelLayout
 from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.planner import ModelShape, TrainingSetup, plan_memory
@@ -355,16 +357,11 @@ def auto_choice(cfg: DictConfig, spec: Any, layout: ParallelLayout) -> tuple[Any
 
 # -- the training run's callbacks, loggers, resume and console -----------------------------------------------------
 def build_callbacks(cfg: DictConfig) -> list:
-    """The `callbacks` block (by name, `null` entries skipped), the checkpoint callback when the trainer
-    checkpoints, and the progress bar with a max_steps run's totals (when `rich` is installed: Lightning's default
-    bar then is the rich one; its TQDM fallback shows no epoch total to get wrong)."""
-    from lightning_ulysses.callbacks import TrainingProgressBar
-
+    """The `callbacks` block (by name, `null` entries skipped) and the checkpoint callback when the trainer
+    checkpoints. (The strategy gives Lightning's default progress bar a max_steps run's totals.)"""
     callbacks = [instantiate(callback) for callback in (cfg.get("callbacks") or {}).values() if callback is not None]
     if cfg.trainer.get("enable_checkpointing", True) and cfg.get("checkpoint") is not None:
         callbacks.append(instantiate(cfg.checkpoint))
-    if cfg.trainer.get("enable_progress_bar", True) and importlib.util.find_spec("rich") is not None:
-        callbacks.append(TrainingProgressBar())
     return callbacks
 
 
@@ -391,71 +388,177 @@ def _installed(*packages: str, asked: bool, key: str) -> bool:
     return False
 
 
-def resume_path(resume: Optional[str], callbacks: list) -> Optional[str]:
-    """The checkpoint `trainer.fit` continues from: `auto` is the checkpoint callback's `last.ckpt` when a save
-    completed there (or the `.previous` one an interrupted save left), else none; `None` starts afresh; anything
-    else is a path."""
+class SavedCheckpoint(NamedTuple):
+    """A complete checkpoint of the run and the global step it resumes at."""
+
+    path: Path  # as `fit(ckpt_path=...)` takes it: `<name>.ckpt`, also when only its `.previous` copy is complete
+    global_step: int
+
+
+def checkpoint_folders(callbacks: list, run_dir: Optional[Path]) -> list[Path]:
+    """Where a run's checkpoints are saved: every `ModelCheckpoint`'s folder (every n steps, epoch ends,
+    `last.ckpt`) and the run folder, the Trainer's `default_root_dir`, where a scheduler's signal saves
+    `hpc_ckpt_<n>.ckpt` (`faults.SchedulerSignals`)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_ulysses.checkpoint import previous_path
-
-    if resume != "auto":
-        return resume
     folders = [Path(c.dirpath) for c in callbacks if isinstance(c, ModelCheckpoint) and c.dirpath is not None]
-    for last in (folder / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}" for folder in folders):
-        if last.exists() or previous_path(last).is_dir():
-            return str(last)
-    return None
+    return list(dict.fromkeys(folders + ([Path(run_dir)] if run_dir is not None else [])))
+
+
+def newest_checkpoint(folders: list[Path]) -> tuple[Optional[SavedCheckpoint], list[Path]]:
+    """The complete checkpoint in `folders` (not their subfolders) that resumes furthest: the highest global step,
+    the latest save among equal steps, whichever callback or handler saved it; and the checkpoints passed over as
+    incomplete or unreadable. A save interrupted between its renames counts by its complete `.previous` copy;
+    staging folders (`.partial`) are not checkpoints."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_ulysses.checkpoint import PREVIOUS_SUFFIX, resolve_checkpoint, saved_global_step
+
+    found: list[tuple[int, float, Path]] = []
+    passed_over: list[Path] = []
+    for folder in folders:
+        names = {entry.name for entry in folder.iterdir()} if folder.is_dir() else set()
+        for name in sorted(names):
+            logical = name.removesuffix(PREVIOUS_SUFFIX)
+            if not logical.endswith(ModelCheckpoint.FILE_EXTENSION) or (logical != name and logical in names):
+                continue  # not a checkpoint; or the `.previous` copy beside a completed save (`commit` deletes it)
+            try:
+                complete = resolve_checkpoint(folder / logical) if (folder / name).is_dir() else folder / name
+                found.append((saved_global_step(complete), complete.stat().st_mtime, folder / logical))
+            except Exception:  # an interrupted save, a truncated file: nothing to resume from
+                passed_over.append(folder / logical)
+    newest = max(found, key=lambda candidate: candidate[:2], default=None)
+    return (None if newest is None else SavedCheckpoint(newest[2], newest[0])), passed_over
+
+
+def resume_from(resume: Optional[str], callbacks: list, run_dir: Optional[Path] = None) -> tuple[Optional[str], str]:
+    """The checkpoint `trainer.fit` continues from, and the one line that says so: `auto` is the newest complete
+    checkpoint of the run (`newest_checkpoint` over `checkpoint_folders`), else none; `None` starts afresh; anything
+    else is a path."""
+    from lightning_ulysses.checkpoint import resolve_checkpoint, saved_global_step
+
+    if resume is None:
+        _refuse_slurm_hpc_resume(run_dir)
+        return None, "resume=null: starting afresh"
+    if resume != "auto":
+        try:
+            given = Path(resume)
+            step = saved_global_step(given if given.is_file() else resolve_checkpoint(given))
+        except Exception:  # Lightning's load says what is wrong with the path
+            return resume, f"resume: continuing from {resume}"
+        return resume, f"resume: continuing from {resume} at step {step}"
+    folders = checkpoint_folders(callbacks, run_dir)
+    newest, passed_over = newest_checkpoint(folders)
+    skipped = f" (passed over as incomplete: {', '.join(map(str, passed_over))})" if passed_over else ""
+    if newest is None:
+        searched = ", ".join(map(str, folders)) or "(checkpointing off)"
+        return None, f"resume=auto: no complete checkpoint in {searched}: starting afresh{skipped}"
+    return str(newest.path), f"resume=auto: continuing from {newest.path} at step {newest.global_step}{skipped}"
+
+
+def _refuse_slurm_hpc_resume(run_dir: Optional[Path]) -> None:
+    """Under SLURM, Lightning resumes `fit(ckpt_path=None)` from the highest `hpc_ckpt_<n>.ckpt` in
+    `default_root_dir` whatever it is told: `resume=null` cannot start afresh in a run folder that has one."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    saved = sorted(Path(run_dir).glob("hpc_ckpt_*.ckpt")) if run_dir is not None else []
+    if saved and SLURMEnvironment.detect():
+        raise ValueError(
+            f"resume=null, but {saved[-1]} is in the run folder, and under SLURM Lightning resumes from it whatever the"
+            " recipe asks: remove the run folder's hpc_ckpt_*.ckpt, or start the run under a new name (run_name=...)."
+        )
 
 
 _RESUME_VARIABLE = "LIGHTNING_ULYSSES_RESUME_FROM"
 
 
+@dataclasses.dataclass(frozen=True)
+class ResumeDecision:
+    """Where this process's `fit` starts, and whether it took that from the launching process."""
+
+    path: Optional[str]  # what `trainer.fit(ckpt_path=...)` gets
+    # This process is a rank the launching process started (Lightning's script launcher): it took the decision from
+    # the environment, and its exit status is read by that launcher (see `end_preempted_run`).
+    started_by_launching_process: bool
+
+
 @contextmanager
-def resume_decision(resume: Optional[str], callbacks: list) -> Iterator[Optional[str]]:
-    """`resume_path`, decided once by the launching process: the ranks Lightning starts from it inherit the decision
-    through the environment (under `-m` their run folder is not rank 0's, so they would decide otherwise)."""
+def resume_decision(resume: Optional[str], callbacks: list, run_dir: Optional[Path] = None,
+                    announce: Callable[[str], None] = print) -> Iterator[ResumeDecision]:
+    """`resume_from`, decided once by the launching process, which `announce`s it in one line: the ranks Lightning
+    starts from it inherit the decision through the environment (under `-m` their run folder is not rank 0's, so
+    they would decide otherwise)."""
     inherited = os.environ.get(_RESUME_VARIABLE)
-    path = (inherited or None) if inherited is not None else resume_path(resume, callbacks)
+    if inherited is not None:
+        path = inherited or None
+    else:
+        path, line = resume_from(resume, callbacks, run_dir)
+        announce(line)
     os.environ[_RESUME_VARIABLE] = path or ""
     try:
-        yield path
+        yield ResumeDecision(path, started_by_launching_process=inherited is not None)
     finally:
         if inherited is None:
             os.environ.pop(_RESUME_VARIABLE, None)
 
 
-class _DropMessages(logging.Filter):
-    def __init__(self, *prefixes: str) -> None:
-        super().__init__()
-        self.prefixes = prefixes
-
-    @override
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefixes)
+# -- a scheduler's signal -------------------------------------------------------------------------------------------
+_RUN_OVERRIDES = re.compile(r"^\+{0,2}(run_name|resume|hydra\.sweep\.dir)=")
+_HYDRA_PLAIN = re.compile(r"^[\w\-./:]+$")
 
 
-_QUIET_FILTER = _DropMessages("💡 Tip:")
+def continue_command(argv: Sequence[str], run_name: str, executable: str = sys.executable,
+                     sweep_dir: Optional[str] = None) -> str:
+    """The command that continues this run after a preemption: the recipe's own command line (`argv`, as
+    `sys.argv`) with the run named (the user's own `run_name=` kept as typed), `resume=auto`, and for a sweep (`-m`)
+    its folder (`sweep_dir`) pinned, so that every job resumes its own folder."""
+    given = {match.group(1): argument for argument in argv[1:] if (match := _RUN_OVERRIDES.match(argument))}
+    kept = [argument for argument in argv[1:] if not _RUN_OVERRIDES.match(argument)]
+    if sweep_dir is not None:
+        pinned = [f"hydra.sweep.dir={_hydra_value(sweep_dir)}", *([given["run_name"]] if "run_name" in given else [])]
+    else:
+        pinned = [given.get("run_name", f"run_name={_hydra_value(run_name)}")]
+    return shlex.join([executable, argv[0], *kept, *pinned, "resume=auto"])
 
 
-def quiet_third_party() -> None:
-    """Silence, each at its source, what third-party libraries print that nobody can act on; their warnings about
-    anything else, every error and everything of ours stay.
+def _hydra_value(value: str) -> str:
+    """`value` as a Hydra override's value: as is when Hydra reads it back unchanged, else quoted."""
+    if _HYDRA_PLAIN.match(value):
+        return value
+    # Hydra's quoted strings: backslashes escape only a quote or the closing quote that follow them.
+    escaped = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
+    return "'" + re.sub(r"(\\+)$", lambda m: m.group(1) * 2, escaped) + "'"
 
-    - DeepSpeed probes whether its async-I/O op could be built by compiling a test program with setuptools'
-      compiler, which logs each `gcc ... -laio` command at INFO on the `compilers` logger (shown because Hydra's
-      job logging sets the root logger to INFO): that logger now shows warnings and errors only.
-    - Lightning's `💡 Tip:` advertisements (litlogger, litmodels), logged through its rank-zero logger: dropped by a
-      filter on that logger, for those messages only.
-    - Deprecations inside DeepSpeed's and Lightning's own code, repeated once per collective or per step
-      (`torch.distributed.*` is deprecated, `LeafSpec`): ignored by message.
-    - Lightning's note at every ZeRO-3 save pointing to its own single-file conversion: the recipe prints the
-      export command of the project's checkpoints (`python -m lightning_ulysses checkpoint export`) instead.
-    """
-    logging.getLogger("compilers").setLevel(logging.WARNING)
-    rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    if _QUIET_FILTER not in rank_zero_logger.filters:
-        rank_zero_logger.addFilter(_QUIET_FILTER)
-    warnings.filterwarnings("ignore", message=r"`torch.distributed.\w+` is deprecated")
-    warnings.filterwarnings("ignore", message=r".*LeafSpec.*is deprecated")
-    warnings.filterwarnings("ignore", message="When saving the DeepSpeed Stage 3 checkpoint, each worker will save")
+
+def end_preempted_run(trainer: Any, decision: ResumeDecision, command: str, callbacks: list,
+                      run_dir: Optional[Path], wait_for_ranks: float = 120.0) -> int:
+    """After a scheduler's signal stopped `fit` (every rank saved one checkpoint together, `SchedulerSignals`): the
+    exit status of this process, with the command that continues the run printed by global rank 0.
+
+    `EXIT_PREEMPTED`, so that no scheduler or script takes the job for finished; except on the ranks the launching
+    process started (Lightning's script launcher), which exit 0: the launcher reads their status and SIGKILLs every
+    process, itself included, when one is not 0. The launching process waits (up to `wait_for_ranks` seconds) for
+    them to end first, so that its own exit means the whole job has ended."""
+    from lightning_ulysses.faults import EXIT_PREEMPTED
+
+    if decision.started_by_launching_process:
+        return 0
+    for process in getattr(trainer.strategy.launcher, "procs", None) or []:
+        try:
+            process.wait(timeout=wait_for_ranks)
+        except subprocess.TimeoutExpired:
+            pass  # its save is complete (collective): leaving it to end on its own loses nothing
+    if trainer.is_global_zero:
+        from lightning.fabric.plugins.environments import SLURMEnvironment
+
+        newest, _ = newest_checkpoint(checkpoint_folders(callbacks, run_dir))
+        saved = f"is {newest.path} (step {newest.global_step})" if newest is not None else "is missing"
+        environment = trainer.strategy.cluster_environment
+        requeued = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
+        print(f"\nPreempted at step {trainer.global_step} by a scheduler's signal: the newest checkpoint of the run"
+              f" {saved}; exit status {EXIT_PREEMPTED} (not finished).", flush=True)
+        if requeued:
+            print("SLURM requeues the job (Lightning's auto-requeue): the requeued job continues this run only if the"
+                  " job script's command names the run (run_name=...), as the command below does.", flush=True)
+        print(f"Continue it with the same command, the run named and resume=auto:\n  {command}", flush=True)
+    return EXIT_PREEMPTED

@@ -3,9 +3,11 @@
 Everything here is local arithmetic on the batch (no communication), so a bad batch fails on every rank of the
 SP group alike, before any collective.
 
-- `labels` are shifted *before* cutting (position t gets the target t+1), so the target of the last token of
-  a shard, which lives in the next shard, is not lost. The batch's `labels` are therefore already aligned with
-  the local logits under this strategy; `sequence_parallel_cross_entropy` and the swapped HF loss expect that.
+- `labels` are cut as they are, unshifted, exactly as the user's batch holds them (padding appended as ignored
+  labels): a step that reads `batch["labels"]` sees what it would see without the strategy. The loss shifts them
+  (the target of t is label t+1) across shard boundaries itself (`loss.shift_sharded_labels`: one small integer
+  all-gather), so no target is lost where a shard ends; a loss computed by hand from this rank's shard alone cannot
+  be, and the strategy refuses it at SP > 1 (`loss.reduces_over_sequence`).
 - `position_ids` are made global when absent and the sequence is cut: a model left to itself would number each
   shard from 0. They are the ones the model would number the whole rows with: `0..seq-1` for most families, the
   family's `PositionRule` (adapters/) for the few that count real tokens only (OPT). Given ones are cut as they are: packed rows (several documents per row, positions
@@ -40,7 +42,7 @@ SequencePadding = Literal["pad", "error"]
 
 
 class SequenceSharder:
-    """Shifts labels, fills in global positions, pads (or rejects) lengths and keeps this rank's slice."""
+    """Fills in global positions, pads (or rejects) lengths and keeps this rank's slice of every sequence key."""
 
     def __init__(
         self,
@@ -86,9 +88,6 @@ class SequenceSharder:
         padded_len = self._padded_length(seq_len)
         if padded_len != seq_len:
             batch = _pad(batch, padded_len - seq_len, self.pad_token_id)
-        if "labels" in batch:
-            labels = batch["labels"]
-            batch["labels"] = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
         positions_given = "position_ids" in batch
         if not positions_given:
             # The model's own positions would be shard-local (0..seq/P-1 on every rank) under SP; at SP 1 they are
@@ -108,7 +107,7 @@ class SequenceSharder:
             self.batch_rows.rows = BatchRows(
                 batch["input_ids"].size(0), whole_rows["position_ids"] if positions_given else None,
                 whole_rows.get("attention_mask"), batch["position_ids"], batch.get("attention_mask"),
-                shard_input_ids=batch["input_ids"], shard_labels=batch.get("labels"), unpadded_length=seq_len,
+                shard_input_ids=batch["input_ids"], unpadded_length=seq_len,
             )
         return batch
 

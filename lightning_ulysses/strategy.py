@@ -26,18 +26,19 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_ulysses import _lightning_private as lightning_private
-from lightning_ulysses import auto, faults, preflight, preparation, pretrained
+from lightning_ulysses import auto, console, faults, preflight, preparation, pretrained
 from lightning_ulysses.attention import copy_engine
 from lightning_ulysses.attention.all_to_all import use_transport
 from lightning_ulysses.attention.backends import check_sdpa_kernel_priority, sdpa_priority
 from lightning_ulysses.attention.core import check_overlap_head_groups, resolve_ring_size
 from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.batch_check import CheckBatches, SameBatchCheck
+from lightning_ulysses.callbacks import correct_progress_bar
 from lightning_ulysses.checkpoint import StrategyCheckpoints
 from lightning_ulysses.deepspeed_config import deep_merge, inference_config, read_sequence_parallel_size
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, check_ring_size, check_sequence_parallel_size
 from lightning_ulysses.memory import MemoryOptions, apply_allocator_settings, fused_elementwise_applies
-from lightning_ulysses.loss import SequenceParallelCausalLMLoss, gradient_scale_for
+from lightning_ulysses.loss import SequenceParallelCausalLMLoss, gradient_scale_for, reduces_over_sequence
 from lightning_ulysses.notebook import configure_launcher
 from lightning_ulysses.rng import SequenceParallelRNG, seed_workers_by_data_parallel_rank
 from lightning_ulysses.sharding import SequencePadding, SequenceSharder
@@ -80,19 +81,22 @@ def _clear_lru_cache(function: Callable[..., Any]) -> None:
             inner.cache_clear()
 
 
-def skip_shared_memory_all_reduce_build() -> None:
+def skip_shared_memory_all_reduce_build(quiet: bool = True) -> None:
     """On CPU, DeepSpeed's backend compiles its shared-memory all-reduce op when the process group starts
     (`deepspeed/comm/torch.py: build_shm_op`): C++ against torch's headers, ~140 s of CPU on the first run of a
     machine, with every rank waiting on the build lock, and a compiler required. Only DeepSpeed-inference's
     `inference_all_reduce` uses it, which training never calls. Marked incompatible, the op is not built and
     `inference_all_reduce` falls back to torch's all-reduce; the flag is DeepSpeed's own (`__compatible_ops__`,
-    which `build_shm_op` reads)."""
+    which `build_shm_op` reads). Its first read probes every op by compiling test programs; `quiet`: with their
+    linker errors discarded (`console.quiet_compiler_probes`)."""
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is not None:
-        deepspeed.ops.__compatible_ops__[builder.NAME] = False
+        with console.quiet_compiler_probes() if quiet else contextlib.nullcontext():
+            compatible_ops = deepspeed.ops.__compatible_ops__
+        compatible_ops[builder.NAME] = False
 
 
 class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
@@ -161,14 +165,22 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         heartbeat_timeout: seconds after which a rank that stopped sending heartbeats (killed, crashed, frozen)
             makes every other rank exit with status 75 and a message naming it, instead of hanging until the
             collective timeout (`lightning_ulysses.faults`). `None` turns the watchdog off.
+        quiet_third_party: hide, by their own texts, the third-party messages nobody can act on (torch's
+            deprecations of the collectives DeepSpeed calls, Lightning's tips and migration notes, DeepSpeed's op
+            probes and "untested optimizer" for SGD, Lightning's "not resumable" where the resume is exact; the list:
+            `lightning_ulysses.console`), from the strategy's creation on, in every rank. Their other warnings,
+            every error and everything of this package still show. `False` installs nothing.
         **kwargs: every other `lightning.pytorch.strategies.DeepSpeedStrategy` argument.
 
     Checkpoints (`lightning_ulysses.checkpoint`) are saved atomically, resume exactly (RNG states and the position
     in the epoch's data included), resume at any other SP × DP split of the same number of ranks, and are
     exported with `python -m lightning_ulysses checkpoint export`. A SIGTERM (and, under SLURM with Lightning's
     auto-requeue on, its requeue signal SIGUSR1) saves `hpc_ckpt_<n>.ckpt` in the Trainer's `default_root_dir` at
-    the next step boundary, on every rank together, and exits with status 0 (resume with `ckpt_path="hpc"`; SLURM
-    requeues the job when auto-requeue is on). A rank that raises makes the others exit at once naming it.
+    the next step boundary, on every rank together; `fit` then raises Lightning's `SIGTERMException`, a `SystemExit`
+    without status, so a script that lets it through exits with status 0 (`recipes/train.py` exits with
+    `faults.EXIT_PREEMPTED`, 79, and prints the command that continues the run). Resume with `ckpt_path="hpc"` (the
+    highest-numbered one) or its path; SLURM requeues the job when auto-requeue is on. A rank that raises makes the
+    others exit at once naming it.
     """
 
     strategy_name = "ulysses"
@@ -191,8 +203,12 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         check_batches: CheckBatches = "first",
         exchange: copy_engine.Exchange = "nccl",
         zero3_leaf_layers: bool = True,
+        quiet_third_party: bool = True,
         **kwargs: Any,
     ) -> None:
+        if quiet_third_party:  # first: Lightning's Trainer prints its notes, and DeepSpeed is first imported, below
+            console.quiet_third_party()
+        self.quiet_third_party = quiet_third_party
         memory = auto.coerce_memory(memory)  # bad options fail here, in the launching process
         if sdpa_kernel_priority != "auto":
             sdpa_kernel_priority = check_sdpa_kernel_priority(sdpa_kernel_priority)
@@ -248,7 +264,10 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._signals = faults.SchedulerSignals()
         # Dropout masks differ between the SP ranks: the steps draw from a stream of their own (`rng.py`).
         self._random_streams = SequenceParallelRNG()
-        self._checkpoints = StrategyCheckpoints(self, self._random_streams)
+        self._checkpoints = StrategyCheckpoints(self, self._random_streams, quiet=quiet_third_party)
+        # Micro-batches whose gradients the engine holds without having stepped yet (`backward`): a checkpoint
+        # saved inside an accumulation window records it, and a resume from it is refused (`checkpoint.py`).
+        self.micro_batches_accumulated = 0
         self._hf_model_configs: dict[str, Any] = {}  # module path → the config save_pretrained will need
         self._preflight_reported = False
 
@@ -283,15 +302,15 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
 
     @property
     def batches_are_sharded(self) -> bool:
-        """Whether the step sees this rank's shard with shifted labels (False during evaluation with
-        `sequence_parallel_in_evaluation=False`, where whole, unshifted batches pass through)."""
+        """Whether the step sees this rank's shard of the batch (False during evaluation with
+        `sequence_parallel_in_evaluation=False`, where whole batches pass through)."""
         return self._sharder is not None and not self._unsharded_evaluation
 
     @property
     def loss_function(self) -> SequenceParallelCausalLMLoss:
         """`loss_function(logits, labels)`: the whole-sequence token-mean loss with the right ZeRO gradient, for
-        modules that compute their loss from logits. `labels`: the batch's `labels` (shifted by the strategy), or
-        any labels as Hugging Face takes them (unshifted, e.g. `batch["input_ids"]`); see `SequenceParallelCausalLMLoss`."""
+        modules that compute their loss from logits. `labels`: as Hugging Face takes them, unshifted — the batch's
+        `labels`, `batch["input_ids"]`, labels built in the step; see `SequenceParallelCausalLMLoss`."""
         groups = self.parallel_groups
         group = groups.sequence_parallel_group if groups.sequence_parallel_world_size > 1 else None
         return SequenceParallelCausalLMLoss(group, gradient_scale_for(self.config, groups.sequence_parallel_world_size),
@@ -318,7 +337,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         if isinstance(self.accelerator, CUDAAccelerator):
             lightning_private.validate_device_index_selection(self.parallel_devices)  # CPU devices have no index
         else:
-            skip_shared_memory_all_reduce_build()
+            skip_shared_memory_all_reduce_build(quiet=self.quiet_third_party)
         reset_seed()
         self.set_world_ranks()
         lightning_private.init_deepspeed_distributed(self)
@@ -373,6 +392,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
+        self.micro_batches_accumulated = 0  # a new engine holds no gradients
+        correct_progress_bar(trainer)  # before the bar draws anything (its first draw is at `on_train_start`)
         self._prepare_modules()
         super().setup(trainer)
         # Once per node (links, NUMA and host memory are per machine) and per strategy: fit → validate → test in
@@ -495,6 +516,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         # The user's models leave the Trainer with their own attention and loss again.
         self._restore_modules()
         self._batch_rows.rows = None  # the last batch's rows are not kept alive after the Trainer is done
+        self._checkpoints.end_resume()  # a resumed run that trained no batch
         self._release_groups()  # while the watchdog runs: a rank lost at the barrier is named, not waited for
         if self._watchdog is not None:
             self._watchdog.stop()
@@ -586,9 +608,10 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
                     f" needs deepspeed.ops.adam.DeepSpeedCPUAdam, but configure_optimizers returned"
                     f" {type(optimizer).__name__}. Return DeepSpeedCPUAdam, or keep the optimizer on the device:"
                     ' memory={"auto": True, "offload_optimizer": 0.0, ...}.')
-        engine, deepspeed_optimizer, _, _ = self._initialize_engine(
-            config=self.config, model=model, model_parameters=filter(lambda p: p.requires_grad, model.parameters()),
-            optimizer=optimizer, lr_scheduler=lr_scheduler)
+        with console.verified_optimizer(optimizer) if self.quiet_third_party else contextlib.nullcontext():
+            engine, deepspeed_optimizer, _, _ = self._initialize_engine(
+                config=self.config, model=model, model_parameters=filter(lambda p: p.requires_grad, model.parameters()),
+                optimizer=optimizer, lr_scheduler=lr_scheduler)
         return engine, deepspeed_optimizer
 
     @override
@@ -686,8 +709,57 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         # that gradient clipping compares) k times too small. DeepSpeed still counts the micro-steps, so its step
         # boundary stays where it was; its loss scaler (fp16) is applied either way. Manual optimization has k = 1.
         kwargs.setdefault("scale_wrt_gas", False)
+        if self.batches_are_sharded and self.sequence_parallel_world_size > 1:
+            self._refuse_shard_local_loss(args[0] if args else kwargs["closure_loss"])
+        if self.lightning_module is not None and self.lightning_module.automatic_optimization:
+            self._mark_accumulation_boundary()
         with sdpa_priority(self.sdpa_kernel_priority), self._step_random_stream():
             return super().backward(*args, **kwargs)
+
+    def _refuse_shard_local_loss(self, loss: torch.Tensor) -> None:
+        """At SP > 1 each rank holds `seq/P` tokens of every row: a loss computed from this rank's logits alone (the
+        hand-written `cross_entropy(logits[:, :-1], batch["labels"][:, 1:])`) drops the targets at shard boundaries,
+        averages per shard, and is then summed over the SP group by ZeRO — it trains, silently wrong. Every
+        whole-sequence loss of ours ends in a reduction over the group (`reduces_over_sequence`); one that does not is
+        refused at its first backward, before any optimizer step, on every rank alike (each runs the same step)."""
+        if reduces_over_sequence(loss):
+            return
+        raise RuntimeError(
+            f"The loss of this training step was computed from this rank's shard alone: at sequence_parallel_size="
+            f"{self.sequence_parallel_world_size} every rank holds 1/{self.sequence_parallel_world_size} of each row,"
+            " so a loss of its logits only (e.g. cross_entropy(logits[:, :-1], batch['labels'][:, 1:])) loses the"
+            " targets at shard boundaries and averages per shard. Return model(**batch).loss, or"
+            " self.trainer.strategy.loss_function(logits, batch['labels']) (labels as the batch holds them,"
+            " unshifted); for a per-token loss of your own, sum it over this rank's tokens and reduce it with"
+            " loss_fn.reduce_token_loss_sum(token_loss_sum, loss_fn.targets(batch['labels'])), where loss_fn ="
+            " self.trainer.strategy.loss_function.")
+
+    @property
+    @override
+    def handles_gradient_accumulation(self) -> bool:
+        """False: Lightning's loop owns the accumulation windows, as for DDP — they restart at every epoch, the
+        epoch's last (partial) window steps too, and only a window's last micro-batch reaches `optimizer_step`
+        (`engine.step()`). Lightning's `DeepSpeedStrategy` says True and lets DeepSpeed count micro-steps over the
+        whole run instead: whenever an epoch's batches are not a multiple of `accumulate_grad_batches`, the two step at
+        different micro-batches and a partial window's gradients leak into the next epoch's first step (1.5× the
+        update measured, issue 37). The engine learns where each window ends in `backward`."""
+        return False
+
+    @contextlib.contextmanager
+    @override
+    def block_backward_sync(self) -> Iterator[None]:
+        """Nothing to block: Lightning enters this around a window's inner micro-batches (now that it owns the windows)
+        and would call the engine's `no_sync`, which ZeRO-2/3 refuse; the boundary set in `backward` already keeps
+        ZeRO from reducing before the window's last micro-batch."""
+        yield None
+
+    def _mark_accumulation_boundary(self) -> None:
+        """Tell the engine, before this micro-batch's backward, whether it ends Lightning's accumulation window:
+        ZeRO reduces (and DeepSpeed's `step` applies) at that boundary and only there. DeepSpeed's own counter of
+        micro-steps would not know about epochs, `limit_train_batches` or an iterable dataset's end."""
+        ends_window = not lightning_private.should_accumulate(self.lightning_module.trainer)
+        self.model.set_gradient_accumulation_boundary(ends_window)
+        self.micro_batches_accumulated = 0 if ends_window else self.micro_batches_accumulated + 1
 
     # -- data ---------------------------------------------------------------------------------------------------
     @override

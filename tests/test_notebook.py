@@ -1,7 +1,8 @@
 """recipes/notebooks/quickstart.ipynb runs headless, top to bottom, without an error, and is committed without outputs.
 
 The notebook asserts the SP 2 run's losses against the single-process run itself; a failing `assert` there is a
-cell error here. It runs in a fresh kernel on this interpreter, in the notebook's own folder, as a user would.
+cell error here. It runs in a fresh kernel on this interpreter, in the notebook's own folder, as a user would, and
+its outputs show no third-party noise (tests/console_noise.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import nbformat
 import pytest
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
+
+from tests.console_noise import third_party_noise
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "recipes" / "notebooks" / "quickstart.ipynb"
 TIMEOUT_S = 180  # the issue's budget for the whole notebook on 2 CPU cores; also each cell's limit (no hang)
@@ -42,7 +45,9 @@ def test_quickstart_runs_headless(tmp_path):
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     env = dict(os.environ)
     env.setdefault("TORCH_EXTENSIONS_DIR", str(NOTEBOOK.parents[2] / ".cache" / "torch_extensions"))
-    for key in ("MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"):  # a notebook kernel starts with none of them
+    # A notebook kernel starts with none of them; without pytest's variable, ipykernel forwards what is written to
+    # the process's descriptors 1 and 2 (the ranks', the linker's) to the notebook, as it does under Jupyter.
+    for key in ("MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "PYTEST_CURRENT_TEST"):
         env.pop(key, None)
     client = nbclient.NotebookClient(
         notebook,
@@ -62,4 +67,5 @@ def test_quickstart_runs_headless(tmp_path):
         output.get("text", "") for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs
     )
     assert "largest loss difference" in outputs
+    assert third_party_noise(outputs) == [], outputs  # e.g. DeepSpeed's op probes' `cannot find -laio` in every rank
     assert time.monotonic() - started < TIMEOUT_S

@@ -39,31 +39,24 @@ class BatchRows:
     `position_ids`: the whole rows, or None when the sharder filled them in (one document per row: `0..seq-1`, or
     the family's `PositionRule`); `padding_mask`: the whole rows' `attention_mask` (1 = real token), or None when the batch has none;
     `shard_position_ids`/`shard_padding_mask`: this rank's shards of them, as the model receives them (positions
-    None only when the sharder left them out); `shard_input_ids`/`shard_labels`: this rank's shards of the batch's
-    tokens and of the labels the sharder shifted (None without labels); `unpadded_length`: the rows' length before
-    the sharder padded them to a multiple of the SP size.
+    None only when the sharder left them out); `shard_input_ids`: this rank's shard of the batch's tokens;
+    `unpadded_length`: the rows' length before the sharder padded them to a multiple of the SP size.
     """
 
     def __init__(self, batch_size: int, position_ids: torch.Tensor | None, padding_mask: torch.Tensor | None,
                  shard_position_ids: torch.Tensor | None, shard_padding_mask: torch.Tensor | None,
-                 shard_input_ids: torch.Tensor | None = None, shard_labels: torch.Tensor | None = None,
-                 unpadded_length: int | None = None):
+                 shard_input_ids: torch.Tensor | None = None, unpadded_length: int | None = None):
         self.batch_size = batch_size
         self.position_ids = position_ids
         self.padding_mask = None if padding_mask is None else padding_mask.bool()
         # Kept alive, so that their storages cannot be reused by another tensor while the batch is current.
-        self._shards = (shard_position_ids, shard_input_ids, shard_labels)
+        self._shards = (shard_position_ids, shard_input_ids)
         self.shard_position_ids = shard_position_ids
-        self._shard_view, self._input_view, self._labels_view = (
-            None if shard is None else view_key(shard) for shard in self._shards)
+        self._shard_view, self._input_view = (None if shard is None else view_key(shard) for shard in self._shards)
         self._shard_padding_mask_shape = None if shard_padding_mask is None else shard_padding_mask.shape
         self._shard_shape = None if shard_input_ids is None else tuple(shard_input_ids.shape)
         self.unpadded_length = unpadded_length
         self._documents: dict[bool, DocumentMask | None] = {}
-
-    def produced_labels(self, labels: torch.Tensor | None) -> bool:
-        """Whether `labels` are the batch's labels as the sharder shifted and cut them (or an unmodified alias)."""
-        return _is_view(labels, self._labels_view)
 
     def holds_input_ids(self, input_ids: torch.Tensor | None) -> bool:
         """Whether `input_ids` are this batch's token shard as the sharder cut it (or an unmodified alias)."""

@@ -93,7 +93,8 @@ class CausalLMModule(L.LightningModule):
 
     @torch.no_grad()
     def _split_losses(self, logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Whole-sequence losses of the targets before / after `report_loss_split`, correct under SP."""
+        """Whole-sequence losses of the targets before / after `report_loss_split` (a label's position is its
+        target's), the same with or without the strategy and at every SP size."""
         from lightning_ulysses.strategy import UlyssesDeepSpeedStrategy
 
         strategy = self.trainer.strategy
@@ -101,19 +102,12 @@ class CausalLMModule(L.LightningModule):
         positions = batch.get("position_ids")
         if positions is None:
             positions = torch.arange(labels.size(1), device=labels.device).expand_as(labels)
-        group = None
+        second = positions >= self.hparams.report_loss_split
         if isinstance(strategy, UlyssesDeepSpeedStrategy) and strategy.batches_are_sharded:
-            # Labels arrive shifted: the target at local position t is the token at global position t + 1.
-            target_positions = positions + 1
-            if strategy.sequence_parallel_world_size > 1:
-                group = strategy.sequence_parallel_group
+            loss = strategy.loss_function  # shifts across the shards of the SP group
         else:
-            logits, labels, target_positions = logits[:, :-1], labels[:, 1:], positions[:, 1:]
-        second = target_positions >= self.hparams.report_loss_split
-        return (
-            sequence_parallel_cross_entropy(logits, labels.masked_fill(second, -100), group),
-            sequence_parallel_cross_entropy(logits, labels.masked_fill(~second, -100), group),
-        )
+            loss = lambda logits, labels: sequence_parallel_cross_entropy(logits, labels=labels)  # noqa: E731
+        return loss(logits, labels.masked_fill(second, -100)), loss(logits, labels.masked_fill(~second, -100))
 
     @override
     def configure_optimizers(self):

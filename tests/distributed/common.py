@@ -324,6 +324,14 @@ def _own_loss_step(module, batch):
     return module.trainer.strategy.loss_function(logits, batch["labels"])
 
 
+def _hand_written_step(module, batch):
+    # The loss a user writes by hand, as without the strategy: logits of t against label t+1, token mean.
+    logits = module.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    labels = batch["labels"]
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
+                                             ignore_index=-100)
+
+
 # How a test step calls its model (CausalLM(step=...)); the references in test_parity.py mirror each form.
 STEP_FORMS = {"batch": _batch_step, "labels_are_input_ids": _labels_are_input_ids_step,
-              "built_labels": _built_labels_step, "own_loss": _own_loss_step}
+              "built_labels": _built_labels_step, "own_loss": _own_loss_step, "hand_written": _hand_written_step}

@@ -127,6 +127,10 @@ class _Rank:
         self.process.start()
 
     @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
     def returncode(self) -> Optional[int]:
         return self.process.exitcode
 
@@ -148,7 +152,7 @@ def run_script(script: Path, args: list[str], env: dict, cwd: Path, timeout: flo
     (Lightning's launcher re-running the script for the other local ranks) are fresh interpreters as usual."""
     with tempfile.TemporaryDirectory() as folder:
         out, err = Path(folder) / "stdout", Path(folder) / "stderr"
-        process = _Rank(script, args, env, cwd, out, err)
+        process = start_script(script, args, env, cwd, out, err)
         process.process.join(timeout)
         if process.poll() is None:
             process.kill()
@@ -156,6 +160,12 @@ def run_script(script: Path, args: list[str], env: dict, cwd: Path, timeout: flo
             raise subprocess.TimeoutExpired([sys.executable, str(script), *args], timeout, out.read_text(), err.read_text())
         return subprocess.CompletedProcess([sys.executable, str(script), *args], process.wait(), out.read_text(),
                                            err.read_text())
+
+
+def start_script(script: Path, args: list[str], env: dict, cwd: Path, stdout: Path, stderr: Path) -> _Rank:
+    """`run_script` without waiting: the started process (`pid`, `poll`, `wait`, `kill`), its output written to
+    `stdout` and `stderr` as it runs (a test can watch it, signal the process, then wait)."""
+    return _Rank(script, args, env, cwd, stdout, stderr)
 
 
 def run_ranks(script: Path, world_size: int, spec: dict, workdir: Path, timeout: float = 300,

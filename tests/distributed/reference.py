@@ -26,11 +26,15 @@ def reference_training(
     replica_loss: Callable[..., torch.Tensor] = _model_loss,
     dataset_kwargs: dict | None = None,
     micro_batches: int = 1,
+    micro_batch_size: int | None = None,
 ) -> dict:
     """Train on `steps[t][dp_rank]` = sample indices, averaging the DP replicas' losses as DDP/ZeRO do.
 
     `micro_batches` > 1: one SGD step per `t` still, each replica's samples cut into that many equal micro-batches
     whose losses are averaged (what gradient accumulation means); `losses` then holds one entry per micro-batch.
+    `micro_batch_size`: cut into micro-batches of that many samples instead, as Lightning's accumulation windows do:
+    a window may hold fewer than `micro_batches` of them (the epoch's last, partial one), and its summed loss is still
+    divided by `micro_batches` (Lightning divides every micro-batch's loss by `accumulate_grad_batches`).
 
     Uses eager attention and Hugging Face's own shifted loss (for the native GPT: its own unsharded forward and
     shifted loss), independent of everything under test; `replica_loss(model, batch)` replaces that loss (packed
@@ -45,15 +49,15 @@ def reference_training(
         optimizer.zero_grad()
         micro_losses = []  # [dp_rank][micro-batch]
         for indices in replicas:
-            size = len(indices) // micro_batches
-            micro_losses.append([replica_loss(model, collate([dataset[i] for i in indices[j * size:(j + 1) * size]]))
-                                 for j in range(micro_batches)])
-        torch.stack([torch.stack(micro).mean() for micro in micro_losses]).mean().backward()
+            size = micro_batch_size or len(indices) // micro_batches
+            micro_losses.append([replica_loss(model, collate([dataset[i] for i in indices[j:j + size]]))
+                                 for j in range(0, len(indices), size)])
+        torch.stack([torch.stack(micro).sum() / micro_batches for micro in micro_losses]).mean().backward()
         if gradient_clip_val:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), gradient_clip_val)
             assert norm > gradient_clip_val, "the clipping case must actually clip"
         optimizer.step()
-        losses += [[micro[j].item() for micro in micro_losses] for j in range(micro_batches)]
+        losses += [[micro[j].item() for micro in micro_losses] for j in range(len(micro_losses[0]))]
     final = {name: p.detach().clone() for name, p in model.named_parameters()}
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     return {"losses": losses, "initial": initial, "final": final, "trainable": trainable}

@@ -63,6 +63,23 @@ def _matrix():
                 trainer_kwargs={"accumulate_grad_batches": k, **({"gradient_clip_val": 0.8} if clip else {})})
           for sp, stage, attention, k, clip in [
               (2, 2, "mha", 2, False), (2, 3, "mha", 2, True), (2, 2, "mqa", 4, True), (1, 3, "mha", 2, True)]],
+        # Accumulation windows that the epoch's batches do not fill (4 micro-batches per epoch, 3 per window: a
+        # window of 3 and one of 1 each epoch, over 2 epochs): Lightning's windows, which restart every epoch and
+        # step on the partial one, at SP 1, SP 2, SP 2 × DP 2, ZeRO-2 and -3, clipped and in bf16; and the other ways
+        # a window ends early: `limit_train_batches`, `max_steps` after a partial window, validation inside a window
+        # (whose checkpoint a resume refuses: its gradients are not saved).
+        *[_case(world, sp, stage, attention, suffix=f"-epochs-accumulate3{suffix}", batch_size=1, epochs=2,
+                batches_per_epoch=4, trainer_kwargs={"accumulate_grad_batches": 3, **trainer_kwargs}, **extra)
+          for world, sp, stage, attention, suffix, trainer_kwargs, extra in [
+              (1, 1, 2, "mha", "", {}, {}), (2, 2, 3, "mqa", "", {}, {}), (4, 2, 2, "mha", "", {}, {}),
+              (4, 2, 3, "gqa", "-clip", {"gradient_clip_val": 0.05}, {}),
+              (4, 2, 3, "mqa", "-bf16-mixed", {}, {"precision": "bf16-mixed"}),
+              (2, 2, 3, "mha", "-max-steps3", {}, {"max_steps": 3})]],
+        _case(2, 2, 2, "mha", suffix="-limit-batches5-accumulate3", batch_size=1, epochs=1, batches_per_epoch=6,
+              trainer_kwargs={"accumulate_grad_batches": 3, "limit_train_batches": 5}),
+        _case(4, 2, 3, "mqa", suffix="-validation-inside-window-accumulate3", batch_size=1, epochs=1,
+              batches_per_epoch=5, resume_inside_window=True,
+              trainer_kwargs={"accumulate_grad_batches": 3, "val_check_interval": 2}),
         # Gradient clipping must count gradients replicated over the SP group once.
         _case(4, 2, 0, "mha", suffix="-clip", trainer_kwargs={"gradient_clip_val": 0.05}),
         _case(4, 2, 2, "mqa", suffix="-clip", trainer_kwargs={"gradient_clip_val": 0.05}),
@@ -93,6 +110,13 @@ def _matrix():
           for world, sp, stage in layouts],
         _case(4, 2, 3, "mqa", suffix="-labels_are_input_ids-len15", seq_len=15, step="labels_are_input_ids"),
         _case(4, 2, 2, "gqa", suffix="-own_loss", step="own_loss"),
+        # The loss written by hand on batch["labels"] (which arrive as the user gave them, unshifted): exact at SP 1
+        # (ZeRO-3, DP 2; ZeRO-2 accumulating), refused at SP 2 and SP 4 before any optimizer step (`-refused`).
+        _case(2, 1, 3, "mqa", suffix="-hand_written", step="hand_written"),
+        _case(4, 1, 2, "mha", suffix="-hand_written-accumulate2", step="hand_written", batch_size=1,
+              trainer_kwargs={"accumulate_grad_batches": 2}),
+        _case(2, 2, 2, "mqa", suffix="-hand_written-refused", step="hand_written", refused=True),
+        _case(4, 4, 2, "mha", suffix="-hand_written-refused", step="hand_written", refused=True),
         _case(4, 4, 3, "gqa", suffix="-ring2-labels_are_input_ids", step="labels_are_input_ids",
               strategy_kwargs={"ring_size": 2}),
         # bf16-mixed against the fp32 reference, within bf16's precision (check_bf16_against_fp32).
@@ -138,6 +162,7 @@ def _matrix():
 REFERENCE_LOSSES = {
     "batch": lambda model, batch: model(input_ids=batch["input_ids"], labels=batch["labels"]).loss,
     "own_loss": lambda model, batch: model(input_ids=batch["input_ids"], labels=batch["labels"]).loss,
+    "hand_written": lambda model, batch: model(input_ids=batch["input_ids"], labels=batch["labels"]).loss,
     "labels_are_input_ids": lambda model, batch: model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss,
     "built_labels": lambda model, batch: model(input_ids=batch["input_ids"],
                                                labels=built_labels(batch["input_ids"])).loss,
@@ -155,13 +180,16 @@ def _results_for(world_size: int, tmp_path_factory) -> list[dict]:
 
 
 CLAIMS = ("routing", "shards", "losses", "weights", "evaluation", "replicas", "tying", "export", "checkpoint_export",
-          "groups", "engines")
-_APPLIES = {"evaluation": lambda case: case.get("validate"), "export": lambda case: case.get("export"),
+          "groups", "engines", "resume_refused", "refused")
+_APPLIES = {"refused": lambda case: case.get("refused"),"evaluation": lambda case: case.get("validate"), "export": lambda case: case.get("export"),
+            "resume_refused": lambda case: case.get("resume_inside_window"),
             "checkpoint_export": lambda case: case.get("checkpoint_export"),
             "tying": lambda case: case.get("model", "").startswith("pretrained")}
 
 
 def _claims_of(case: dict) -> tuple[str, ...]:
+    if case.get("refused"):  # a run refused at its first step: nothing trained to compare
+        return ("refused",)
     return tuple(claim for claim in CLAIMS if _APPLIES.get(claim, lambda case: True)(case))
 
 
@@ -176,7 +204,7 @@ def test_parity_with_single_process_reference(case, claim, tmp_path_factory):
 def check_parity(case: dict, ranks: list[dict], claims: tuple[str, ...] | None = None) -> None:
     """The `claims` of one training case (default: all that apply): its records and final weights against the
     reference."""
-    steps = _routed_samples(case, ranks)  # routing is what every later claim reads its samples from
+    steps = None if case.get("refused") else _routed_samples(case, ranks)  # what every later claim reads
     for claim in claims or _claims_of(case):
         if claim != "routing":
             _CHECKS[claim](case, ranks, steps)
@@ -186,11 +214,23 @@ def _accumulation(case: dict) -> int:
     return case.get("trainer_kwargs", {}).get("accumulate_grad_batches", 1)
 
 
+def _windows(case: dict) -> list[int]:
+    """The micro-batches of each optimizer step, by Lightning's rules: windows of `accumulate_grad_batches` that
+    restart at every epoch, the epoch's last (partial) window stepping too; `max_steps` ends the run at a step."""
+    k = _accumulation(case)
+    if "epochs" not in case:
+        return [k] * case["steps"]
+    per_epoch = case.get("trainer_kwargs", {}).get("limit_train_batches") or case["batches_per_epoch"]
+    epoch = [k] * (per_epoch // k) + ([per_epoch % k] if per_epoch % k else [])
+    return (epoch * case["epochs"])[:case.get("max_steps")]
+
+
 def _routed_samples(case: dict, ranks: list[dict]) -> list[list[list[int]]]:
     """Routing: the same samples on every rank of an SP group, different samples on different DP groups.
     Returns them per micro-batch (= per record), per DP rank."""
     sp, steps = case["sp"], []
-    for step in range(case["steps"] * _accumulation(case)):
+    assert all(len(rank["records"]) == sum(_windows(case)) for rank in ranks), "routing: micro-batches trained"
+    for step in range(sum(_windows(case))):
         by_dp = {}
         for rank in ranks:
             by_dp.setdefault(rank["data_parallel_rank"], []).append(rank["records"][step]["sample_index"])
@@ -209,7 +249,8 @@ def _order(case: dict) -> tuple[ShardOrder, int]:
 
 
 def _check_shards(case: dict, ranks: list[dict], steps) -> None:
-    """Shard contents: this rank's slice of the shifted labels, tokens and global positions (padded when needed)."""
+    """Shard contents: this rank's slice of the labels (as the user gave them, unshifted), tokens and global positions
+    (padded when needed)."""
     dataset, batch_size = UnevenlyMaskedTokens(10_000, case["seq_len"]), case["batch_size"]
     order, padded = _order(case)
     for rank in ranks:
@@ -217,7 +258,7 @@ def _check_shards(case: dict, ranks: list[dict], steps) -> None:
             full = collate([dataset[i] for i in record["sample_index"]])
             extra = padded - case["seq_len"]
             input_ids = torch.cat([full["input_ids"], torch.zeros(batch_size, extra, dtype=torch.long)], 1)
-            labels = torch.cat([full["labels"][:, 1:], torch.full((batch_size, extra + 1), -100)], 1)
+            labels = torch.cat([full["labels"], torch.full((batch_size, extra), -100)], 1)
             sp_rank = rank["sequence_parallel_rank"]
             assert torch.equal(record["input_ids"], order.shard(input_ids, sp_rank, dim=1)), ("input_ids", step)
             assert torch.equal(record["labels"], order.shard(labels, sp_rank, dim=1)), ("labels", step)
@@ -233,15 +274,17 @@ def _reference(case_json: str, windows: tuple) -> dict:
     return reference_training(case["kv_heads"], case["seq_len"], [list(map(list, w)) for w in windows],
                               gradient_clip_val=case.get("trainer_kwargs", {}).get("gradient_clip_val"),
                               kind=case.get("model", "llama"), micro_batches=_accumulation(case),
+                              micro_batch_size=case["batch_size"],
                               replica_loss=REFERENCE_LOSSES[case.get("step", "batch")])
 
 
 def _reference_of(case: dict, steps) -> dict:
     # One reference step per optimizer step, over all the samples of its accumulation window.
-    k = _accumulation(case)
-    windows = tuple(tuple(tuple(sum((steps[t * k + j][dp] for j in range(k)), [])) for dp in range(len(steps[0])))
-                    for t in range(case["steps"]))
-    return _reference(json.dumps(case, sort_keys=True), windows)
+    windows, start = [], 0
+    for size in _windows(case):
+        windows.append(tuple(tuple(sum((steps[start + j][dp] for j in range(size)), [])) for dp in range(len(steps[0]))))
+        start += size
+    return _reference(json.dumps(case, sort_keys=True), tuple(windows))
 
 
 def _check_losses(case: dict, ranks: list[dict], steps) -> None:
@@ -398,7 +441,25 @@ def _check_engines(case: dict, ranks: list[dict], steps) -> None:
         assert engines["alive"] == [], engines
 
 
-_CHECKS = {"shards": _check_shards, "losses": _check_losses, "weights": _check_weights,
+def _check_resume_refused(case: dict, ranks: list[dict], steps) -> None:
+    """A checkpoint saved by a validation inside an accumulation window (after 2 of its 3 micro-batches): resuming
+    training from it is refused on every rank before any step, naming the cause and the fix."""
+    for rank in ranks:
+        refusal = rank["resume_refusal"] or ""
+        assert "inside a gradient-accumulation window, after 2 micro-batch(es)" in refusal, refusal
+        assert "every_n_train_steps" in refusal, refusal
+
+
+def _check_refused(case: dict, ranks: list[dict], steps) -> None:
+    """A loss computed from this rank's shard alone is refused at the first backward, on every rank, naming the fix;
+    no optimizer step ran (one forward, the weights as they were built)."""
+    for rank in ranks:
+        assert "computed from this rank's shard alone" in (rank["refusal"] or ""), rank["refusal"]
+        assert "self.trainer.strategy.loss_function(logits, batch['labels'])" in rank["refusal"]
+        assert rank["steps_before_refusal"] == 1 and rank["weights_unchanged"], rank
+
+
+_CHECKS = {"refused": _check_refused, "resume_refused": _check_resume_refused, "shards": _check_shards, "losses": _check_losses, "weights": _check_weights,
            "evaluation": _check_evaluation, "replicas": _check_replicas, "tying": _check_tying,
            "export": _check_export, "checkpoint_export": _check_checkpoint_export, "groups": _check_groups,
            "engines": _check_engines}

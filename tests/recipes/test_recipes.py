@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,6 +22,7 @@ from hydra.utils import instantiate
 from lightning_ulysses.config import register_resolvers
 from lightning_ulysses.optim import LRSchedule
 from lightning_ulysses.recipe import plan
+from tests.console_noise import third_party_noise
 from tests.distributed.harness import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -207,12 +211,6 @@ def test_bad_overrides_fail_before_training(in_one_process, overrides, message):
     assert not result.run_dir.exists()
 
 
-# What the main job printed before the console was quieted: DeepSpeed's async-I/O build probe (setuptools' compiler
-# commands), Lightning's tips, Lightning's ZeRO-3 save note, its epoch total of a max_steps run, the logger version.
-QUIET_CONSOLE_NOISE = [r"gcc .*-laio", r"compilers\.C", "💡", "Tip:", "When saving the DeepSpeed Stage 3", "Epoch 0/-2",
-                       "v_num", r"is deprecated"]
-
-
 def test_main_job_learns_across_shards(tmp_path):
     """The README's main job (experiment=tiny_cpu: 2 CPU ranks, SP 2, GPT-tiny, copy task), end to end.
 
@@ -229,12 +227,11 @@ def test_main_job_learns_across_shards(tmp_path):
     assert copied_half < 0.5 * chance
     assert (tmp_path / "logs" / "version_0" / "metrics.csv").is_file()
     # The console (both ranks' stdout and stderr): the throughput fields by their short names and the run's real
-    # epoch total, none of the third-party noise (lightning_ulysses.recipe.quiet_third_party).
+    # epoch total, none of the third-party noise (lightning_ulysses.console).
     console = result.stdout + result.stderr
     for field in ("tok/s:", "TFLOP/s:", "GiB:", "Epoch 0/0 "):
         assert field in console, field
-    for noise in QUIET_CONSOLE_NOISE:
-        assert not re.search(noise, console), noise
+    assert third_party_noise(console) == [], console
 
 
 def test_multirun_keeps_every_rank_of_a_job_in_one_directory(tmp_path):
@@ -285,18 +282,26 @@ def _metrics(csv: Path) -> dict[int, dict[str, float]]:
     return steps
 
 
-def test_schedule_weight_decay_groups_and_auto_resume(tmp_path):
+def test_schedule_weight_decay_groups_auto_resume_and_preemption(tmp_path):
     """One recipe command (2 CPU ranks, SP 2, ZeRO-3, accumulation 2, warmup + cosine, a checkpoint every 3 steps)
-    launched twice in one named run folder serves the training-setup claims:
+    launched three times in one named run folder serves the training-setup claims and the preemption claims:
 
     - the first launch trains 6 optimizer steps: the learning rate of every optimizer step (LearningRateMonitor,
       both parameter groups) is the schedule's formula with the total from trainer.max_steps, so accumulation does
       not step it twice; the parameter groups `configure_optimizers` built on partitioned ZeRO-3 parameters
       (`p.shape` [0]) exempt exactly the norms and biases from weight decay, on both ranks;
-    - then the run folder is left as a job killed after step 3 leaves it (its `last.ckpt` is the step-3 save), and
-      the same command again (`resume=auto`, the default) continues at step 3, not from warmup, with the first
-      launch's learning rates and losses; a logger asked for but not installed is a one-line note, training goes on.
+    - then the run folder is left as a job killed after step 3 leaves it (its newest checkpoint is the numbered
+      step-3 save, no `last.ckpt`), and the same command again (`resume=auto`, the default) says so and continues
+      at step 3, not from warmup, with the first launch's learning rates and losses; a logger asked for but not
+      installed is a one-line note, training goes on;
+    - a real SIGTERM reaches that second launch's launching process at step 4 (`probes.PauseForSignal` holds rank 0
+      there until the signal is in): every rank saves `hpc_ckpt_1.ckpt` at the next step boundary (step 5), the
+      job exits with `EXIT_PREEMPTED` and prints the command that continues it; that command, run as printed,
+      resumes from the SIGTERM save at step 5 (the newest checkpoint) and finishes with the first launch's losses.
     """
+    from lightning_ulysses.faults import EXIT_PREEMPTED
+    from tests.distributed.harness import start_script
+
     base = 5e-3
     run = tmp_path / "run"
     run.mkdir()
@@ -327,12 +332,44 @@ def test_schedule_weight_decay_groups_and_auto_resume(tmp_path):
 
     checkpoints = run / "checkpoints"
     shutil.rmtree(checkpoints / "last.ckpt")
-    shutil.copytree(checkpoints / "epoch=0-step=3.ckpt", checkpoints / "last.ckpt")
-    again = _recipe(*command, timeout=300)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert f"Restoring states from the checkpoint path at {checkpoints / 'last.ckpt'}" in again.stdout + again.stderr
-    resumed = _metrics(run / "logs" / "version_1" / "metrics.csv")
-    assert sorted(resumed) == [3, 4, 5]
+    shutil.rmtree(checkpoints / "epoch=0-step=6.ckpt")
+    preempted_command = [*command, "+callbacks.pause._target_=tests.recipes.probes.PauseForSignal",
+                         f"+callbacks.pause.folder={run}", "+callbacks.pause.step=4"]
+    script = ROOT / "recipes" / "train.py"
+    out, err = tmp_path / "preempted.out", tmp_path / "preempted.err"
+    launch = start_script(script, preempted_command, _env(), ROOT, out, err)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run / "paused_at_step_4").exists():  # the second launch trained steps 3 and 4
+            assert launch.poll() is None, out.read_text()[-3000:] + err.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the resumed launch did not reach step 4 within 300 s"
+            time.sleep(0.2)
+        os.kill(launch.pid, signal.SIGTERM)  # the launching process only, as a scheduler signals a job's main process
+        launch.process.join(300)
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+            launch.process.join()
+    preempted = subprocess.CompletedProcess(preempted_command, launch.poll(), out.read_text(), err.read_text())
+    assert preempted.returncode == EXIT_PREEMPTED, preempted.stdout[-3000:] + preempted.stderr[-3000:]
+    assert f"resume=auto: continuing from {checkpoints / 'epoch=0-step=3.ckpt'} at step 3\n" in preempted.stdout
+    assert (f"Restoring states from the checkpoint path at {checkpoints / 'epoch=0-step=3.ckpt'}"
+            in preempted.stdout + preempted.stderr)
+    assert (run / "hpc_ckpt_1.ckpt" / "ulysses.json").is_file()
+    assert f"the newest checkpoint of the run is {run / 'hpc_ckpt_1.ckpt'} (step 5)" in preempted.stdout
+    assert "ckpt_path" not in preempted.stdout + preempted.stderr  # no advice for the Python API
+    (continuing,) = re.findall(r"^  (\S+ \S+ .*resume=auto)$", preempted.stdout, re.MULTILINE)
+    argv = shlex.split(continuing)
+    assert argv[:2] == [sys.executable, str(script)]
+    assert argv[2:-2] == preempted_command and re.fullmatch(r"run_name=\S+", argv[-2]) and argv[-1] == "resume=auto"
+    assert sorted(_metrics(run / "logs" / "version_1" / "metrics.csv")) == [3, 4]
+
+    finished = run_script(Path(argv[1]), argv[2:], _env(), ROOT, timeout=300)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    assert f"resume=auto: continuing from {run / 'hpc_ckpt_1.ckpt'} at step 5\n" in finished.stdout
+    resumed = {**_metrics(run / "logs" / "version_1" / "metrics.csv"),
+               **_metrics(run / "logs" / "version_2" / "metrics.csv")}
+    assert sorted(_metrics(run / "logs" / "version_2" / "metrics.csv")) == [5]
     for step, row in resumed.items():
         assert row["lr/pg1"] == pytest.approx(reference[step]["lr/pg1"], rel=1e-12), step
         assert abs(row["train/loss"] - reference[step]["train/loss"]) < 1e-5, (step, row, reference[step])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -12,24 +13,27 @@ from lightning_ulysses import checkpoint as checkpoints
 from lightning_ulysses.faults import RankWatchdog
 
 
-def manifest(world_size=2, stage=3, consumed=0):
+def manifest(world_size=2, stage=3, consumed=0, global_step=None):
     return checkpoints.CheckpointManifest(world_size=world_size, sequence_parallel_size=2, data_parallel_size=1,
-                                          zero_stage=stage, epoch_samples_consumed=consumed)
+                                          zero_stage=stage, epoch_samples_consumed=consumed, global_step=global_step)
 
 
 def write_shards(directory, world_size=2, step=0):
+    """DeepSpeed's shard files; the model states hold Lightning's `global_step` as DeepSpeed's client state does."""
     shards = directory / checkpoints.DEEPSPEED_TAG
     shards.mkdir(parents=True, exist_ok=True)
     for rank in range(world_size):
-        torch.save({"step": step}, shards / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+        torch.save({"global_step": step}, shards / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
         torch.save({"step": step}, shards / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
     (directory / "latest").write_text(checkpoints.DEEPSPEED_TAG)
 
 
-def save(path, step):
+def save(path, step, recorded=False):
+    """A complete checkpoint at `path` (committed as the strategy commits it) of global step `step`, with the step
+    in its manifest if `recorded` (only in the shards otherwise, as before manifests recorded it)."""
     staging = checkpoints.prepare_staging(path)
     write_shards(staging, step=step)
-    checkpoints.commit(path, manifest(consumed=step))
+    checkpoints.commit(path, manifest(consumed=step, global_step=step if recorded else None))
 
 
 def test_commit_replaces_the_previous_checkpoint_and_leaves_nothing_else(tmp_path):
@@ -60,6 +64,17 @@ def test_a_crash_between_the_two_renames_falls_back_to_the_previous_checkpoint(t
     assert checkpoints.resolve_checkpoint(path) == checkpoints.previous_path(path)
     save(path, 2)  # and the next save repairs the folder
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_the_saved_global_step_is_read_from_the_manifest_or_the_shards(tmp_path):
+    save(tmp_path / "recorded.ckpt", 7, recorded=True)
+    for shard in (tmp_path / "recorded.ckpt" / checkpoints.DEEPSPEED_TAG).glob("*model_states.pt"):
+        shard.unlink()  # the manifest alone answers: no shard is opened
+    assert checkpoints.saved_global_step(tmp_path / "recorded.ckpt") == 7
+    save(tmp_path / "older.ckpt", 5)  # a manifest from before the step was recorded: Lightning's entry in the shards
+    assert checkpoints.saved_global_step(tmp_path / "older.ckpt") == 5
+    torch.save({"global_step": 3, "state_dict": {}}, tmp_path / "single_file.ckpt")  # another strategy's file
+    assert checkpoints.saved_global_step(tmp_path / "single_file.ckpt") == 3
 
 
 def test_a_folder_without_manifest_next_to_a_staging_folder_is_refused(tmp_path):
@@ -122,3 +137,59 @@ def test_a_mid_epoch_resume_of_an_iterable_dataset_says_the_epoch_restarts():
 def test_watchdog_rejects_a_non_positive_timeout():
     with pytest.raises(ValueError, match="positive"):
         RankWatchdog("127.0.0.1", 1, rank=0, world_size=2, timeout=0)
+
+
+def _resuming(quiet=True, consumed=4):
+    from lightning.pytorch.trainer.states import RunningStage
+
+    progress = SimpleNamespace(epoch_progress=SimpleNamespace(current=SimpleNamespace(processed=0)))
+    trainer = SimpleNamespace(state=SimpleNamespace(stage=RunningStage.TRAINING), fit_loop=progress)
+    strategy = SimpleNamespace(lightning_module=SimpleNamespace(trainer=trainer),
+                               parallel_groups=SimpleNamespace(data_parallel_world_size=1))
+    protocol = checkpoints.StrategyCheckpoints(strategy, quiet=quiet)
+    protocol.resume = checkpoints.PendingResume(epoch_samples_consumed=consumed, global_batch_size=2, rng_state=None)
+    return protocol
+
+
+def _lightning_says_not_resumable() -> list[str]:
+    """What shows of Lightning's warning at the start of a resumed epoch loop (`training_epoch_loop.py`, between
+    `process_dataloader` and the first batch)."""
+    from lightning.pytorch.utilities.warnings import PossibleUserWarning
+
+    from lightning_ulysses.console import NOT_RESUMABLE
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", append=True)  # behind the filters in force
+        warnings.warn(f"{NOT_RESUMABLE[1]} and your dataloader is not resumable.", PossibleUserWarning)
+    return [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("consumed", [4, 0], ids=["mid-epoch", "epoch-boundary"])
+def test_lightnings_not_resumable_warning_is_hidden_only_while_an_exact_resume_starts(consumed):
+    """Lightning warns at every resume inside an epoch that its data may not continue exactly; ours does (the
+    sampler's prefix skipped, `DistributedSampler` or `SequentialSampler` orders), so the warning is hidden from
+    `process_dataloader` to the first batch. Kept: for a sampler whose order a new process may not repeat, an
+    iterable dataset (the epoch restarts), with `quiet_third_party=False`, and after the first batch."""
+    from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(8))
+
+    data = list(range(16))
+    exact = _resuming(consumed=consumed)
+    exact.process_dataloader(DataLoader(data, batch_size=2, sampler=DistributedSampler(data, num_replicas=1, rank=0)))
+    assert _lightning_says_not_resumable() == []
+    exact.on_train_batch_start()
+    assert len(_lightning_says_not_resumable()) == 1
+    sequential = _resuming(consumed=consumed)
+    sequential.process_dataloader(DataLoader(data, batch_size=2))
+    assert _lightning_says_not_resumable() == []
+    sequential.end_resume()  # (the strategy's teardown, where no batch ran)
+    assert len(_lightning_says_not_resumable()) == 1
+    random_order = DataLoader(data, batch_size=2, sampler=RandomSampler(data))
+    for protocol, loader in [(_resuming(consumed=consumed), random_order),
+                             (_resuming(quiet=False, consumed=consumed), DataLoader(data, batch_size=2)),
+                             (_resuming(consumed=consumed), DataLoader(Stream(), batch_size=2))]:
+        protocol.process_dataloader(loader)  # (for the iterable dataset, ours says the epoch restarts)
+        assert len(_lightning_says_not_resumable()) == 1

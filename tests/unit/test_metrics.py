@@ -12,13 +12,15 @@ def test_wrapper_accumulates_through_forward_and_update():
         assert metric.compute().item() == 0.5, call
 
 
-def test_token_metrics_are_sums_over_valid_tokens():
+def test_token_metrics_are_sums_over_valid_next_tokens():
+    """Labels as the batch holds them (unshifted, as Hugging Face reads them): position t is scored on label t+1."""
     logits = torch.randn(2, 5, 7)
     labels = torch.tensor([[1, 2, -100, 3, 4], [-100, -100, 0, 6, 5]])
-    valid = labels != -100
-    expected = torch.nn.functional.cross_entropy(logits[valid], labels[valid])
+    predicted, targets = logits[:, :-1], labels[:, 1:]
+    valid = targets != -100
+    expected = torch.nn.functional.cross_entropy(predicted[valid], targets[valid])
     for metric, value in ((TokenCrossEntropy(), expected), (Perplexity(), expected.exp()),
-                          (NextTokenAccuracy(), (logits[valid].argmax(-1) == labels[valid]).float().mean())):
+                          (NextTokenAccuracy(), (predicted[valid].argmax(-1) == targets[valid]).float().mean())):
         metric.update(logits[:1], labels[:1])
         metric.update(logits[1:], labels[1:])
         assert torch.allclose(metric.compute(), value, atol=1e-6)

@@ -71,7 +71,7 @@ def test_sharder_pads_to_the_zig_zag_multiple_and_cuts_every_key_alike():
         assert torch.equal(shard["position_ids"][0], positions)
         expected_ids = torch.where(positions < 10, positions, 0)
         assert torch.equal(shard["input_ids"][0], expected_ids)
-        expected_labels = torch.where(positions < 9, positions + 101, -100)  # shifted before cutting
+        expected_labels = torch.where(positions < 10, positions + 100, -100)  # as given, padding ignored
         assert torch.equal(shard["labels"][0], expected_labels)
         assert torch.equal(shard["attention_mask"][0], (positions < 10).long())
     with pytest.raises(ValueError, match=r"2 × ring_size\(2\).*pad_to_multiple_of=4"):
@@ -97,7 +97,7 @@ def test_explicit_ring_size_is_checked_against_the_heads():
 
 
 def test_sharder_keeps_each_tokens_own_position_in_zig_zag_order():
-    # Packed positions (which the ring then refuses) and shifted ones: every token keeps the position it had in
+    # Packed positions (which the ring then refuses) and continuing ones: every token keeps the position it had in
     # the whole row, and the shards put back in natural order give the row again.
     positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11, 12]])
     batch = {"input_ids": torch.arange(8).expand(2, -1), "position_ids": positions}

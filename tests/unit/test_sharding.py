@@ -11,13 +11,13 @@ def batch(seq_len=8, rows=2):
 
 
 @pytest.mark.parametrize("rank", [0, 1, 2, 3])
-def test_shards_shift_labels_before_cutting(rank):
+def test_shards_cut_labels_as_the_user_gave_them(rank):
     out = SequenceSharder(4, rank)(batch())
     window = slice(2 * rank, 2 * rank + 2)
     full = batch()
     assert torch.equal(out["input_ids"], full["input_ids"][:, window])
-    shifted = torch.cat([full["labels"][:, 1:], torch.full((2, 1), -100)], dim=1)
-    assert torch.equal(out["labels"], shifted[:, window])  # the last target of a shard comes from the next one
+    # Unshifted: a step reading batch["labels"] sees what it would without the strategy (the loss shifts them).
+    assert torch.equal(out["labels"], full["labels"][:, window])
     assert torch.equal(out["position_ids"], torch.arange(8)[window].expand(2, -1))
     assert torch.equal(out["attention_mask"], full["attention_mask"][:, window])
     assert torch.equal(out["document_id"], full["document_id"])  # other entries pass through
@@ -30,7 +30,7 @@ def test_pads_with_ignored_labels_and_masked_tokens():
     labels = torch.cat([s["labels"] for s in shards], dim=1)
     mask = torch.cat([s["attention_mask"] for s in shards], dim=1)
     assert input_ids.shape == (2, 8) and torch.equal(input_ids[:, :7], full["input_ids"])
-    assert torch.equal(labels[:, 6:], torch.full((2, 2), -100))
+    assert torch.equal(labels[:, :7], full["labels"]) and torch.equal(labels[:, 7], torch.full((2,), -100))
     assert torch.equal(mask[:, 7], torch.zeros(2, dtype=mask.dtype))
     positions = torch.cat([s["position_ids"] for s in shards], dim=1)
     assert torch.equal(positions, torch.arange(8).expand(2, -1))
@@ -77,9 +77,9 @@ def test_sp1_passes_non_dict_batches_untouched():
         SequenceSharder(2, 0)(data)
 
 
-def test_sp1_shifts_labels_and_fills_positions_like_sp_n():
+def test_sp1_keeps_labels_and_fills_positions_like_sp_n():
     full = batch()
     out = SequenceSharder(1, 0)(full)
     assert torch.equal(out["position_ids"], torch.arange(full["input_ids"].size(1)).expand_as(full["input_ids"]))
     assert torch.equal(out["input_ids"], full["input_ids"])
-    assert torch.equal(out["labels"][:, :-1], full["labels"][:, 1:])
+    assert torch.equal(out["labels"], full["labels"])

@@ -1,24 +1,28 @@
 """The recipes' training setup without processes: learning-rate schedules, weight-decay groups, the progress bar's
-totals, auto-resume, loggers and the quiet console (through `recipes/train.py`: tests/recipes/test_recipes.py)."""
+totals, auto-resume and loggers (the quiet console: tests/unit/test_console.py)."""
 
 from __future__ import annotations
 
 import logging
 import math
 import os
-import warnings
+import shlex
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import OmegaConf
 
 from lightning_ulysses.callbacks import TrainingProgressBar, planned_epochs
 from lightning_ulysses.models.gpt import GPTConfig
 from lightning_ulysses.optim import LRSchedule, parameter_groups, schedule_config
-from lightning_ulysses.recipe import build_loggers, quiet_third_party, resume_decision, resume_path
+from lightning_ulysses.faults import EXIT_PREEMPTED
+from lightning_ulysses.recipe import (ResumeDecision, build_loggers, continue_command, end_preempted_run,
+                                      resume_decision, resume_from)
+from tests.unit.test_checkpoint import save
 
 
 def test_schedule_factors_by_hand():
@@ -133,9 +137,11 @@ def test_module_steps_with_cpu_adam_where_the_strategy_offloads_the_optimizer():
     assert any(not torch.equal(a, before) for a, before in zip(modules[0].parameters(), start))
 
 
-def _fake_trainer(max_steps, batches, accumulate=1, max_epochs=-1, global_step=0):
+def _fake_trainer(max_steps, batches, accumulate=1, max_epochs=-1, global_step=0, epoch_batches=0):
+    progress = SimpleNamespace(current=SimpleNamespace(processed=epoch_batches), is_last_batch=False)
     return SimpleNamespace(max_steps=max_steps, max_epochs=max_epochs, num_training_batches=batches,
-                           accumulate_grad_batches=accumulate, global_step=global_step, is_global_zero=True)
+                           accumulate_grad_batches=accumulate, global_step=global_step, is_global_zero=True,
+                           fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)))
 
 
 def test_progress_bar_totals_of_a_max_steps_run():
@@ -152,31 +158,176 @@ def test_progress_bar_totals_of_a_max_steps_run():
     assert bar._get_train_description(2).strip() == "Epoch 2/3" and bar.total_train_batches == 100
 
 
-def test_auto_resume_finds_the_last_checkpoint(tmp_path):
-    checkpoint = ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_last=True)
-    assert resume_path("auto", [checkpoint]) is None  # a fresh run folder: start afresh
-    (tmp_path / "checkpoints" / "last.ckpt.previous").mkdir(parents=True)  # a save interrupted between renames
-    assert resume_path("auto", [checkpoint]) == str(tmp_path / "checkpoints" / "last.ckpt")
-    (tmp_path / "checkpoints" / "last.ckpt").mkdir()
-    assert resume_path("auto", [checkpoint]) == str(tmp_path / "checkpoints" / "last.ckpt")
-    assert resume_path(None, [checkpoint]) is None
-    assert resume_path("/elsewhere/step-10.ckpt", []) == "/elsewhere/step-10.ckpt"
-    assert resume_path("auto", []) is None  # checkpointing off
+def test_progress_bar_counts_the_epoch_from_its_start_after_a_resume_in_its_middle(monkeypatch):
+    """Resumed after 399 steps of an epoch of 2048 batches, with 250 to go, the bar is first drawn at the end of the
+    first batch: batch 400 of the epoch's 649 (Lightning's own: `400/249`, the steps left). At an epoch's start
+    Lightning's batch counter still holds the previous epoch's count: the epoch starts at 0."""
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    bar = TrainingProgressBar()
+    bar.setup(_fake_trainer(649, 2048, global_step=400, epoch_batches=400), None, "fit")
+    assert bar.total_train_batches == 649
+    # with accumulation 4, in the middle of a window: 100 steps done (batches 0-399), batch 400 opens the next
+    bar.setup(_fake_trainer(150, 2048, accumulate=4, global_step=100, epoch_batches=401), None, "fit")
+    assert bar.total_train_batches == 600  # the window of batch 400 and 49 more: batches 400-599
+    # the last epoch, 52 steps: as it starts, the counter still says 2048 (the epoch before)
+    bar.setup(_fake_trainer(2100, 2048, global_step=2048, epoch_batches=2048), None, "fit")
+    drawn = []
+    monkeypatch.setattr(RichProgressBar, "on_train_epoch_start",
+                        lambda self, trainer, module: drawn.append(self.total_train_batches))
+    bar.on_train_epoch_start(bar.trainer, None)
+    assert drawn == [52]
+
+
+def test_the_strategy_corrects_lightnings_default_bar_and_leaves_others(tmp_path):
+    import lightning as L
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+    from lightning.pytorch.callbacks.progress.rich_progress import RichProgressBarTheme
+
+    from lightning_ulysses.callbacks import correct_progress_bar
+
+    trainer = L.Trainer(accelerator="cpu", logger=False, default_root_dir=tmp_path)
+    correct_progress_bar(trainer)
+    assert type(trainer.progress_bar_callback) is TrainingProgressBar
+    themed = RichProgressBar(leave=True, theme=RichProgressBarTheme(description="green"))
+    trainer = L.Trainer(accelerator="cpu", logger=False, default_root_dir=tmp_path, callbacks=[themed])
+    correct_progress_bar(trainer)
+    assert trainer.progress_bar_callback is themed and type(themed) is TrainingProgressBar
+    assert themed.theme.description == "green" and themed._leave  # the settings it was made with
+
+    class Mine(RichProgressBar):
+        pass
+
+    for bar in (Mine(), TQDMProgressBar()):
+        trainer = L.Trainer(accelerator="cpu", logger=False, default_root_dir=tmp_path, callbacks=[bar])
+        correct_progress_bar(trainer)
+        assert trainer.progress_bar_callback is bar and type(bar) in (Mine, TQDMProgressBar)
+
+
+def test_auto_resume_takes_the_newest_checkpoint_of_the_run_whatever_saved_it(tmp_path, monkeypatch):
+    """`resume=auto` continues from the checkpoint with the highest global step in the run's checkpoint folders and
+    the run folder: `last.ckpt`, numbered saves (every n steps, epoch ends), a scheduler signal's `hpc_ckpt_<n>.ckpt`,
+    a save interrupted between its renames (its complete `.previous`), another strategy's single file; by step,
+    not by file time; never a staging folder or an interrupted save (named in the line it prints). `resume=null` is
+    refused where Lightning would resume anyway (SLURM, a signal's save in the run folder)."""
+    run, checkpoints = tmp_path, tmp_path / "checkpoints"
+    callbacks = [ModelCheckpoint(dirpath=checkpoints, save_last=True)]
+
+    def newest():
+        return resume_from("auto", callbacks, run)[0]
+
+    assert resume_from("auto", callbacks, run) == (
+        None, f"resume=auto: no complete checkpoint in {checkpoints}, {run}: starting afresh")
+    save(checkpoints / "last.ckpt", 3, recorded=True)
+    assert newest() == str(checkpoints / "last.ckpt")
+    save(checkpoints / "epoch=0-step=6.ckpt", 6)  # every n steps (its step only in the shards: an older manifest)
+    assert newest() == str(checkpoints / "epoch=0-step=6.ckpt")
+    save(run / "hpc_ckpt_1.ckpt", 8, recorded=True)  # SIGTERM, in the run folder (the Trainer's default_root_dir)
+    assert resume_from("auto", callbacks, run) == (
+        str(run / "hpc_ckpt_1.ckpt"), f"resume=auto: continuing from {run / 'hpc_ckpt_1.ckpt'} at step 8")
+    save(checkpoints / "epoch=1-step=10.ckpt", 10, recorded=True)  # an epoch end, then interrupted between renames
+    (checkpoints / "epoch=1-step=10.ckpt").rename(checkpoints / "epoch=1-step=10.ckpt.previous")
+    assert newest() == str(checkpoints / "epoch=1-step=10.ckpt")  # as fit takes it: the load resolves `.previous`
+    # Newer files of less progress lose: a re-saved `last.ckpt` at step 4 (a rewound run), saved last.
+    save(checkpoints / "last.ckpt", 4, recorded=True)
+    assert newest() == str(checkpoints / "epoch=1-step=10.ckpt")
+    # Never an unfinished save, however far it got: a folder without manifest beside its staging folder, a staging
+    # folder alone, a truncated single file.
+    save(checkpoints / "epoch=2-step=12.ckpt", 12, recorded=True)
+    (checkpoints / "epoch=2-step=12.ckpt" / "ulysses.json").unlink()
+    (checkpoints / "epoch=2-step=12.ckpt.partial").mkdir()
+    (checkpoints / "epoch=2-step=14.ckpt.partial").mkdir()
+    (run / "truncated.ckpt").write_bytes(b"PK\x03\x04")
+    assert resume_from("auto", callbacks, run) == (
+        str(checkpoints / "epoch=1-step=10.ckpt"),
+        f"resume=auto: continuing from {checkpoints / 'epoch=1-step=10.ckpt'} at step 10 (passed over as incomplete:"
+        f" {checkpoints / 'epoch=2-step=12.ckpt'}, {run / 'truncated.ckpt'})")
+    torch.save({"global_step": 11, "state_dict": {}}, run / "other.ckpt")  # a single-file checkpoint
+    assert newest() == str(run / "other.ckpt")
+    save(checkpoints / "last.ckpt", 11, recorded=True)  # the same step: the later save
+    os.utime(run / "other.ckpt", (1, 1))
+    assert newest() == str(checkpoints / "last.ckpt")
+
+    assert resume_from(None, callbacks, run) == (None, "resume=null: starting afresh")
+    with monkeypatch.context() as slurm:  # where Lightning itself resumes from the run folder's hpc_ckpt_<n>.ckpt
+        slurm.setattr(SLURMEnvironment, "detect", staticmethod(lambda: True))
+        with pytest.raises(ValueError, match="under SLURM Lightning resumes from it whatever the recipe asks"):
+            resume_from(None, callbacks, run)
+        assert resume_from(None, callbacks, tmp_path / "new_run") == (None, "resume=null: starting afresh")
+    assert resume_from(str(run / "hpc_ckpt_1.ckpt"), [], run) == (
+        str(run / "hpc_ckpt_1.ckpt"), f"resume: continuing from {run / 'hpc_ckpt_1.ckpt'} at step 8")
+    assert resume_from("/elsewhere/step-10.ckpt", [], run) == (
+        "/elsewhere/step-10.ckpt", "resume: continuing from /elsewhere/step-10.ckpt")  # Lightning's load refuses it
+    assert resume_from("auto", [], tmp_path / "elsewhere")[0] is None  # checkpointing off, no signal's save
 
 
 def test_ranks_started_by_the_launching_process_take_its_resume_decision(tmp_path, monkeypatch):
-    """Under `-m` Lightning's re-run of the script for rank 1 has a run folder of its own: it must not decide."""
+    """Under `-m` Lightning's re-run of the script for rank 1 has a run folder of its own: it must not decide; only
+    the launching process says where training starts."""
     monkeypatch.delenv("LIGHTNING_ULYSSES_RESUME_FROM", raising=False)
-    (tmp_path / "checkpoints" / "last.ckpt").mkdir(parents=True)
+    save(tmp_path / "checkpoints" / "last.ckpt", 2, recorded=True)
     launching = [ModelCheckpoint(dirpath=tmp_path / "checkpoints")]
-    with resume_decision("auto", launching) as path:
-        assert path == str(tmp_path / "checkpoints" / "last.ckpt")
-        with resume_decision("auto", [ModelCheckpoint(dirpath=tmp_path / "elsewhere")]) as started:  # rank 1
-            assert started == path
+    said = []
+    with resume_decision("auto", launching, tmp_path, announce=said.append) as decision:
+        assert decision.path == str(tmp_path / "checkpoints" / "last.ckpt")
+        assert not decision.started_by_launching_process
+        with resume_decision("auto", [ModelCheckpoint(dirpath=tmp_path / "elsewhere")], tmp_path / "elsewhere",
+                             announce=said.append) as started:  # rank 1
+            assert started.path == decision.path and started.started_by_launching_process
+    assert said == [f"resume=auto: continuing from {tmp_path / 'checkpoints' / 'last.ckpt'} at step 2"]
     assert "LIGHTNING_ULYSSES_RESUME_FROM" not in os.environ  # a later run in this process decides afresh
-    with resume_decision(None, launching) as path:
-        with resume_decision("auto", launching) as started:
-            assert path is None and started is None
+    with resume_decision(None, launching, tmp_path, announce=said.append) as decision:
+        with resume_decision("auto", launching, tmp_path, announce=said.append) as started:
+            assert decision.path is None and started.path is None
+    assert said[1:] == ["resume=null: starting afresh"]
+
+
+def test_the_continue_command_is_the_same_command_with_the_run_named_and_resume_auto():
+    python, script = "/venv/bin/python", "recipes/train.py"
+    command = continue_command([script, "trainer.max_steps=50", "resume=/old/step-3.ckpt", "+callbacks.x=1"],
+                               "2026-12-03/13-15-44", executable=python)
+    assert shlex.split(command) == [python, script, "trainer.max_steps=50", "+callbacks.x=1",
+                                    "run_name=2026-12-03/13-15-44", "resume=auto"]
+    # A run the user named keeps its name as typed; a name Hydra would misread is quoted for Hydra, then for the shell.
+    assert shlex.split(continue_command([script, "run_name=my_run", "++resume=null"], "my_run", python)) == [
+        python, script, "run_name=my_run", "resume=auto"]
+    quoted = shlex.split(continue_command([script], "it's a run", python))[2]
+    assert quoted == "run_name='it\\'s a run'"
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    assert OverridesParser.create().parse_override(quoted).value() == "it's a run"
+    # A sweep: every job resumes its own folder under the same sweep folder.
+    assert shlex.split(continue_command([script, "-m", "data.seq_len=64,128", "hydra.sweep.dir=multirun/x"], "r",
+                                        python, sweep_dir="/abs/multirun/x")) == [
+        python, script, "-m", "data.seq_len=64,128", "hydra.sweep.dir=/abs/multirun/x", "resume=auto"]
+
+
+def test_a_preempted_run_exits_non_zero_except_ranks_the_launching_process_started(tmp_path, capsys):
+    """Lightning's script launcher SIGKILLs every process, itself included, when a rank it started exits non-zero:
+    those exit 0; every other process (the launching one, ranks torchrun or srun started) exits `EXIT_PREEMPTED`, the
+    launching one once its ranks have ended, and global rank 0 prints the command that continues the run."""
+    import subprocess
+    import sys
+
+    save(tmp_path / "hpc_ckpt_1.ckpt", 5, recorded=True)
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.2)"])
+    strategy = SimpleNamespace(launcher=SimpleNamespace(procs=[rank]), cluster_environment=LightningEnvironment())
+    trainer = SimpleNamespace(strategy=strategy, is_global_zero=True, global_step=5)
+    started = ResumeDecision("x", started_by_launching_process=True)
+    assert end_preempted_run(trainer, started, "python recipes/train.py run_name=r resume=auto", [], tmp_path) == 0
+    assert rank.poll() is None and capsys.readouterr().out == ""  # a started rank neither waits nor prints
+    launching = ResumeDecision(None, started_by_launching_process=False)
+    assert end_preempted_run(trainer, launching, "python recipes/train.py run_name=r resume=auto", [],
+                             tmp_path) == EXIT_PREEMPTED != 0
+    assert rank.returncode == 0  # waited for
+    printed = capsys.readouterr().out
+    assert (f"Preempted at step 5 by a scheduler's signal: the newest checkpoint of the run is"
+            f" {tmp_path / 'hpc_ckpt_1.ckpt'} (step 5); exit status {EXIT_PREEMPTED} (not finished)") in printed
+    assert printed.endswith("\n  python recipes/train.py run_name=r resume=auto\n") and "SLURM" not in printed
+    strategy.launcher, strategy.cluster_environment = None, SLURMEnvironment(auto_requeue=True)  # srun started it
+    assert end_preempted_run(trainer, launching, "c", [], tmp_path) == EXIT_PREEMPTED
+    printed = capsys.readouterr().out
+    assert "the requeued job continues this run only if the job script's command names the run" in printed
 
 
 def test_loggers_csv_always_others_when_installed(tmp_path, caplog, monkeypatch):
@@ -192,21 +343,3 @@ def test_loggers_csv_always_others_when_installed(tmp_path, caplog, monkeypatch)
     notes = [record.getMessage() for record in caplog.records]
     assert len(notes) == 2 and "loggers.tensorboard=true but tensorboard or tensorboardX is not installed" in notes[0]
     assert "loggers.wandb=true but wandb is not installed" in notes[1]
-
-
-def test_quiet_console_drops_third_party_noise_only(caplog):
-    quiet_third_party()
-    with caplog.at_level(logging.INFO):
-        logging.getLogger("compilers.C.base").info("gcc /tmp/x/test.o -laio -o /tmp/x/a.out")
-        logging.getLogger("compilers.C.base").error("gcc failed")
-        rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-        rank_zero.info("💡 Tip: For seamless cloud logging, try installing litlogger")
-        rank_zero.info("lightning_ulysses: dp(1) × sp(2) = world_size(2)")
-    assert [record.getMessage() for record in caplog.records] == ["gcc failed",
-                                                                  "lightning_ulysses: dp(1) × sp(2) = world_size(2)"]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("default")
-        quiet_third_party()  # the recipe's filters go in front of the default ones
-        warnings.warn("`torch.distributed.reduce_op` is deprecated", FutureWarning)
-        warnings.warn("lightning_ulysses: a warning of ours", UserWarning)
-    assert [str(w.message) for w in caught] == ["lightning_ulysses: a warning of ours"]

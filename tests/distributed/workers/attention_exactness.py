@@ -244,7 +244,7 @@ def check_hf_model(groups, results):
 
         model = tiny_llama(kv_heads)
         bystander = type(model)(model.config)  # built from the same config object, never prepared
-        slot = BatchRowsSlot()  # where the sharder's shifted labels are recognised by the loss
+        slot = BatchRowsSlot()  # the whole rows the sharder publishes (positions, padding, unpadded length)
         prepared = prepare_hf_model(model, group, SequenceParallelCausalLMLoss(group, 1.0, batch_rows=slot))
         results[f"bystander_keeps_sdpa_kv{kv_heads}"] = bystander.config._attn_implementation == "sdpa" and all(
             getattr(m, "config", bystander.config)._attn_implementation == "sdpa" for m in bystander.modules()
@@ -322,7 +322,7 @@ def check_attention_patterns(groups, results):
         reference_loss.backward()
         model = tiny_hf(family, **config)
         model.train(reference.training)
-        slot = BatchRowsSlot()  # where the sharder's shifted labels are recognised by the loss
+        slot = BatchRowsSlot()  # the whole rows the sharder publishes (positions, padding, unpadded length)
         prepared = prepare_hf_model(model, group, SequenceParallelCausalLMLoss(group, 1.0, batch_rows=slot),
                                     batch_rows=slot)
         loss = model(**SequenceSharder(sp, groups.sequence_parallel_rank, batch_rows=slot)(batch)).loss
@@ -347,7 +347,7 @@ def check_router_loss(groups, results, swap: bool = True):
             expected.loss.backward()
             model = tiny_hf(family, seed=3, **config)
             bystander = tiny_hf(family, seed=3, **config)  # same family, same process, never prepared
-            slot = BatchRowsSlot()  # where the sharder's shifted labels are recognised by the loss
+            slot = BatchRowsSlot()  # the whole rows the sharder publishes (positions, padding, unpadded length)
             prepared = prepare_hf_model(model, group, SequenceParallelCausalLMLoss(group, 1.0, batch_rows=slot))
             sharder = SequenceSharder(sp, groups.sequence_parallel_rank, batch_rows=slot)
             undo = (exact_router_loss(model, SequenceParallelRouterLoss(group, 1.0, sharder_padding(lambda: sharder)))

@@ -168,8 +168,8 @@ def check_ring_refusals(groups, results):
 def model_pass(kind, groups, batch, slot, checkpointing: bool):
     """One forward + backward of a fresh 4-layer model at this SP size; (counts, loss, gradients)."""
     group = groups.sequence_parallel_group
-    # The loss recognises the sharder's shifted labels through the published rows, also where the attention is
-    # left to gather (slot None): the sharder publishes into `published`, the attention reads `slot`.
+    # The loss reads the unpadded length of the rows from the published rows, also where the attention is left to
+    # gather (slot None): the sharder publishes into `published`, the attention reads `slot`.
     published = slot if slot is not None else BatchRowsSlot()
     loss_function = SequenceParallelCausalLMLoss(group, gradient_scale=1.0, batch_rows=published)
     if kind == "llama":

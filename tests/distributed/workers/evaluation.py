@@ -43,12 +43,15 @@ def main():
         groups = SequenceParallelGroups.build(ParallelLayout(dist.get_world_size(), sp))
         group = groups.sequence_parallel_group
         model = tiny_llama(1)
-        slot = BatchRowsSlot()  # where the sharder's shifted labels are recognised by the loss
-        prepared = prepare_hf_model(model, group, SequenceParallelCausalLMLoss(group, 1.0, batch_rows=slot))
+        slot = BatchRowsSlot()  # the whole rows the sharder publishes (positions, padding, unpadded length)
+        loss = SequenceParallelCausalLMLoss(group, 1.0, batch_rows=slot)
+        prepared = prepare_hf_model(model, group, loss)
         sharder = SequenceSharder(sp, groups.sequence_parallel_rank, batch_rows=slot)
         metrics = {"loss": TokenCrossEntropy(), "perplexity": Perplexity(), "accuracy": NextTokenAccuracy()}
         wrapped = SequenceParallel(MulticlassAccuracy(num_classes=VOCAB, ignore_index=-100, average="micro"))
         wrapped.bind_parallel_groups(groups)
+        for metric in metrics.values():  # as the strategy binds them: labels shifted across the SP group's shards
+            metric.bind_parallel_groups(groups)
         predictions = []
         for indices in samples_of(groups.data_parallel_rank, groups.data_parallel_world_size):
             batch = collate([dataset[i] for i in indices])
@@ -62,7 +65,7 @@ def main():
                 logits = model(**shard).logits
             for metric in metrics.values():
                 metric.update(logits, shard["labels"])
-            wrapped.update(logits.argmax(-1), shard["labels"])
+            wrapped.update(logits.argmax(-1), loss.targets(shard["labels"]))  # targets aligned with the logits
             predictions.append({
                 "indices": indices,
                 "padded": "attention_mask" in batch,

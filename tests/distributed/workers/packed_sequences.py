@@ -107,7 +107,7 @@ def check_model(kind, kv_heads, groups, results):
     reference_loss, reference_logits = per_document_forward(reference, batch["input_ids"], SPANS)
     reference_loss.backward()
 
-    slot = BatchRowsSlot()  # where the sharder's shifted labels are recognised by the loss
+    slot = BatchRowsSlot()  # the whole rows the sharder publishes (positions, padding, unpadded length)
     loss_function = SequenceParallelCausalLMLoss(group, gradient_scale=1.0, batch_rows=slot)
     if kind == "llama":
         prepare_hf_model(model, group, loss_function)

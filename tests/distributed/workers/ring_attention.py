@@ -73,7 +73,7 @@ def check_hf_model(groups, results):
     """Llama (4 heads/2 KV heads, and 2 heads/1 KV head) with a right-padded row: loss, gradients, outputs."""
     sp, rank, order = groups.sequence_parallel_world_size, groups.sequence_parallel_rank, groups.shard_order
     sp_group = groups.sequence_parallel_group
-    slot = BatchRowsSlot()  # where the sharder's shifted labels are recognised by the loss
+    slot = BatchRowsSlot()  # the whole rows the sharder publishes (positions, padding, unpadded length)
     sharder = SequenceSharder(sp, rank, ring_size=groups.ring_size, batch_rows=slot)
     for heads, kv_heads in ((4, 2), (2, 1)):
         name = f"h{heads}_kv{kv_heads}"
@@ -83,7 +83,7 @@ def check_hf_model(groups, results):
         reference_out.loss.backward()
 
         model = tiny_llama(kv_heads, num_heads=heads)
-        prepared = prepare_hf_model(model, groups.ulysses_group, SequenceParallelCausalLMLoss(sp_group, 1.0, batch_rows=slot),
+        prepared = prepare_hf_model(model, groups.ulysses_group, SequenceParallelCausalLMLoss(sp_group, 1.0, batch_rows=slot, order=order),
                                     ring_group=groups.ring_group)
         shard = sharder(batch)
         out = model(**shard)
@@ -109,7 +109,7 @@ def check_hf_model(groups, results):
     reference, model = tiny_model("falcon"), tiny_model("falcon")
     reference_out = reference(**padded_batch())
     reference_out.loss.backward()
-    prepared = prepare_hf_model(model, groups.ulysses_group, SequenceParallelCausalLMLoss(sp_group, 1.0, batch_rows=slot),
+    prepared = prepare_hf_model(model, groups.ulysses_group, SequenceParallelCausalLMLoss(sp_group, 1.0, batch_rows=slot, order=order),
                                 ring_group=groups.ring_group)
     out = model(**sharder(padded_batch()))
     out.loss.backward()

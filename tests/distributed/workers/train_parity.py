@@ -137,6 +137,37 @@ def freed_engines(recorder: RecordGroups) -> dict:
             "alive": [run for run, ref in recorder.engines if ref() is not None]}
 
 
+class SaveInsideWindow(L.Callback):
+    """Saves a checkpoint at the first mid-epoch validation, inside an accumulation window; `resume` then tries to
+    continue training from it and records what the strategy said (`resume_refusal`)."""
+
+    def __init__(self, case: dict):
+        self.path = str(Path(case["workdir"]) / f"{case['name']}.inside-window.ckpt")
+        self.case, self.saved, self.refusal = case, False, None
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking and not self.saved:
+            self.saved = True
+            trainer.save_checkpoint(self.path)
+
+    def resume(self, module, world_size: int) -> None:
+        case = self.case
+        trainer = L.Trainer(accelerator="cpu", devices=world_size, max_epochs=case["epochs"] + 1, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            strategy=lightning_ulysses.UlyssesDeepSpeedStrategy(sequence_parallel_size=case["sp"],
+                                                                                stage=case["stage"]),
+                            **case["trainer_kwargs"])
+        dataset = UnevenlyMaskedTokens(case["batch_size"] * case["batches_per_epoch"] * (world_size // case["sp"]),
+                                       case["seq_len"])
+        records = len(module.records)
+        try:
+            trainer.fit(module, DataLoader(dataset, batch_size=case["batch_size"], collate_fn=collate),
+                        ckpt_path=self.path)
+        except ValueError as error:
+            self.refusal = str(error)
+        assert len(module.records) == records, "refused before any step"
+
+
 def _export(case: dict) -> list[L.Callback]:
     """The trained model's save_pretrained folder(s) (LoRA: the adapters and the merged model), for the export claim."""
     if not case.get("export"):
@@ -144,6 +175,19 @@ def _export(case: dict) -> list[L.Callback]:
     from lightning_ulysses.export import ExportPretrained
 
     return [ExportPretrained(str(Path(case["workdir"]) / f"{case['name']}.export"), merged=True)]
+
+
+def refused_run(module, trainer, loader) -> dict:
+    """`fit` that the strategy must refuse: what it said, after how many steps, and whether any weight moved."""
+    before = {name: p.detach().clone() for name, p in module.model.named_parameters()}
+    refusal = None
+    try:
+        trainer.fit(module, loader)
+    except RuntimeError as error:
+        refusal = str(error)
+    # (refused cases run ZeRO-0/1/2, whose module parameters stay whole)
+    unchanged = all(torch.equal(p.detach(), before[name]) for name, p in module.model.named_parameters())
+    return {"refusal": refusal, "steps_before_refusal": len(module.records), "weights_unchanged": unchanged}
 
 
 def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None) -> dict:
@@ -162,17 +206,29 @@ def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None) 
     strategy = lightning_ulysses.UlyssesDeepSpeedStrategy(
         sequence_parallel_size=case["sp"], stage=case["stage"], **strategy_kwargs
     )
+    # "epochs": that many epochs of "batches_per_epoch" micro-batches per DP rank (accumulation windows that do not
+    # divide them), up to "max_steps" if given; otherwise "steps" optimizer steps of full windows.
+    length = ({"max_epochs": case["epochs"], "max_steps": case.get("max_steps", -1)} if "epochs" in case
+              else {"max_steps": case["steps"]})
+    saves = [SaveInsideWindow(case)] if case.get("resume_inside_window") else []
     trainer = L.Trainer(
-        accelerator="cpu", devices=case.get("devices", world_size), num_nodes=case.get("num_nodes", 1), strategy=strategy, max_steps=case["steps"], precision=case.get("precision", "32-true"),
+        accelerator="cpu", devices=case.get("devices", world_size), num_nodes=case.get("num_nodes", 1), strategy=strategy, precision=case.get("precision", "32-true"),
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[CaptureWeights(), CountAttentionRuns(), recorder, *_export(case)], **case.get("trainer_kwargs", {}),
+        callbacks=[CaptureWeights(), CountAttentionRuns(), recorder, *_export(case), *saves], **length,
+        **case.get("trainer_kwargs", {}),
     )
     batch_size = case["batch_size"]
     dataset_type = DATASETS[case.get("data", "uneven")]
     accumulate = case.get("trainer_kwargs", {}).get("accumulate_grad_batches", 1)
-    dataset = dataset_type(batch_size * case["steps"] * accumulate * (world_size // case["sp"]), case["seq_len"],
+    batches = case.get("batches_per_epoch", case["steps"] * accumulate)
+    dataset = dataset_type(batch_size * batches * (world_size // case["sp"]), case["seq_len"],
                            **case.get("dataset_kwargs", {}))
-    trainer.fit(module, DataLoader(dataset, batch_size=batch_size, collate_fn=collate))
+    loader = DataLoader(dataset, batch_size=batch_size, collate_fn=collate)
+    # Validation inside the training epoch ("val_check_interval" in trainer_kwargs): on the training samples.
+    evaluate = case.get("trainer_kwargs", {}).get("val_check_interval") is not None
+    if case.get("refused"):  # expected to stop at its first backward
+        return refused_run(module, trainer, loader)
+    trainer.fit(module, loader, loader if evaluate else None)
     weights = module.final_weights
     path = str(Path(case["workdir"]) / f"{case['name']}.ckpt")
     if case.get("validate_from_checkpoint") or case.get("checkpoint_export"):
@@ -195,6 +251,8 @@ def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None) 
             fresh.validate(restored, loader, ckpt_path=path, verbose=False)
             module.validation_records += [dict(r, stage="validate_from_checkpoint") for r in restored.validation_records]
     groups = released_groups(recorder)  # while the Trainer is still held, as a user's script holds it
+    if saves:  # after the groups are read: the refused run keeps its own (as every run that raised)
+        saves[0].resume(module, world_size)
     return {
         "groups": groups,
         "records": module.records,
@@ -218,6 +276,7 @@ def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None) 
         "memory_confirmation": strategy.memory_confirmation and strategy.memory_confirmation.as_dict(),
         "memory": dataclasses.asdict(strategy.memory),
         "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before,
+        "resume_refusal": saves[0].refusal if saves else None,
     }
 
 

@@ -1,0 +1,51 @@
+"""A user's own script (tests/user_script.py) under `Trainer(strategy="ulysses", devices=2)`, run as the user runs
+it: a fresh interpreter, whose second rank Lightning starts by running the script again, neither under pytest's
+warning filters. Its console shows no third-party noise, the progress bar's true totals also after a resume in the
+middle of an epoch, and everything of the package's own: its start-up notes, its warning, its refusal."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.console_noise import third_party_noise
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_users_own_script_is_quiet_and_says_what_is_ours(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.pop("PYTHONWARNINGS", None)
+    result = subprocess.run([sys.executable, str(ROOT / "tests" / "user_script.py"), str(tmp_path)], env=env,
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    console = result.stdout + result.stderr
+    # The last fit is refused on every rank, before any collective, with its fix named; the two before it ran.
+    assert result.returncode != 0
+    assert "ValueError: sp(3) does not divide world_size(2)" in console, console[-3000:]
+    assert console.count("`Trainer.fit` stopped") == 2 and "Restored all states from the checkpoint" in console
+    # Ours: the layout, the preflight report, the warning about eager attention (from both ranks).
+    assert "lightning_ulysses: dp(1) × sp(2) = world_size(2)" in console and "lightning_ulysses preflight" in console
+    assert console.count("attends with eager attention") >= 2
+    # The bar: the epoch total of a max_steps run (Lightning: `Epoch 0/-2`) and, resumed at batch 4 of 8 with 2 steps
+    # left, the epoch's 6 batches (Lightning: `6/2`).
+    assert "Epoch 0/0 " in console and "3/3" in console and "6/6" in console and "6/2" not in console
+    assert third_party_noise(console) == [], console
+
+
+def test_the_readme_contract_example_is_this_file_and_trains_quietly(tmp_path):
+    """The README's contract example is `examples/your_module.py` verbatim, and runs as it is: two ranks, ZeRO-3,
+    SP 2, a few steps, no third-party noise."""
+    example = ROOT / "examples" / "your_module.py"
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Your module's contract\n\n```python\n", 1)[1].split("```\n", 1)[0]
+    assert block == example.read_text(), "README's contract example differs from examples/your_module.py"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.pop("PYTHONWARNINGS", None)
+    result = subprocess.run([sys.executable, str(example)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300)
+    console = result.stdout + result.stderr
+    assert result.returncode == 0, console[-3000:]
+    assert "`Trainer.fit` stopped: `max_steps=8` reached" in console, console[-3000:]
+    assert third_party_noise(console) == [], console
