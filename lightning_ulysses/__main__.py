@@ -3,6 +3,7 @@
     checkpoint inspect|export ...   check a checkpoint; export weights and Hugging Face folders
     preflight ...                   check this machine for a planned run
     plan ...                        per-GPU memory of a planned run; the longest sequence that fits
+    example-finetune <folder>       a tiny model folder and data files (offline) to try experiment=finetune_cpu on
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"checkpoint": "lightning_ulysses.checkpoint", "preflight": "lightning_ulysses.preflight",
-                "plan": "lightning_ulysses.plan"}
+                "plan": "lightning_ulysses.plan", "example-finetune": "lightning_ulysses.example"}
     if not argv or argv[0] not in commands:
         print(__doc__.strip(), file=sys.stderr)
         return 2

@@ -30,9 +30,9 @@ rank); `export` still recovers the weights from such a checkpoint.
 and its barriers, the loop state rewritten to the data position, the resume state kept from load to the first
 batch, and evaluation loads of ZeRO-3 checkpoints (which DeepSpeed cannot load into an engine without optimizer).
 
-Command line: `python -m lightning_ulysses checkpoint {inspect,export} ...` (see `main`; `export --merged` also
-writes a LoRA model's adapters merged into its base weights, `export --tokenizer` saves a tokenizer beside the
-weights).
+Command line: `python -m lightning_ulysses checkpoint {inspect,export} ...` (see `main`; `export <ckpt> <folder>`
+writes the folders the recipes' `export.enabled` writes, into `<folder>` itself for one model; `--merged` also
+writes a LoRA model's adapters merged into its base weights, `--tokenizer` saves a tokenizer beside the weights).
 """
 
 from __future__ import annotations
@@ -289,12 +289,14 @@ def consolidated_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 def export(path: Path, output: Path, hf_model: Optional[str] = None, merged: bool = False,
            tokenizer: Optional[str] = None) -> list[Path]:
-    """Write `output/model.pt` (the consolidated state dict) and, for every Hugging Face model recorded in the
-    checkpoint (or only `hf_model`, a module path like `model`), a `save_pretrained` directory
-    `output/<module path>`; for a model with LoRA adapters, `output/<PEFT model's module path>/adapter` (every
-    adapter, peft's layout) and, with `merged`, `.../merged` (the active adapters merged), as `ExportPretrained`
-    writes them. `tokenizer` (a folder or Hub name): saved beside the weights in each of those directories, as the
-    callback's `tokenizer` is. Returns the paths written."""
+    """Write `output/model.pt` (the consolidated state dict) and the Hugging Face model's folders in the layout
+    `ExportPretrained` (the recipes' `export.enabled`) writes: one model recorded in the checkpoint (or `hf_model`,
+    a module path like `model`, chosen) is exported into `output` itself, a `save_pretrained` folder
+    (`from_pretrained(output)`), or for a model with LoRA adapters `output/adapter` (every adapter, peft's layout)
+    and, with `merged`, `output/merged` (the active adapters merged); several are exported side by side, each in
+    `output/<module path>` (a PEFT model's: `output/<PEFT model's module path>`). `tokenizer` (a folder or Hub
+    name): saved beside the weights in each of those folders, as the callback's `tokenizer` is. Returns the paths
+    written."""
     path = resolve_checkpoint(Path(path))
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
@@ -308,24 +310,26 @@ def export(path: Path, output: Path, hf_model: Optional[str] = None, merged: boo
             raise ValueError(f"The checkpoint records no Hugging Face model at {hf_model!r}; it records {names}.")
         names = [hf_model]
     for name in names:
-        written += _export_hf_model(path / "hf" / name, state, name, output, merged, tokenizer)
+        # The PEFT model's module path for a model it adapts (`name` is that model's, see the module docstring).
+        target = output if len(names) == 1 else output / name.removesuffix(f".{PEFT_BASE}")
+        written += _export_hf_model(path / "hf" / name, state, name, target, merged, tokenizer)
     return written
 
 
-def _export_hf_model(config_dir: Path, state: Mapping[str, torch.Tensor], name: str, output: Path,
+def _export_hf_model(config_dir: Path, state: Mapping[str, torch.Tensor], name: str, target: Path,
                      merged: bool, tokenizer: Optional[str] = None) -> list[Path]:
-    """The folder(s) `save_pretrained_folders` writes for the model recorded at `name` (see `export`)."""
+    """The folder(s) `save_pretrained_folders` writes into `target` for the model recorded at `name` (see
+    `export`)."""
     from transformers import AutoConfig
 
     prefix = f"{name}."
     weights = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
-    config, target = AutoConfig.from_pretrained(config_dir), output / name
+    config = AutoConfig.from_pretrained(config_dir)
     adapters = read_adapters(config_dir)
     _refuse_unrecorded_adapters(config_dir, name, weights, adapters)
     if adapters is not None:
-        # The PEFT model's own keys and module path (`name` is that of the model it adapts, see the module docstring).
+        # The PEFT model's own keys (`name` is that of the model it adapts, see the module docstring).
         weights = {f"{PEFT_BASE}.{key}": value for key, value in weights.items()}
-        target = output / name.removesuffix(f".{PEFT_BASE}")
         # The adapter folders name the base the run loaded (as the callback's do), not this checkpoint's folder. peft
         # records it in the first adapter's config only (`get_peft_model`; `add_adapter` leaves it unset).
         loaded = [lora.base_model_name_or_path for lora in adapters.configs.values() if lora.base_model_name_or_path]
@@ -670,8 +674,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     inspect = commands.add_parser("inspect", help="check a checkpoint is complete and print what wrote it")
     inspect.add_argument("checkpoint", type=Path)
     exporter = commands.add_parser(
-        "export", help="write the consolidated state dict (model.pt) and save_pretrained folders of HF models (LoRA:"
-                       " adapter/, and merged/ with --merged)"
+        "export", help="write the consolidated state dict (model.pt) and the Hugging Face model as the recipes'"
+                       " export does: a save_pretrained folder in OUTPUT itself (LoRA: OUTPUT/adapter, and"
+                       " OUTPUT/merged with --merged); several models: one folder each, OUTPUT/<module path>"
     )
     exporter.add_argument("checkpoint", type=Path)
     exporter.add_argument("output", type=Path)

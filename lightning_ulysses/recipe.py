@@ -8,14 +8,18 @@ from contextlib import contextmanager
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
+from typing_extensions import override
 
 from lightning_ulysses.attention.core import validate_head_counts
 from lightning_ulysses.console import quiet_third_party  # noqa: F401  (recipes/train.py: before anything is built)
@@ -52,6 +56,121 @@ def _heads(spec: Any) -> tuple[int, int]:
         config = config.get_text_config()
     heads = getattr(config, "num_heads", None) or config.num_attention_heads
     return heads, getattr(config, "num_key_value_heads", None) or heads
+
+
+class RecipeError(ValueError):
+    """A setting the run cannot start with. `recipes/train.py` prints the message alone (no traceback) and exits 1,
+    before Hydra makes the run folder (`CheckBeforeRunFolder`)."""
+
+
+# What a missing (`???`) setting is, for the message that asks for it.
+MISSING_SETTINGS = {
+    "model.pretrained": "the model folder to fine-tune, one `save_pretrained` wrote (config.json, weights,"
+                        " tokenizer): model.pretrained=<folder>. No folder yet? `python -m lightning_ulysses"
+                        " example-finetune <folder>` writes a tiny model and data files, offline, and prints the"
+                        " command that fine-tunes it",
+    "data.files": "the data to train on (json, jsonl, parquet, arrow or txt; a file, a glob or a list):"
+                  " data.files=<file>",
+}
+
+
+def check_before_run(cfg: DictConfig) -> None:
+    """Everything the launching process can refuse from the config and the files it names, as `RecipeError`s:
+    settings left `???`, a model folder that does not exist, bad layouts (`check_recipe`), and what the data module
+    refuses when it is built (data files that match nothing, fields that do not hold what they are set for, a chat
+    template that marks no assistant turns). `plan=true` needs the model only (and with `strategy.memory=auto` the
+    free memory auto decides from, see `auto_choice`)."""
+    _refuse_missing_settings(cfg)
+    pretrained = cfg.model.get("pretrained")
+    if pretrained is not None:
+        from lightning_ulysses.models.hf import check_pretrained_folder
+
+        try:
+            check_pretrained_folder(str(pretrained), setting="model.pretrained")
+        except OSError as error:
+            raise RecipeError(str(error)) from error
+    spec = _instantiate_settings(cfg.model, "model").spec
+    try:
+        layout = check_recipe(cfg, spec)
+    except ValueError as error:
+        raise RecipeError(str(error)) from error
+    requested = strategy_memory(cfg)
+    if cfg.plan and isinstance(requested, dict) and requested.get("auto"):
+        auto_choice(cfg, spec, layout)
+    if not cfg.plan:
+        _instantiate_settings(cfg.data, "data")
+
+
+def _refuse_missing_settings(cfg: DictConfig) -> None:
+    settings = OmegaConf.to_container(cfg, resolve=False)  # some interpolations need a running Hydra job
+    settings.pop("hydra", None)
+    missing = [key for key in _missing(settings) if not cfg.plan or key.startswith("model.")]
+    if not missing:
+        return
+    experiment = OmegaConf.select(cfg, "hydra.runtime.choices.experiment", default=None)
+    needs = f"experiment={experiment} needs" if experiment else "the run needs"
+    details = "".join(f"\n  {key}: {MISSING_SETTINGS.get(key, f'set it: {key}=...')}" for key in missing)
+    raise RecipeError(f"{needs} {' and '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not set"
+                      f" (???):{details}")
+
+
+def _missing(settings: dict, prefix: str = "") -> list[str]:
+    """The dotted keys whose value is `???` in `settings` (a config as plain containers)."""
+    found = []
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            found += _missing(value, f"{prefix}{key}.")
+        elif value == "???":
+            found.append(f"{prefix}{key}")
+    return found
+
+
+def _instantiate_settings(node: DictConfig, group: str) -> Any:
+    """`instantiate(node)`, the messages of what its constructor refuses (a missing file, a field, a value) as
+    `RecipeError`s; anything else keeps its traceback."""
+    from hydra.errors import InstantiationException
+
+    try:
+        return instantiate(node)
+    except InstantiationException as error:
+        cause = error.__cause__
+        if isinstance(cause, (ValueError, KeyError, OSError)):
+            raise RecipeError(str(cause.args[0]) if cause.args else f"{group}: {cause!r}") from cause
+        raise
+
+
+class CheckBeforeRunFolder(Callback):
+    """Hydra callback (`hydra.callbacks` in conf/train.yaml): `check_before_run` before Hydra makes the run folder,
+    so that a refused run leaves none behind and prints its message without a traceback (exit status 1). In a sweep
+    (`-m`) every job is checked when it starts, after Hydra made its folder, which is removed again when the job is
+    refused and holds nothing but Hydra's own files."""
+
+    @override
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _check_or_exit(config, job_folder=None)
+
+    @override
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if config.hydra.mode == RunMode.MULTIRUN:
+            _check_or_exit(config, job_folder=Path(config.hydra.runtime.output_dir))
+
+
+def _check_or_exit(config: DictConfig, job_folder: Optional[Path]) -> None:
+    try:
+        check_before_run(config)
+    except RecipeError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        if job_folder is not None:
+            _remove_if_only_hydras(job_folder, config)
+        raise SystemExit(1) from None
+
+
+def _remove_if_only_hydras(folder: Path, config: DictConfig) -> None:
+    """Remove the job folder Hydra just made when it holds only what Hydra writes there (its `.hydra` subfolder and
+    the job's log file): a folder with anything else in it (a named run's checkpoints) stays."""
+    hydras = {config.hydra.output_subdir, f"{config.hydra.job.name}.log"}
+    if folder.is_dir() and all(entry.name in hydras for entry in folder.iterdir()):
+        shutil.rmtree(folder)
 
 
 def check_recipe(cfg: DictConfig, spec: Any) -> ParallelLayout:
@@ -121,8 +240,26 @@ def _shape(spec: Any) -> ModelShape:
     return ModelShape.from_hf_config(spec.config)
 
 
+@dataclasses.dataclass(frozen=True)
+class _OptimizerOffload:
+    """The strategy's optimizer offload as the recipe configures it: the share of the optimizer on the host
+    (DeepSpeed's `offload_optimizer.ratio`, which splits by sub-group count; 0: none) and ZeRO-3's sub-group size
+    (Lightning's default 1e12 makes one sub-group)."""
+
+    fraction: float
+    sub_group_size: int
+
+    @classmethod
+    def of(cls, strategy: DictConfig) -> "_OptimizerOffload":
+        overrides = OmegaConf.to_container(strategy.get("config_overrides") or {})
+        ratio = ((overrides.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("ratio")
+        fraction = (1.0 if ratio is None else float(ratio)) if strategy.get("offload_optimizer", False) else 0.0
+        return cls(fraction, int(float(strategy.get("sub_group_size", 10**12))))
+
+
 def plan(cfg: DictConfig) -> str:
-    """Parameter count, layout, batch and the memory planner's per-GPU terms, from the config alone (meta device)."""
+    """Parameter count, layout, batch and the memory planner's per-GPU terms, from the config alone (meta device);
+    with `strategy.memory=auto`, what auto would choose for this run (`auto_choice`) and the plan of that choice."""
     spec = instantiate(cfg.model).spec  # the module only keeps its spec: nothing is built (nor loaded)
     layout = check_recipe(cfg, spec)
     params = spec.num_parameters()
@@ -131,21 +268,20 @@ def plan(cfg: DictConfig) -> str:
     seq_len = int(cfg.data.get("seq_len", 0))
     global_batch = micro * accumulate * layout.data_parallel_size
     stage = int(cfg.strategy.get("stage", 3))
-    offload = bool(cfg.strategy.get("offload_optimizer", False))
-    # DeepSpeed's partial offload (`offload_optimizer.ratio`, set through config_overrides) splits by sub-group count;
-    # Lightning's sub_group_size default (1e12) makes one sub-group.
-    overrides = OmegaConf.to_container(cfg.strategy.get("config_overrides") or {})
-    ratio = ((overrides.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("ratio")
-    offload_fraction = (1.0 if ratio is None else float(ratio)) if offload else 0.0
+    offload = _OptimizerOffload.of(cfg.strategy)
     requested = strategy_memory(cfg)
-    # memory=auto is decided at start-up from the free memory: plan without features (`plan --auto` shows a choice)
-    memory = MemoryOptions() if isinstance(requested, dict) and requested.get("auto") else MemoryOptions.coerce(requested)
+    choice = None
+    if isinstance(requested, dict) and requested.get("auto"):
+        choice, free_from = auto_choice(cfg, spec, layout)
+        memory = choice.memory
+        offload = _OptimizerOffload(choice.offload_optimizer, choice.sub_group_size)
+    else:
+        memory = MemoryOptions.coerce(requested)
     if cfg.model.get("activation_checkpointing") and not memory.activation_checkpointing:
         memory = dataclasses.replace(memory, activation_checkpointing=True)  # the model's own: same bytes
     setup = TrainingSetup(seq_len=seq_len, micro_batch=micro, sequence_parallel_size=layout.sequence_parallel_size,
                           data_parallel_size=layout.data_parallel_size, zero_stage=stage,
-                          offload_optimizer=offload_fraction, memory=memory,
-                          sub_group_size=int(float(cfg.strategy.get("sub_group_size", 10**12))))
+                          offload_optimizer=offload.fraction, memory=memory, sub_group_size=offload.sub_group_size)
     memory_plan = plan_memory(_shape(spec), setup)
     gib = 2**30
     lines = [
@@ -155,13 +291,68 @@ def plan(cfg: DictConfig) -> str:
         f"sequence:     {seq_len} tokens, {seq_len // layout.sequence_parallel_size} per rank",
         f"batch:        micro {micro} × accumulation {accumulate} × DP {layout.data_parallel_size}"
         f" = {global_batch} sequences = {global_batch * seq_len / 1e6:.1f}M tokens per optimizer step",
+    ]
+    if choice is not None:
+        lines += [f"memory=auto:  free memory {free_from}; what the strategy would choose at start-up:",
+                  choice.report()]
+    planned = "lightning_ulysses.planner, of auto's choice" if choice is not None else "lightning_ulysses.planner"
+    lines += [
         f"memory/GPU:   {memory_plan.gpu_total / gib:.1f} GiB, optimizer states"
-        f" {f'({offload_fraction:.0%} offloaded to CPU)' if offload else '(on GPU)'}; terms (lightning_ulysses.planner):",
+        f" {f'({offload.fraction:.0%} offloaded to CPU)' if offload.fraction else '(on GPU)'}; terms ({planned}):",
         memory_plan.table(),
     ]
-    if offload or memory.offload_activations:
+    if offload.fraction or memory.offload_activations:
         lines.append(f"CPU/node:     {memory_plan.host_total * devices / gib:.0f} GiB host memory")
     return "\n".join(lines)
+
+
+def auto_choice(cfg: DictConfig, spec: Any, layout: ParallelLayout) -> tuple[Any, str]:
+    """What `strategy.memory=auto` would choose for this run (`lightning_ulysses.auto.choose`, as the strategy calls
+    it in its setup) and where the free memory it decides from came from: `strategy.memory.free_memory` when given
+    (bytes per rank: `[device, host]`), else this machine's (a CPU run: its available memory over the node's ranks;
+    a GPU run: GPU 0's free memory, where this machine has one). A GPU run planned on a machine without one is
+    refused, naming `free_memory`, as is a run nothing fits (auto's own message)."""
+    import torch
+
+    from lightning_ulysses import auto
+
+    request = auto.coerce_memory(strategy_memory(cfg))
+    devices = int(cfg.trainer.devices)
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    on_cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    here = torch.device("cuda", 0) if on_cuda and torch.cuda.is_available() else None
+    if request.free_memory is not None:
+        free, free_from = request.free_bytes(here), "given (strategy.memory.free_memory)"
+    elif not on_cuda:
+        free, free_from = auto.measure_free_memory(torch.device("cpu"), devices), "of this machine's host"
+    elif here is not None:
+        free, free_from = auto.measure_free_memory(here, devices), f"of this machine's {torch.cuda.get_device_name(0)}"
+    else:
+        raise RecipeError(
+            "plan=true with strategy.memory=auto shows what auto would choose from the free memory of the GPUs the"
+            " run gets, and this machine has no GPU to measure: give it per rank, in bytes,"
+            " ~strategy.memory +strategy.memory='{auto: true, free_memory: [<device>, <host>]}' (one H200 with 120"
+            " GiB of host memory per rank: [1.48e11, 1.29e11]); or plan on a machine with the run's GPU.")
+    priority = cfg.strategy.get("sdpa_kernel_priority")
+    if not on_cuda:
+        kernel = None
+    elif priority == "auto":  # cuDNN on Hopper (auto_sdpa_kernel); with no GPU here to ask, Hopper is assumed
+        kernel = "cudnn" if here is None or auto.auto_sdpa_kernel(here) == ("cudnn",) else None  # (the report says)
+    else:
+        kernel = list(priority)[0] if priority else None
+    shape, offload = _shape(spec), _OptimizerOffload.of(cfg.strategy)
+    auto_layout = auto.Layout(
+        sequence_parallel_size=layout.sequence_parallel_size, data_parallel_size=layout.data_parallel_size,
+        zero_stage=int(cfg.strategy.get("stage", 3)),
+        compute_bytes=4 if "32" in str(cfg.trainer.get("precision", "32-true")) else 2, on_cuda=on_cuda, kernel=kernel,
+        configured_offload=(offload.fraction, offload.sub_group_size) if offload.fraction else None,
+        configured_sub_group_size=offload.sub_group_size,
+        # as `python -m lightning_ulysses.plan --auto`: a GPU with Triton, and Llama-style (gated) MLPs it fuses
+        fused_elementwise=on_cuda and shape.gated_mlp)
+    try:
+        return auto.choose(shape, request, auto_layout, free), free_from
+    except ValueError as error:
+        raise RecipeError(str(error)) from error
 
 
 # -- the training run's callbacks, loggers, resume and console -----------------------------------------------------

@@ -18,6 +18,7 @@ import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig
@@ -28,6 +29,7 @@ from lightning_ulysses.config import register_resolvers
 from lightning_ulysses.recipe import (apply_runtime_environment, build_callbacks, build_loggers, check_recipe,
                                       continue_command, end_preempted_run, export_callbacks, plan, quiet_third_party,
                                       resume_decision, strategy_memory)
+from lightning_ulysses.summary import run_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 register_resolvers()
@@ -69,14 +71,11 @@ def main(cfg: DictConfig) -> None:
             command = continue_command(sys.argv, cfg.run_name, sweep_dir=sweep_dir)
             raise SystemExit(end_preempted_run(trainer, decision, command, callbacks, run_dir))
     if trainer.is_global_zero:
-        print(f"\nRun directory: {run_dir}")
-        print(f"Metrics (CSV): {trainer.loggers[0].log_dir}/metrics.csv")
         checkpoint = trainer.checkpoint_callback
-        if checkpoint is not None and (checkpoint.last_model_path or checkpoint.best_model_path):
-            path = checkpoint.last_model_path or checkpoint.best_model_path
-            print(f"Checkpoint:    {path} (weights: python -m lightning_ulysses checkpoint export {path} <folder>)")
-        for export in exports:
-            print(f"Export:        {export.directory}")
+        csv = next((logger for logger in trainer.loggers if isinstance(logger, CSVLogger)), None)
+        print("\n" + run_summary(run_dir, None if csv is None else Path(csv.log_dir) / "metrics.csv",
+                                 checkpoint and (checkpoint.last_model_path or checkpoint.best_model_path),
+                                 [export.directory for export in exports]))
         metrics = {k: round(float(v), 4) for k, v in sorted(trainer.callback_metrics.items())
                    if k not in PROGRESS_BAR_NAMES.values()}  # the progress bar's copies of the throughput numbers
         print(f"Final metrics: {metrics}")

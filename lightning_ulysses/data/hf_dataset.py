@@ -30,7 +30,7 @@ import glob
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import lightning as L
 import numpy as np
@@ -125,11 +125,56 @@ def _load(files: list[str], format: str, streaming: bool, cache_dir: Optional[st
                                  **options)
 
 
-def _check_field(columns: Sequence[str], tokenize: Tokenize, files: list[str]) -> None:
-    if tokenize.field not in columns:
-        option = "data.messages_field" if tokenize.messages_field else "data.text_field"
-        raise KeyError(f"{option}={tokenize.field!r} is not a field of {files[0]}: its fields are {list(columns)}."
-                       f" Set {option} to the one holding the {'conversations' if tokenize.messages_field else 'text'}.")
+def first_documents(files: list[str], format: str, txt_sample_by: str, count: int = 8) -> dict[str, list]:
+    """The first `count` documents of the first file, column by column (datasets' streaming: nothing else is read,
+    nothing is cached)."""
+    raw = _load(files[:1], format, True, None, txt_sample_by)
+    return next(iter(raw.iter(batch_size=count)), {name: [] for name in raw.column_names or []})
+
+
+def is_conversation(value: Any) -> bool:
+    """A chat conversation as `messages_field` reads it: a non-empty list of `{"role": ..., "content": ...}`."""
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(message, dict) and {"role", "content"} <= message.keys() for message in value))
+
+
+def _check_field(documents: Mapping[str, Sequence[Any]], tokenize: Tokenize, file: str) -> None:
+    """Refuse a field that is missing from `documents` (the first documents of `file`, column by column) or does not
+    hold what it is set for: a chat file read as plain text is named as chat, with the `data.messages_field` that
+    reads it (`data.text_field` on conversations would fail deep inside the tokenizer)."""
+    first = {name: values[0] for name, values in documents.items() if len(values)}
+    chats = [name for name, value in first.items() if is_conversation(value)]
+    texts = [name for name, value in first.items() if isinstance(value, str)]
+    chat_fix = (f"set data.messages_field={chats[0]} (chat: trains on the assistant's tokens only)" if chats else None)
+    if tokenize.messages_field is None:
+        field = tokenize.text_field
+        if field in chats:
+            raise KeyError(f"data.text_field={field!r} holds chat conversations in {file} (lists of {{role, content}}"
+                           f" messages), not plain text: set data.messages_field={field} instead of data.text_field"
+                           " (it trains on the assistant's tokens only).")
+        if field not in documents and chats:
+            raise KeyError(f"{file} holds chat conversations in its field {chats[0]!r} (lists of {{role, content}}"
+                           f" messages) and no text field {field!r}: set data.messages_field={chats[0]} (chat data"
+                           " trains on the assistant's tokens only).")
+        if field not in documents:
+            raise KeyError(f"data.text_field={field!r} is not a field of {file}: its fields are {list(documents)};"
+                           f" set data.text_field to the one holding the text{f' (text: {texts})' if texts else ''}.")
+        if field in first and not isinstance(first[field], str):
+            raise KeyError(f"data.text_field={field!r} of {file} holds {type(first[field]).__name__} values, not text:"
+                           f" {chat_fix or f'set data.text_field to the one holding the text (text: {texts})'}.")
+        return
+    field = tokenize.messages_field
+    if field not in documents:
+        fix = chat_fix or (f"it holds no conversations; for plain text set data.text_field={texts[0]} instead of"
+                           " data.messages_field" if texts else "set data.messages_field to the one holding them")
+        raise KeyError(f"data.messages_field={field!r} is not a field of {file}: its fields are {list(documents)};"
+                       f" {fix}.")
+    if field in first and isinstance(first[field], str):
+        raise KeyError(f"data.messages_field={field!r} holds plain text in {file}, not conversations: set"
+                       f" data.text_field={field} instead of data.messages_field.")
+    if field in first and not is_conversation(first[field]):
+        raise KeyError(f"data.messages_field={field!r} of {file} does not hold conversations (lists of {{\"role\":"
+                       f" ..., \"content\": ...}} messages): its first value is {str(first[field])[:120]}.")
 
 
 def _documents(batch: dict) -> list[Document]:
@@ -210,7 +255,8 @@ class StreamedDocuments:
         raw = self.load()
         start = 0
         for batch in raw.iter(batch_size=self.chunk):
-            _check_field(list(batch), self.tokenize, self.files)
+            if start == 0:
+                _check_field(batch, self.tokenize, self.files[0])
             count = len(batch[self.tokenize.field])
             if self.split is not None:
                 keep = held_out(np.arange(start, start + count), *self.split) == self.keep_held_out
@@ -285,11 +331,18 @@ class HFDataModule(L.LightningDataModule):
 
         self.files = data_files(files)
         self.val_files = None if val_files is None else data_files(val_files)
+        if not Path(tokenizer).expanduser().is_dir():
+            raise FileNotFoundError(f"data.tokenizer={tokenizer}: the folder {Path(tokenizer).expanduser().resolve()}"
+                                    " does not exist; name a local folder with a Hugging Face tokenizer (with"
+                                    " model=hf_pretrained it is model.pretrained's folder).")
         loaded = AutoTokenizer.from_pretrained(str(Path(tokenizer).expanduser()), local_files_only=True)
         template = None if chat_template is None else Path(chat_template).expanduser().read_text()
         if messages_field is not None:
             check_chat_template(loaded, template, chat_template or tokenizer)
         self.tokenize = Tokenize(loaded, text_field or "text", messages_field, template)
+        # Here, in the process that builds the data module (the recipes' launching one, before any rank starts),
+        # rather than when the ranks tokenise.
+        _check_field(first_documents(*self.files, txt_sample_by), self.tokenize, self.files[0][0])
         self.pad_token_id = next(t for t in (loaded.pad_token_id, loaded.eos_token_id, 0) if t is not None)
         self.seq_len, self.batch_size, self.pack, self.streaming = seq_len, batch_size, pack, streaming
         self.val_fraction, self.seed, self.num_proc, self.num_workers = val_fraction, seed, num_proc, num_workers
@@ -299,7 +352,7 @@ class HFDataModule(L.LightningDataModule):
 
     def _tokenized(self, files: list[str], format: str):
         raw = _load(files, format, False, self.cache_dir, self.txt_sample_by)
-        _check_field(raw.column_names, self.tokenize, files)
+        _check_field(raw[:8], self.tokenize, files[0])
         return raw.map(self.tokenize, batched=True, num_proc=self.num_proc, remove_columns=raw.column_names,
                        desc="Tokenizing")
 

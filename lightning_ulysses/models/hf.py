@@ -3,6 +3,8 @@ pretrained folder (`save_pretrained`'s, or a Hub name)."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import torch
@@ -56,13 +58,14 @@ class PretrainedCausalLM:
 
     def __init__(self, pretrained: str, attn_implementation: str = "sdpa", torch_dtype: Optional[str] = None,
                  rope_scaling: Optional[Mapping[str, Any]] = None, config: Optional[Mapping[str, Any]] = None):
+        check_pretrained_folder(str(pretrained))
         self.pretrained = str(pretrained)
         self.attn_implementation = attn_implementation
         self.torch_dtype = torch_dtype
         changes = dict(config or {})
         if rope_scaling:
-            changes["rope_parameters"] = _with_rope_scaling(AutoConfig.from_pretrained(self.pretrained), rope_scaling)
-        self.config = AutoConfig.from_pretrained(self.pretrained, **changes)
+            changes["rope_parameters"] = _with_rope_scaling(_pretrained_config(self.pretrained), rope_scaling)
+        self.config = _pretrained_config(self.pretrained, **changes)
 
     def build(self) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(self.pretrained, config=self.config, dtype=self.torch_dtype,
@@ -71,6 +74,42 @@ class PretrainedCausalLM:
 
     def num_parameters(self) -> int:
         return _count_parameters(self.config, self.attn_implementation)
+
+
+# A Hugging Face Hub name: `name` or `namespace/name` (letters, digits, `_`, `-`, `.`), the form transformers accepts.
+_HUB_NAME = re.compile(r"[A-Za-z0-9_][\w.-]*(/[A-Za-z0-9_][\w.-]*)?")
+MAKE_AN_EXAMPLE = ("To try the recipes without a model of your own, `python -m lightning_ulysses example-finetune"
+                   " <folder>` writes a tiny one with data files, offline, and prints the command that fine-tunes it.")
+
+
+def check_pretrained_folder(pretrained: str, setting: str = "pretrained") -> None:
+    """Refuse, naming the path, a model folder that does not exist or is not one `save_pretrained` wrote (no
+    `config.json`), before transformers reads it as a Hub name ("Repo id must be in the form ..."). A name that can
+    only be a Hub name (`name` or `namespace/name`, not an existing path) is left to transformers. `setting` names the
+    option in the messages (the recipes': `model.pretrained`)."""
+    path = Path(pretrained).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{setting}={pretrained}: {path.resolve()} holds no config.json, so it is not a model folder"
+                f" `save_pretrained` wrote (config.json, weights, tokenizer). {MAKE_AN_EXAMPLE}")
+        return
+    if path.exists():
+        raise NotADirectoryError(f"{setting}={pretrained}: {path.resolve()} is a file; name the model's folder (the"
+                                 f" one holding config.json and the weights). {MAKE_AN_EXAMPLE}")
+    first = Path(pretrained.split("/")[0]).expanduser()
+    if not _HUB_NAME.fullmatch(pretrained) or ".." in pretrained or first.is_dir():
+        raise FileNotFoundError(f"{setting}={pretrained}: the folder {path.resolve()} does not exist. Name a model"
+                                f" folder `save_pretrained` wrote (config.json, weights, tokenizer). {MAKE_AN_EXAMPLE}")
+
+
+def _pretrained_config(pretrained: str, **changes: Any):
+    try:
+        return AutoConfig.from_pretrained(pretrained, **changes)
+    except OSError as error:  # a Hub name (check_pretrained_folder refused missing paths) that did not load
+        raise OSError(f"{pretrained!r} is no folder here ({Path(pretrained).expanduser().resolve()} does not exist),"
+                      f" and transformers could not load it as a Hugging Face Hub model either: {error}"
+                      f" {MAKE_AN_EXAMPLE}") from error
 
 
 def _with_rope_scaling(config, rope_scaling: Mapping[str, Any]) -> dict[str, Any]:

@@ -368,8 +368,9 @@ def _check_checkpoint_export(case: dict, ranks: list[dict], steps) -> None:
              if case["model"].endswith("-lora2") else contextlib.nullcontext())
     with warns:
         assert main(["export", rank["checkpoint"], str(output), "--merged"]) == 0
-    assert sorted(p.name for p in output.iterdir()) == ["model", "model.pt"]  # the PEFT model's module path
-    _check_exported(case, rank, output / "model")
+    # One model: its folders in the output itself, as the callback's are (beside the consolidated state dict).
+    assert sorted(p.name for p in output.iterdir()) == ["adapter", "merged", "model.pt"]
+    _check_exported(case, rank, output)
 
 
 def _check_exported(case: dict, rank: dict, export: Path) -> None:

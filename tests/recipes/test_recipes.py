@@ -148,6 +148,11 @@ BAD_OVERRIDES = [
     (["strategy.sequence_padding=error", "data.seq_len=127"], "data.seq_len=127 is not divisible"),
     (["model=gpt_huge"], "Could not find 'model/gpt_huge'"),
     (["experiment=llama8b_360k_one_gpu", "schedule=cosine"], "schedule cosine (warmup 100) would not apply"),
+    # A first fine-tune without its model and data, or with a mistyped folder (tests/recipes/test_finetune.py has
+    # every message of check_before_run): the message, not Hugging Face's "Repo id must be in the form ...".
+    (["experiment=finetune_cpu"], "error: experiment=finetune_cpu needs model.pretrained and data.files"),
+    (["experiment=finetune_cpu", "model.pretrained=/nonexistent/model", "data.files=x.jsonl"],
+     "error: model.pretrained=/nonexistent/model: the folder /nonexistent/model does not exist."),
 ]
 
 
@@ -160,15 +165,16 @@ def in_one_process(tmp_path_factory):
     outdir = tmp_path_factory.mktemp("recipes_in_one_process")
     runs = [[*overrides, "plan=true"] for overrides, _, _ in PLANS] + [ONE_GPU_PLAN]
     runs += [overrides for overrides, _ in BAD_OVERRIDES]
+    run_dirs = [tmp_path_factory.mktemp("run") / "run" for _ in runs]  # not made yet: Hydra makes a run's folder
     (outdir / "runs.json").write_text(json.dumps(
-        [[*overrides, f"hydra.run.dir={tmp_path_factory.mktemp('run')}"] for overrides in runs]))
+        [[*overrides, f"hydra.run.dir={run_dir}"] for overrides, run_dir in zip(runs, run_dirs)]))
     driver = run_script(Path(__file__).parent / "run_recipes.py", [str(outdir / "runs.json"), str(outdir)], _env(), ROOT,
                         timeout=60 * len(runs))
     assert driver.returncode == 0, driver.stdout[-3000:] + driver.stderr[-3000:]
     codes = json.loads((outdir / "results.json").read_text())
     return {tuple(overrides): SimpleNamespace(returncode=code["returncode"], stdout=(outdir / f"{i}.out").read_text(),
-                                              stderr=(outdir / f"{i}.err").read_text())
-            for i, (overrides, code) in enumerate(zip(runs, codes))}
+                                              stderr=(outdir / f"{i}.err").read_text(), run_dir=run_dir)
+            for i, (overrides, code, run_dir) in enumerate(zip(runs, codes, run_dirs))}
 
 
 @pytest.mark.parametrize("experiment_overrides, billions, layout", PLANS)
@@ -195,10 +201,14 @@ def test_one_gpu_360k_plan_fits_the_h200_machine(in_one_process):
 
 @pytest.mark.parametrize("overrides, message", BAD_OVERRIDES)
 def test_bad_overrides_fail_before_training(in_one_process, overrides, message):
+    """Refused with the message alone (no traceback) before Hydra made the run folder (recipe.CheckBeforeRunFolder):
+    no empty run folder is left behind."""
     result = in_one_process[tuple(overrides)]
     assert result.returncode != 0
     assert message in result.stdout + result.stderr
     assert "Trainer.fit" not in result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert not result.run_dir.exists()
 
 
 def test_main_job_learns_across_shards(tmp_path):

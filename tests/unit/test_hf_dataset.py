@@ -154,6 +154,30 @@ def test_bad_settings_are_refused_naming_the_fix(folder, options, error, match):
         data(folder, options.pop("files", "text.jsonl"), **options)
 
 
+@pytest.mark.parametrize("files, options, match", [
+    # a chat file read as plain text (no data.messages_field): named as chat, with the setting that reads it
+    ("chat.jsonl", {}, r"holds chat conversations in its field 'messages' .* set data\.messages_field=messages "),
+    # the old advice followed (data.text_field=<the chat field>): refused here, not deep inside the tokenizer
+    ("chat.jsonl", {"text_field": "messages"}, r"data\.text_field='messages' holds chat conversations .* set"
+                                               r" data\.messages_field=messages instead of data\.text_field"),
+    ("text.jsonl", {"messages_field": "text"}, r"data\.messages_field='text' holds plain text .* set"
+                                               r" data\.text_field=text instead of data\.messages_field"),
+    ("text.jsonl", {"messages_field": "dialogue"}, r"'dialogue' is not a field .* no conversations; for plain text"
+                                                   r" set data\.text_field=text"),
+])
+def test_fields_that_do_not_hold_what_they_are_set_for_are_refused_when_built(folder, files, options, match):
+    """Judged from the first documents when the data module is built (the recipes: in the launching process, before
+    any rank starts), never by the tokenizer failing on a list of messages."""
+    with pytest.raises(KeyError, match=match) as refused:
+        HFDataModule(str(folder / files), tokenizer=str(folder / "tokenizer"), seq_len=SEQ_LEN, **options)
+    assert "data.text_field to" not in str(refused.value)  # no advice to read conversations as text
+
+
+def test_a_missing_tokenizer_folder_is_named(folder):
+    with pytest.raises(FileNotFoundError, match=rf"data\.tokenizer=.*{folder / 'no_tokenizer'} does not exist"):
+        HFDataModule(str(folder / "text.jsonl"), tokenizer=str(folder / "no_tokenizer"))
+
+
 @pytest.mark.parametrize("options", [{}, {"pack": False}, {"messages_field": "messages"}])
 def test_streaming_yields_the_map_style_rows(folder, options):
     files = "chat.jsonl" if "messages_field" in options else "text.jsonl"

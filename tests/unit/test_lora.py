@@ -232,14 +232,14 @@ RECORDED = "model.base_model.model"
 
 
 def _checkpoint_export(module, config_dir, output):
-    """What `checkpoint export --merged` does with the model recorded at RECORDED, given the module's whole state
-    dict (the consolidated checkpoint's, in a real checkpoint)."""
+    """What `checkpoint export --merged` does with the one model of a checkpoint, recorded at RECORDED, given the
+    module's whole state dict (the consolidated checkpoint's, in a real checkpoint): its folders in `output`."""
     return checkpoints._export_hf_model(config_dir, module.state_dict(), RECORDED, output, merged=True)
 
 
 def test_a_checkpoint_records_the_lora_config_and_exports_the_callbacks_folders(pretrained, tmp_path):
     """A checkpoint of a LoRA module records peft's adapter config beside the config of the model it adapts;
-    `checkpoint export` then writes `adapter/` and `merged/` under the PEFT model's module path, as `ExportPretrained`
+    `checkpoint export` then writes `adapter/` and `merged/` into the folder it is given, as `ExportPretrained`
     does (the adapter naming the base the run loaded). The distributed round trip: test_parity.py's `-pretrained-lora`
     `checkpoint_export` claim."""
     module = _lora_module(pretrained)
@@ -249,7 +249,7 @@ def test_a_checkpoint_records_the_lora_config_and_exports_the_callbacks_folders(
     config_dir = tmp_path / "ckpt" / "hf" / RECORDED
     assert sorted(p.name for p in config_dir.iterdir()) == ["adapter_config.json", "adapters.json", "config.json"]
     folders = _checkpoint_export(module, config_dir, tmp_path / "export")
-    assert folders == [tmp_path / "export" / "model" / "adapter", tmp_path / "export" / "model" / "merged"]
+    assert folders == [tmp_path / "export" / "adapter", tmp_path / "export" / "merged"]
     assert PeftConfig.from_pretrained(folders[0]).base_model_name_or_path == str(pretrained)
     _check_lora_folders(model, pretrained, folders)
 
@@ -357,7 +357,7 @@ def test_a_checkpoint_records_every_adapter_and_exports_them_as_the_callback_doe
     assert PeftConfig.from_pretrained(config_dir / "second").r == SECOND.r
     with pytest.warns(UserWarning, match=r"not the inactive \['default'\]"):
         folders = _checkpoint_export(module, config_dir, tmp_path / "export")
-    assert folders == [tmp_path / "export" / "model" / "adapter", tmp_path / "export" / "model" / "merged"]
+    assert folders == [tmp_path / "export" / "adapter", tmp_path / "export" / "merged"]
     for folder in (folders[0], folders[0] / "second"):
         assert PeftConfig.from_pretrained(folder).base_model_name_or_path == str(pretrained)
     _check_two_adapter_folders(model, pretrained, folders, ["second"])
@@ -390,18 +390,39 @@ def test_checkpoint_export_saves_the_tokenizer_given_on_the_command_line(pretrai
     module.configure_model()
     model = _trained(module)
     tokenizer = save_tiny_tokenizer(tmp_path / "tokenizer", vocab_size=300)  # not the pretrained folder's (320)
-    path = tmp_path / "last.ckpt"
-    staging = checkpoints.prepare_staging(path)
-    (staging / checkpoints.DEEPSPEED_TAG).mkdir()
-    torch.save({}, staging / checkpoints.DEEPSPEED_TAG / "mp_rank_00_model_states.pt")
-    checkpoints.save_hf_configs(staging, {"model": model.config}, module)
-    checkpoints.commit(path, checkpoints.CheckpointManifest(
-        world_size=1, sequence_parallel_size=1, data_parallel_size=1, zero_stage=0, epoch_samples_consumed=0,
-        hf_models=("model",)))
-    monkeypatch.setattr(checkpoints, "consolidated_state_dict", lambda checkpoint: module.state_dict())
+    path = _committed_checkpoint(tmp_path / "last.ckpt", module, {"model": model}, monkeypatch)
     command = ["export", str(path), str(tmp_path / "export"), "--tokenizer", str(tmp_path / "tokenizer")]
     assert checkpoints.main(command) == 0
-    exported = tmp_path / "export" / "model"
+    exported = tmp_path / "export"  # the one model's folder is the output itself, as the recipes' export is
     assert AutoTokenizer.from_pretrained(exported).get_vocab() == tokenizer.get_vocab()
     tokens = torch.arange(24).reshape(2, 12)
     assert torch.equal(_logits(AutoModelForCausalLM.from_pretrained(exported), tokens), _logits(model, tokens))
+
+
+def _committed_checkpoint(path, module, models: dict, monkeypatch):
+    """A complete checkpoint as the strategy commits it (manifest, the configs of `models` by module path), the
+    consolidation of its stand-in shards replaced by `module`'s state dict."""
+    staging = checkpoints.prepare_staging(path)
+    (staging / checkpoints.DEEPSPEED_TAG).mkdir()
+    torch.save({}, staging / checkpoints.DEEPSPEED_TAG / "mp_rank_00_model_states.pt")
+    checkpoints.save_hf_configs(staging, {name: model.config for name, model in models.items()}, module)
+    checkpoints.commit(path, checkpoints.CheckpointManifest(
+        world_size=1, sequence_parallel_size=1, data_parallel_size=1, zero_stage=0, epoch_samples_consumed=0,
+        hf_models=tuple(models)))
+    monkeypatch.setattr(checkpoints, "consolidated_state_dict", lambda checkpoint: module.state_dict())
+    return path
+
+
+def test_checkpoint_export_puts_several_models_side_by_side(tmp_path, monkeypatch):
+    """One model is exported into the output folder itself (above, as the recipes' `export.enabled` does); a module
+    with two Hugging Face models gets one `save_pretrained` folder per module path, beside `model.pt`."""
+    module = torch.nn.Module()
+    module.student, module.teacher = tiny_llama(2, seed=1), tiny_llama(4, seed=2)
+    path = _committed_checkpoint(tmp_path / "last.ckpt", module, {"student": module.student,
+                                                                    "teacher": module.teacher}, monkeypatch)
+    assert checkpoints.main(["export", str(path), str(tmp_path / "export")]) == 0
+    assert sorted(p.name for p in (tmp_path / "export").iterdir()) == ["model.pt", "student", "teacher"]
+    tokens = torch.arange(24).reshape(2, 12)
+    for name in ("student", "teacher"):
+        exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export" / name)
+        assert torch.equal(_logits(exported, tokens), _logits(getattr(module, name), tokens)), name
