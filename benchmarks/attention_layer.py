@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 from lightning_ulysses.attention.backends import SDPA_KERNELS, sdpa_priority
 from lightning_ulysses.attention import copy_engine
-from lightning_ulysses.attention.all_to_all import start_exchange, use_transport
+from lightning_ulysses.attention.all_to_all import start_exchange
 from lightning_ulysses.attention.core import UlyssesAttention
 from lightning_ulysses.attention import ring
 from lightning_ulysses.attention.ring import block_kernel_kind, ring_attention, sdpa_kernel_order
@@ -166,12 +166,13 @@ class _StackCatAllToAll(torch.autograd.Function):
         return _StackCatAllToAll.exchange(grad_output, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
 
 
-def per_tensor_ulysses(attend, group, library_exchange: bool):
-    """Ulysses with each all-to-all waited for at once: through the library's `start_exchange` or the old stack/cat."""
+def per_tensor_ulysses(attend, group, library_exchange: bool, transport=None):
+    """Ulysses with each all-to-all waited for at once: through the library's `start_exchange` (over `transport`) or
+    the old stack/cat."""
 
     def exchange(tensor, scatter_dim, gather_dim):
         if library_exchange:
-            return start_exchange(tensor, group, scatter_dim, gather_dim).finish()
+            return start_exchange(tensor, group, scatter_dim, gather_dim, transport).finish()
         return _StackCatAllToAll.apply(tensor, group, scatter_dim, gather_dim)
 
     def attention(q, k, v):
@@ -198,15 +199,19 @@ def checking(seq_len, args) -> bool:
     return args.check == "yes" or (args.check == "auto" and seq_len <= 32768)
 
 
-def build_attention(mode: str, base_groups: SequenceParallelGroups, args, head_groups: int = 1, group=None):
-    """(attention callable on local shards, shard order, (ulysses_size, ring_size)) or None when not applicable."""
+def build_attention(mode: str, base_groups: SequenceParallelGroups, args, head_groups: int = 1, group=None,
+                    transport=None):
+    """(attention callable on local shards, shard order, (ulysses_size, ring_size)) or None when not applicable.
+    `transport`: the all-to-all transport of the pure-Ulysses modes (the ring's Ulysses sub-group exchanges
+    collectively)."""
     world = base_groups.sequence_parallel_world_size
     if mode in ("local", "ulysses_separate", "ulysses_stack_cat") and args.kv_heads % world:
         return None  # these cut the KV heads like the query heads: no KV replication
     if mode in ("sdpa", "local"):  # local: measure() hands it one rank's share of the heads, all tokens
         return causal_sdpa, None, (1, 1)
     if mode in ("ulysses_separate", "ulysses_stack_cat"):
-        attention = per_tensor_ulysses(causal_sdpa, base_groups.sequence_parallel_group, mode == "ulysses_separate")
+        attention = per_tensor_ulysses(causal_sdpa, base_groups.sequence_parallel_group, mode == "ulysses_separate",
+                                       transport)
         return attention, ShardOrder(world), (world, 1)
     if mode in ("ulysses", "exchange"):
         if mode == "exchange" and args.kv_heads != args.heads:
@@ -217,6 +222,7 @@ def build_attention(mode: str, base_groups: SequenceParallelGroups, args, head_g
         attention.bind_parallel_groups(base_groups)
         if group is not None and world > 1:
             attention.bind(group)
+        attention.bind_transport(transport)
         return attention, ShardOrder(world), (world, 1)
     ring = {"ring": world, "hybrid": 2}[mode]
     if mode == "hybrid" and (world < 4 or world % 2):
@@ -395,9 +401,8 @@ def run_variant(mode, head_groups, stream, ring_kernel, group, seq_len, sdpa_ms,
     """Measure one variant at one length, print its JSON line; returns the sdpa baseline time (set by mode sdpa)."""
     world = dist.get_world_size()
     exchange_group = group if group is not None else base_groups.ulysses_group
-    if world > 1:
-        use_transport(exchange_group, exchange_transport(exchange, exchange_group, device))
-    built = build_attention(mode, base_groups, args, head_groups, group)
+    transport = exchange_transport(exchange, exchange_group, device) if world > 1 else None
+    built = build_attention(mode, base_groups, args, head_groups, group, transport)
     point = {"mode": mode, "world_size": world, "seq_len": seq_len, "batch": args.batch, "heads": args.heads,
              "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": args.dtype, "device": device.type,
              "sdpa_kernel": args.sdpa_kernel, "label": args.label}
@@ -435,7 +440,6 @@ def run_variant(mode, head_groups, stream, ring_kernel, group, seq_len, sdpa_ms,
         if args.output:
             with open(args.output, "a") as file:
                 file.write(line + "\n")
-    use_transport(exchange_group, None)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return sdpa_ms

@@ -32,6 +32,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_ulysses.attention.rows import BatchRowsSlot
+from lightning_ulysses.layout import ShardOrder
 from lightning_ulysses.loss import _SumOverGroup
 
 FUNCTION_NAME = "load_balancing_loss_func"
@@ -185,16 +187,17 @@ class _Refusal:
         )
 
 
-def sharder_padding(sharder_of: Callable[[], object]) -> Callable[[int], Optional[torch.Tensor]]:
-    """`real_tokens` for `SequenceParallelRouterLoss` from the strategy's current `SequenceSharder`: this shard's
-    positions below the length the rows had before the sharder padded them."""
+def batch_padding(batch_rows: BatchRowsSlot, order: ShardOrder, rank: int) -> Callable[[int], Optional[torch.Tensor]]:
+    """`real_tokens` for `SequenceParallelRouterLoss` from the rows the sharder published for the current batch
+    (`BatchRows.unpadded_length`): this shard's positions (SP rank `rank`, cut in `order`) below the length the rows
+    had before the sharder padded them."""
 
     def real_tokens(local_length: int) -> Optional[torch.Tensor]:
-        sharder = sharder_of()
-        unpadded = getattr(sharder, "unpadded_length", None)
-        padded = local_length * sharder.sequence_parallel_size if sharder is not None else 0
+        rows = batch_rows.rows
+        unpadded = None if rows is None else rows.unpadded_length
+        padded = local_length * order.sequence_parallel_size
         if unpadded is None or unpadded >= padded:
             return None
-        return sharder.order.positions(padded, sharder.sequence_parallel_rank) < unpadded
+        return order.positions(padded, rank) < unpadded
 
     return real_tokens

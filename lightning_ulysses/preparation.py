@@ -33,7 +33,7 @@ from lightning_ulysses.layout import SequenceParallelGroups
 from lightning_ulysses.loss import LossFunctionHost, SequenceParallelCausalLMLoss, swap_loss_function
 from lightning_ulysses.memory import MemoryOptions, apply_memory_options, mark_leaf_layers
 from lightning_ulysses.metrics import SequenceParallel
-from lightning_ulysses.moe import SequenceParallelRouterLoss, exact_router_loss, sharder_padding, validate_router_loss
+from lightning_ulysses.moe import SequenceParallelRouterLoss, exact_router_loss, batch_padding, validate_router_loss
 from lightning_ulysses.sharding import SequenceSharder
 
 Undo = Callable[[], None]
@@ -42,7 +42,8 @@ Undo = Callable[[], None]
 @dataclass(frozen=True)
 class SequenceParallelRuntime:
     """What one `setup` decided, handed to every adapter: the final groups (ring size included), the sharder that
-    cuts each batch, the slot it publishes the batch's whole rows into, the loss, and the options."""
+    cuts each batch, the slot it publishes the batch's whole rows into, the loss, the all-to-all transport, and
+    the options."""
 
     groups: SequenceParallelGroups
     sharder: SequenceSharder
@@ -51,6 +52,8 @@ class SequenceParallelRuntime:
     memory: MemoryOptions
     overlap_head_groups: int = 1
     leaf_layers: bool = False  # ZeRO-3 gathers each decoder layer whole (`ZeroLeafLayers`)
+    # How the Ulysses all-to-alls move their bytes (the strategy's agreed `exchange`); None: the collective one.
+    transport: Any = None
 
     @property
     def sharded(self) -> bool:
@@ -108,20 +111,24 @@ class HuggingFaceModels(ModuleAdapter):
     def prepare(self, found, runtime):
         groups = runtime.groups
         prepared = [prepare_hf_model(model, groups.ulysses_group, runtime.loss, ring_group=groups.ring_group,
-                                     batch_rows=runtime.batch_rows, head_groups=runtime.overlap_head_groups)
+                                     batch_rows=runtime.batch_rows, head_groups=runtime.overlap_head_groups,
+                                     transport=runtime.transport)
                     for model in found]
         # The configs as the user built them (preparation swaps in a private copy with Ulysses attention).
         self.configs = {self._names[id(p.model)]: p.original_configs.get(id(p.model), p.model.config) for p in prepared}
         undo = [p.restore for p in prepared]
         if runtime.loss.group is not None:  # MoE load-balancing losses of the whole sequence (moe.py)
-            router_loss = SequenceParallelRouterLoss(runtime.loss.group, runtime.loss.gradient_scale,
-                                                     sharder_padding(lambda: runtime.sharder))
+            sharder = runtime.sharder
+            router_loss = SequenceParallelRouterLoss(
+                runtime.loss.group, runtime.loss.gradient_scale,
+                batch_padding(runtime.batch_rows, sharder.order, sharder.sequence_parallel_rank))
             undo += [exact_router_loss(model, router_loss) for model in found]
         return undo
 
 
 class NativeAttention(ModuleAdapter):
-    """`UlyssesAttention` layers of the user's own models: the batch's rows and the head-group pipelining."""
+    """`UlyssesAttention` layers of the user's own models: the batch's rows, the head-group pipelining and the
+    all-to-all transport."""
 
     exchanges_tokens = True
 
@@ -136,8 +143,10 @@ class NativeAttention(ModuleAdapter):
         for attention in found:
             attention.bind_batch_rows(runtime.batch_rows)
             attention.bind_head_groups(runtime.overlap_head_groups)
+            attention.bind_transport(runtime.transport)
             undo += [functools.partial(attention.bind_batch_rows, None),
-                     functools.partial(attention.bind_head_groups, None)]
+                     functools.partial(attention.bind_head_groups, None),
+                     functools.partial(attention.bind_transport, None)]
         return undo
 
 

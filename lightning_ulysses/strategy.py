@@ -28,7 +28,6 @@ from typing_extensions import override
 from lightning_ulysses import _lightning_private as lightning_private
 from lightning_ulysses import auto, console, faults, preflight, preparation, pretrained
 from lightning_ulysses.attention import copy_engine
-from lightning_ulysses.attention.all_to_all import use_transport
 from lightning_ulysses.attention.backends import check_sdpa_kernel_priority, sdpa_priority
 from lightning_ulysses.attention.core import check_overlap_head_groups, resolve_ring_size
 from lightning_ulysses.attention.rows import BatchRowsSlot
@@ -258,7 +257,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self.overlap_head_groups = overlap_head_groups
         self.zero3_leaf_layers = zero3_leaf_layers
         self.exchange: Optional[str] = None  # "nccl" or "copy_engine" once agreed in `setup` (`_decide_exchange`)
-        self._transport_group = None  # the group `_decide_exchange` gave the copy-engine transport
+        self._transport = None  # the all-to-all transport `_decide_exchange` agreed (None: the collective one)
         self._batch_check = SameBatchCheck(check_batches)
         self._watchdog: Optional[faults.RankWatchdog] = None
         self._signals = faults.SchedulerSignals()
@@ -425,7 +424,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._decide_auto(found)
         runtime = preparation.SequenceParallelRuntime(
             self.parallel_groups, self._sharder, self._batch_rows, self.loss_function, self.memory,
-            self.overlap_head_groups, leaf_layers=self.zero3_leaf_layers and self.zero_stage_3)
+            self.overlap_head_groups, leaf_layers=self.zero3_leaf_layers and self.zero_stage_3,
+            transport=self._transport)
         self._prepared = found.prepare(runtime)
         self._hf_model_configs = self._prepared.hf_configs
 
@@ -435,6 +435,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         takes the same transport and an impossible `"copy_engine"` is refused on every rank alike."""
         groups = self.parallel_groups
         group = groups.ulysses_group if groups.ulysses_size > 1 else None
+        self._transport = None
         if group is None:
             self.exchange = "nccl"  # nothing is exchanged
             return
@@ -448,10 +449,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             probe = copy_engine.probe_copy_engine([self.root_device] + peers, on_host)
             failure = copy_engine.agreed_failure(probe, group, self.root_device)
         self.exchange = copy_engine.choose_exchange(self._requested_exchange, failure)
-        transport = copy_engine.transport_for(self.exchange)
-        if transport is not None:
-            use_transport(group, transport)
-            self._transport_group = group  # released in `_restore_modules`
+        # Handed to this run's models only (`SequenceParallelRuntime.transport`, on their bindings).
+        self._transport = copy_engine.transport_for(self.exchange)
 
     def _decide_auto(self, found: preparation.ModuleScan) -> None:
         """`memory="auto"` and `sdpa_kernel_priority="auto"`, once per run, before the memory features are applied
@@ -507,9 +506,6 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
 
     def _restore_modules(self) -> None:
         self._prepared.restore()
-        if self._transport_group is not None:  # the copy-engine transport, set by `_decide_exchange`
-            use_transport(self._transport_group, None)
-            self._transport_group = None
 
     @override
     def teardown(self) -> None:

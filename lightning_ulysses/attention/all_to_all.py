@@ -25,31 +25,18 @@ from lightning_ulysses.attention.copy_engine import CollectiveTransport
 from lightning_ulysses.layout import ShardOrder
 
 
-_TRANSPORTS: dict = {}  # process group -> its transport (`use_transport`); the collective one otherwise
-_COLLECTIVE = CollectiveTransport()
-
-
-def use_transport(group, transport) -> None:
-    """Exchange over `group` with `transport` (`copy_engine.py`); None: the collective all-to-all again. The
-    strategy sets it for its Ulysses group once the choice is agreed (`choose_exchange`)."""
-    if transport is None:
-        _TRANSPORTS.pop(group, None)
-    else:
-        _TRANSPORTS[group] = transport
-
-
-def transport_of(group):
-    return _TRANSPORTS.get(group, _COLLECTIVE)
+# The transport of every exchange not handed one: `all_to_all_single` (stateless, so one serves every group).
+COLLECTIVE = CollectiveTransport()
 
 
 class _Exchange:
     """What the start and finish nodes of one all-to-all share: the group, the dimensions, the transport and the
     exchange in flight (forward, then backward, whose receive buffer waits here for `_Start.backward`)."""
 
-    def __init__(self, group, split_dim: int, join_dim: int):
+    def __init__(self, group, split_dim: int, join_dim: int, transport):
         self.group, self.split_dim, self.join_dim = group, split_dim, join_dim
         self.size = dist.get_world_size(group)
-        self.transport = transport_of(group)
+        self.transport = transport
         self.work = self.send = self.receive = None
 
     def launch(self, tensor: torch.Tensor, split_dim: int) -> torch.Tensor:
@@ -125,10 +112,13 @@ class InFlightExchange:
         return _Finish.apply(payload, self._exchange)
 
 
-def start_exchange(tensor: torch.Tensor, group, split_dim: int, join_dim: int) -> InFlightExchange:
+def start_exchange(tensor: torch.Tensor, group, split_dim: int, join_dim: int, transport=None) -> InFlightExchange:
     """Start an all-to-all of `tensor` over `group`: it is cut into P pieces along `split_dim`, piece p goes to rank
     p, and what arrives from the P ranks is joined along `join_dim` (in rank order); every rank sends the same
-    shape. Nothing waits until `finish()`: work issued in between overlaps the transfer."""
+    shape. Nothing waits until `finish()`: work issued in between overlaps the transfer.
+
+    `transport`: how the bytes move (`copy_engine.py`; the strategy's choice travels on the prepared model's
+    binding); None: the collective all-to-all."""
     if group is None or dist.get_world_size(group) == 1:
         return InFlightExchange(None, tensor)
     size = dist.get_world_size(group)
@@ -137,23 +127,23 @@ def start_exchange(tensor: torch.Tensor, group, split_dim: int, join_dim: int) -
             f"all-to-all: dimension {split_dim} of size {tensor.size(split_dim)} is not divisible by the"
             f" sequence-parallel size {size}"
         )
-    exchange = _Exchange(group, split_dim, join_dim)
+    exchange = _Exchange(group, split_dim, join_dim, COLLECTIVE if transport is None else transport)
     return InFlightExchange(exchange, _Start.apply(tensor, exchange))
 
 
-def all_to_all(tensor: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+def all_to_all(tensor: torch.Tensor, group, scatter_dim: int, gather_dim: int, transport=None) -> torch.Tensor:
     """Split `tensor` along `scatter_dim` over the ranks of `group` and concatenate what arrives along `gather_dim`."""
-    return start_exchange(tensor, group, scatter_dim, gather_dim).finish()
+    return start_exchange(tensor, group, scatter_dim, gather_dim, transport).finish()
 
 
-def sequence_to_heads(tensor: torch.Tensor, group, head_dim: int, seq_dim: int) -> torch.Tensor:
+def sequence_to_heads(tensor: torch.Tensor, group, head_dim: int, seq_dim: int, transport=None) -> torch.Tensor:
     """`[.. heads .. seq/P ..]` → `[.. heads/P .. seq ..]`: all tokens of this rank's share of the heads."""
-    return all_to_all(tensor, group, scatter_dim=head_dim, gather_dim=seq_dim)
+    return all_to_all(tensor, group, scatter_dim=head_dim, gather_dim=seq_dim, transport=transport)
 
 
-def heads_to_sequence(tensor: torch.Tensor, group, head_dim: int, seq_dim: int) -> torch.Tensor:
+def heads_to_sequence(tensor: torch.Tensor, group, head_dim: int, seq_dim: int, transport=None) -> torch.Tensor:
     """`[.. heads/P .. seq ..]` → `[.. heads .. seq/P ..]`: the inverse of `sequence_to_heads`."""
-    return all_to_all(tensor, group, scatter_dim=seq_dim, gather_dim=head_dim)
+    return all_to_all(tensor, group, scatter_dim=seq_dim, gather_dim=head_dim, transport=transport)
 
 
 def all_gather_sequence(tensor: torch.Tensor, group, seq_dim: int, order: ShardOrder | None = None) -> torch.Tensor:

@@ -6,7 +6,7 @@ output back. With fewer KV heads than SP ranks (GQA/MQA) each KV head is replica
 the one KV head its query heads use; replication is a `repeat_interleave`, so its gradient sums back exactly.
 
 `ulysses_attention` is the one core both model families run: `UlyssesAttention` (native models) and the
-Hugging Face attention function (attention/hf.py) call it with a backend name (attention/backends.py). Packed
+Hugging Face attention function (attention/hf/forward.py) call it with a backend name (attention/backends.py). Packed
 documents and padding are read from the whole-row positions and mask (attention/documents.py): those the sharder
 published for the batch (attention/rows.py), or else gathered from the SP group in every call.
 
@@ -128,7 +128,8 @@ def usable_head_groups(num_heads: int, num_key_value_heads: int, sequence_parall
                if num_heads % (g * sequence_parallel_size) == 0 and kv_heads % (g * sequence_parallel_size) == 0)
 
 
-def exchange_and_attend(query, key, value, group, attend: Callable, head_groups: int = 1) -> torch.Tensor:
+def exchange_and_attend(query, key, value, group, attend: Callable, head_groups: int = 1,
+                        transport=None) -> torch.Tensor:
     """Ulysses around `attend`: `[batch, heads, seq/P, dim]` q/k/v → all-to-all → `attend(q, k, v)` on all tokens of
     heads/P heads (returns `[batch, seq, heads/P, dim]`) → all-to-all back → `[batch, seq/P, heads, dim]`.
 
@@ -136,6 +137,7 @@ def exchange_and_attend(query, key, value, group, attend: Callable, head_groups:
     many ways) and pipelines them: every group's q/k/v exchange is launched at once, and each group's attention
     runs while the next group's inputs and the previous group's output are in flight. Backward, run by autograd in
     reverse creation order, does the same with the gradients. Only the first exchange and the last stay exposed.
+    `transport`: how the all-to-alls move their bytes (`start_exchange`; None: the collective all-to-all).
     (Measured on 2 × H200, NCCL's all-to-all kernels slow a compute-bound attention kernel beside them by about
     the time they overlap: 2 groups gain ~1.5% at 32K tokens, nothing at 128K.) Attention heads are independent, so the result is that of one group, whatever the grouping. (Under a ring,
     `ulysses_attention` passes one group: the ring exchanges K/V blocks between its own block computations.)
@@ -149,11 +151,12 @@ def exchange_and_attend(query, key, value, group, attend: Callable, head_groups:
     groups = usable_head_groups(query.size(1), key.size(1), sp, head_groups)
     pieces = zip(*(tensor.chunk(groups, dim=1) for tensor in (query, key, value)))
     # q/k/v of every group: heads scattered, tokens gathered; all launched before the first is waited for
-    incoming = [[start_exchange(t, group, split_dim=1, join_dim=2) for t in qkv] for qkv in pieces]
+    incoming = [[start_exchange(t, group, split_dim=1, join_dim=2, transport=transport) for t in qkv] for qkv in pieces]
     outgoing = []
     for exchanges in incoming:
         output = attend(*(exchange.finish() for exchange in exchanges))
-        outgoing.append(start_exchange(output, group, split_dim=1, join_dim=2))  # tokens scattered, heads gathered
+        # tokens scattered, heads gathered
+        outgoing.append(start_exchange(output, group, split_dim=1, join_dim=2, transport=transport))
     outputs = [exchange.finish() for exchange in outgoing]
     return outputs[0] if groups == 1 else torch.cat(outputs, dim=2)
 
@@ -202,6 +205,7 @@ def ulysses_attention(
     head_groups: int = 1,
     pattern: Optional[AttentionPattern] = None,
     local: Optional[Callable] = None,
+    transport=None,
 ) -> torch.Tensor:
     """Attention of this rank's shard: `[batch, heads, seq/P, dim]` q/k/v → `[batch, seq/P, heads, dim]`.
 
@@ -222,6 +226,8 @@ def ulysses_attention(
     `local`: the model's own attention in place of the backend, `local(q, k, v, documents, pattern)` on whole rows of
     this rank's heads (`[batch, heads/P, seq, dim]` → `[batch, seq, heads/P, dim]`); heads are then exchanged in one
     group, contiguous per rank (`local_heads`).
+
+    `transport`: how the Ulysses all-to-alls move their bytes (`exchange_and_attend`).
     """
     ring = ProcessGroupHandle(ring_group).world_size > 1
     if ring and (pattern or local is not None):
@@ -261,7 +267,7 @@ def ulysses_attention(
     if ProcessGroupHandle(group).world_size == 1:
         return attend(query, key, value)
     # the ring exchanges K/V blocks itself, between its own blocks' compute: its heads go in one group
-    return exchange_and_attend(query, key, value, group, attend, 1 if ring else head_groups)
+    return exchange_and_attend(query, key, value, group, attend, 1 if ring else head_groups, transport)
 
 
 def _whole_rows(shard: torch.Tensor, ulysses_group, ring_group) -> torch.Tensor:
@@ -349,6 +355,7 @@ class UlyssesAttention(nn.Module):
         self._group = ProcessGroupHandle(None)
         self._ring = ProcessGroupHandle(None)
         self._batch_rows: Optional[BatchRowsSlot] = None
+        self._transport = None  # the strategy's choice of all-to-all (`bind_transport`); None: the collective one
 
     def bind(self, sequence_parallel_group, ring_group=None) -> None:
         """Heads are scattered over `sequence_parallel_group` (the Ulysses group); K/V blocks pass around `ring_group`."""
@@ -372,6 +379,11 @@ class UlyssesAttention(nn.Module):
         """Read the whole rows of each batch from `batch_rows`, where a `SequenceSharder` publishes them (the
         strategy binds its own at setup); None: gather positions and padding mask in every call."""
         self._batch_rows = batch_rows
+
+    def bind_transport(self, transport) -> None:
+        """Move this module's all-to-alls with `transport` (`copy_engine.py`, the strategy's agreed `exchange`);
+        None: the collective all-to-all."""
+        self._transport = transport
 
     @property
     def sequence_parallel_group(self):
@@ -408,7 +420,7 @@ class UlyssesAttention(nn.Module):
         options.update(kwargs)
         output = ulysses_attention(query, key, value, group, backend, position_ids, attention_mask,
                                    ring_group=ring_group, batch_rows=self._batch_rows, head_groups=self.head_groups,
-                                   **options)
+                                   transport=self._transport, **options)
         return output.transpose(1, 2)
 
     def _custom_attention(self, query, key, value, group, **kwargs):
@@ -418,4 +430,5 @@ class UlyssesAttention(nn.Module):
         def attend(q, k, v):
             return self.backend(q, k, v, **kwargs).transpose(1, 2)
 
-        return exchange_and_attend(query, key, value, group, attend, self.head_groups).transpose(1, 2)
+        output = exchange_and_attend(query, key, value, group, attend, self.head_groups, self._transport)
+        return output.transpose(1, 2)

@@ -117,7 +117,8 @@ class _InlineForward:
             position_ids=binding.forward_positions,  # None for families without position_ids (BLOOM, MPT)
             padding_mask=padding_mask,
             is_causal=True, scale=scale, dropout_p=dropout, ring_group=binding.ring.group,
-            batch_rows=binding.batch_rows, head_groups=binding.head_groups, pattern=pattern, local=local)
+            batch_rows=binding.batch_rows, head_groups=binding.head_groups, pattern=pattern, local=local,
+            transport=binding.transport)
 
 
 class _EagerAttention:

@@ -6,7 +6,7 @@ transformers builds some attention patterns only through the `mask_function` it 
 layers (their attention gets no `sliding_window` kwarg), Llama-4's chunked attention, and the `or_mask_function` /
 `and_mask_function` / `block_sequence_ids` overlays (Gemma 3's bidirectional image tokens and bidirectional mode).
 Our mask interface hands the attention the 2-D padding mask (with the window or chunk size the function asks for,
-`hf._mark`), and the Ulysses core applies causal attention, padding, packed documents (read from the global
+hf `_mark`), and the Ulysses core applies causal attention, padding, packed documents (read from the global
 `position_ids`), windows and chunks on whole rows after the exchange. Every other pattern is refused here. (At
 SP 1, and while decoding from a sequence-parallel KV cache, `reject_unsupported_pattern` decides instead: what is
 not exactly causal at that row length runs through the model's own attention, or is refused while decoding.)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from lightning_ulysses.attention.all_to_all import all_gather_sequence
 from lightning_ulysses.layout import ShardOrder
 
-# The attribute of the "ulysses" mask interface's marker for windowed layers (attention/hf.py `_mark`).
+# The attribute of the "ulysses" mask interface's marker for windowed layers (attention/hf/mask_interface.py `_mark`).
 MASK_MARKER = "_lightning_ulysses_pattern"
 _CACHES = ("cache", "cache_params", "past_key_values", "past_key_value", "layer_past", "state")
 

@@ -63,6 +63,7 @@ def test_copy_engine_plan_is_exact_and_agreed(results, sp):
         assert rank[sp]["copy_engine_bit_identical"] == [True] * 7
         # every exchange went through the plan: 2 + 2 reverse for x; 2 head groups × (q, k, v, output), both ways
         assert rank[sp]["copy_engine_launches"] == 4 + 2 * 4 * 2
+        assert rank[sp]["copy_engine_launches_after"] == rank[sp]["copy_engine_launches"]
         assert "no peer-to-peer access" in rank[sp]["copy_engine_refusal"]
         assert 'Use exchange="nccl"' in rank[sp]["copy_engine_refusal"]
         assert rank[sp]["copy_engine_auto"] == "nccl"

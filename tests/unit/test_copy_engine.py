@@ -167,9 +167,8 @@ def decide(monkeypatch, requested, accelerator, ranks=(0, 1), failure=None, prob
     monkeypatch.setattr(copy_engine, "probe_copy_engine",
                         lambda devices, on_host: seen.setdefault("probe", (devices, on_host)) and probe)
     monkeypatch.setattr(copy_engine, "agreed_failure", lambda p, group, device: failure)
-    monkeypatch.setattr(strategy_module, "use_transport", lambda group, t: seen.setdefault("transport", (group, t)))
     fake = type("Fake", (), {})()
-    fake.parallel_groups, fake._requested_exchange, fake._transport_group = _Groups(), requested, None
+    fake.parallel_groups, fake._requested_exchange, fake._transport = _Groups(), requested, "a previous run's"
     fake.accelerator = CUDAAccelerator() if accelerator == "cuda" else CPUAccelerator()
     fake.node_rank, fake.num_processes, fake.global_rank = 0, 2, 0
     fake.parallel_devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
@@ -180,21 +179,22 @@ def decide(monkeypatch, requested, accelerator, ranks=(0, 1), failure=None, prob
 
 def test_strategy_takes_the_agreed_copy_engine(monkeypatch):
     fake, seen = decide(monkeypatch, "auto", "cuda", failure=0)
-    assert fake.exchange == "copy_engine" and fake._transport_group == "sp-group"
+    assert fake.exchange == "copy_engine"
     assert seen["probe"] == ([torch.device("cuda", 0), torch.device("cuda", 1)], True)  # mine first, then the peer's
-    assert isinstance(seen["transport"][1], copy_engine.SymmetricMemoryTransport)
+    # kept on the strategy for this run's models (`SequenceParallelRuntime.transport`), set in no module global
+    assert isinstance(fake._transport, copy_engine.SymmetricMemoryTransport)
 
 
 def test_strategy_on_cpu_keeps_gloo_and_refuses_copy_engine(monkeypatch):
     fake, seen = decide(monkeypatch, "auto", "cpu")
-    assert fake.exchange == "nccl" and "probe" not in seen and "transport" not in seen  # no collective
+    assert fake.exchange == "nccl" and "probe" not in seen and fake._transport is None  # no collective
     with pytest.raises(RuntimeError, match='not on CUDA devices. Use exchange="nccl"'):
         decide(monkeypatch, "copy_engine", "cpu")
 
 
 def test_strategy_sees_a_group_across_hosts(monkeypatch):
     fake, seen = decide(monkeypatch, "auto", "cuda", ranks=(0, 2), failure=2)
-    assert seen["probe"] == ([torch.device("cuda", 0)], False) and fake.exchange == "nccl"
+    assert seen["probe"] == ([torch.device("cuda", 0)], False) and fake.exchange == "nccl" and fake._transport is None
     with pytest.raises(RuntimeError, match="spans hosts"):
         decide(monkeypatch, "copy_engine", "cuda", ranks=(0, 2), failure=2)
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from lightning_ulysses.attention.hf import _unswitched_module, find_token_mixers, validate_hf_model
+from lightning_ulysses.attention.hf import find_token_mixers, validate_hf_model
+from lightning_ulysses.attention.hf.validation import _unswitched_module
 from tests.distributed.families import tiny_model
 
 

@@ -12,7 +12,9 @@ import torch
 from transformers import LlamaConfig
 from transformers import masking_utils as hf_masks
 
-from lightning_ulysses.attention import hf
+from lightning_ulysses.attention.hf import ULYSSES_ATTENTION
+from lightning_ulysses.attention.hf.forward import _register_attention, _reject_unsharded_inputs, _unsupported
+from lightning_ulysses.attention.hf.mask_interface import BoundImplementation, _unmark
 from lightning_ulysses.attention.documents import AttentionPattern, DocumentMask, allowed_mask
 from lightning_ulysses.attention.masks import read_mask_function, reject_unsupported_pattern
 
@@ -21,13 +23,12 @@ LOCAL, SP = 8, 2  # the whole row: 16 tokens
 
 @pytest.fixture
 def config():
-    hf._register_attention()
+    _register_attention()
     config = LlamaConfig(hidden_size=8, num_attention_heads=2, attention_chunk_size=None)
-    config._attn_implementation = hf.ULYSSES_ATTENTION
+    config._attn_implementation = ULYSSES_ATTENTION
     binding = SimpleNamespace(group=SimpleNamespace(world_size=SP), ring=SimpleNamespace(world_size=1), decode=None, sharded=True)
-    hf._MASK_CONFIGS[id(config)] = (lambda: config, "TinyModel", binding)
-    yield config
-    del hf._MASK_CONFIGS[id(config)]
+    config._attn_implementation_internal = BoundImplementation("TinyModel", binding)  # as prepare_hf_model binds it
+    return config
 
 
 def mask_kwargs(config, attention_mask=False, position_ids=None):
@@ -56,13 +57,13 @@ def test_windowed_and_chunked_layers_get_their_pattern(config, attention_mask, p
     kwargs = mask_kwargs(config, attention_mask, position_ids)
     for build, expected in ((hf_masks.create_sliding_window_causal_mask, AttentionPattern(sliding_window=5)),
                             (hf_masks.create_chunked_causal_mask, AttentionPattern(chunk_size=4))):
-        padding, pattern = hf._unmark(build(**kwargs))
+        padding, pattern = _unmark(build(**kwargs))
         assert pattern == expected
         assert (padding is None) == (not attention_mask)  # the shard's 2-D mask rides along
     # a layer that got the marker through a copy sees an empty 1-D mask, which the attention refuses
     marker = hf_masks.create_sliding_window_causal_mask(**kwargs)
     with pytest.raises(ValueError, match="1-D attention mask"):
-        hf._reject_unsharded_inputs(SimpleNamespace(), hf._unmark(marker.clone())[0], {})
+        _reject_unsharded_inputs(SimpleNamespace(), _unmark(marker.clone())[0], {})
 
 
 ROW = 16
@@ -125,7 +126,7 @@ def test_masks_for_generate_of_a_hybrid_model(config):
     config.layer_types = ["full_attention", "sliding_attention"]
     config.sliding_window = 8
     masks = hf_masks.create_masks_for_generate(**mask_kwargs(config))
-    assert hf._unmark(masks["sliding_attention"])[1] == AttentionPattern(sliding_window=8)
+    assert _unmark(masks["sliding_attention"])[1] == AttentionPattern(sliding_window=8)
     assert masks["full_attention"] is None
 
 
@@ -139,9 +140,9 @@ def test_pieces_read_from_the_closures():
 def test_at_sp_1_a_window_shorter_than_the_row_runs_the_models_own_attention():
     """SP 1: what the core does not apply to unsharded rows is left to the model's own attention function."""
     module = SimpleNamespace()
-    assert hf._unsupported(module, None, {"sliding_window": 15}, 16)
-    assert not hf._unsupported(module, None, {"sliding_window": 16}, 16)
-    assert hf._unsupported(module, None, {"softcap": 30.0}, 16)
+    assert _unsupported(module, None, {"sliding_window": 15}, 16)
+    assert not _unsupported(module, None, {"sliding_window": 16}, 16)
+    assert _unsupported(module, None, {"softcap": 30.0}, 16)
 
 
 def test_at_sp_1_a_flex_block_mask_runs_the_models_own_attention():
@@ -150,9 +151,9 @@ def test_at_sp_1_a_flex_block_mask_runs_the_models_own_attention():
     from torch.nn.attention.flex_attention import create_block_mask
 
     block_mask = create_block_mask(lambda b, h, q, kv: (q >= kv) & (q - kv < 5), None, None, 16, 16, device="cpu")
-    assert hf._unsupported(SimpleNamespace(), block_mask, {"sliding_window": 5}, 16)
+    assert _unsupported(SimpleNamespace(), block_mask, {"sliding_window": 5}, 16)
     with pytest.raises(ValueError, match="got a BlockMask attention mask"):
-        hf._reject_unsharded_inputs(SimpleNamespace(), block_mask, {})
+        _reject_unsharded_inputs(SimpleNamespace(), block_mask, {})
 
 
 def test_a_window_mask_no_layer_reads_changes_nothing():

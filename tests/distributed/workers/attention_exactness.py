@@ -16,13 +16,13 @@ import torch.nn.functional as F
 from lightning_ulysses import SequenceSharder, UlyssesAttention, prepare_hf_model
 from lightning_ulysses.attention import all_to_all, heads_to_sequence, sequence_to_heads
 from lightning_ulysses.attention import copy_engine
-from lightning_ulysses.attention.all_to_all import InFlightExchange, use_transport
+from lightning_ulysses.attention.all_to_all import InFlightExchange
 from lightning_ulysses.attention.core import usable_head_groups
 from lightning_ulysses.attention.documents import DocumentMask
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
 from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.loss import SequenceParallelCausalLMLoss
-from lightning_ulysses.moe import SequenceParallelRouterLoss, exact_router_loss, sharder_padding
+from lightning_ulysses.moe import SequenceParallelRouterLoss, batch_padding, exact_router_loss
 from tests.distributed.common import relative_gradient_error, summed_gradient_error, tiny_llama
 
 
@@ -195,15 +195,16 @@ def check_copy_engine_plan(groups, results):
     in flight at once); and the agreed selection refuses on every rank alike when one rank cannot."""
     sp, rank, group = groups.sequence_parallel_world_size, groups.sequence_parallel_rank, groups.sequence_parallel_group
 
-    def run():
+    def run(transport):
         generator = torch.Generator().manual_seed(30)
         x = torch.randn(3, 4 * sp, 5, 6, generator=generator).chunk(2, dim=1)[1].requires_grad_()  # strided
-        heads = sequence_to_heads(x, group, head_dim=1, seq_dim=2)
-        back = heads_to_sequence(heads * 2, group, head_dim=1, seq_dim=2)
+        heads = sequence_to_heads(x, group, head_dim=1, seq_dim=2, transport=transport)
+        back = heads_to_sequence(heads * 2, group, head_dim=1, seq_dim=2, transport=transport)
         back.backward(torch.randn(back.shape, generator=generator))
         q, k, v = (torch.randn(2, 4 * sp, 6, 8, generator=generator, requires_grad=True) for _ in range(3))
         out = UlyssesAttention("sdpa", overlap_head_groups=2)
         out.bind(group)
+        out.bind_transport(transport)
         y = out(q, k, v)
         y.backward(torch.randn(y.shape, generator=generator))
         return [heads, back, x.grad, y, q.grad, k.grad, v.grad]
@@ -215,13 +216,11 @@ def check_copy_engine_plan(groups, results):
             Counted.launches += 1
             return super().launch(*args)
 
-    expected = run()
-    use_transport(group, Counted())
-    try:
-        got = run()
-    finally:
-        use_transport(group, None)
+    expected = run(None)
+    got = run(Counted())
     results["copy_engine_launches"] = Counted.launches
+    run(None)  # the transport was handed to that run only: the same group exchanges collectively again
+    results["copy_engine_launches_after"] = Counted.launches
     results["copy_engine_bit_identical"] = [torch.equal(a, b) for a, b in zip(got, expected)]
     probe = dict(cuda=True, group_on_one_host=True, peer_access=True, symmetric_memory=True, multicast_off=True)
     probe["peer_access"] = rank != sp - 1  # one rank lacks it: every rank must refuse
@@ -350,7 +349,7 @@ def check_router_loss(groups, results, swap: bool = True):
             slot = BatchRowsSlot()  # the whole rows the sharder publishes (positions, padding, unpadded length)
             prepared = prepare_hf_model(model, group, SequenceParallelCausalLMLoss(group, 1.0, batch_rows=slot))
             sharder = SequenceSharder(sp, groups.sequence_parallel_rank, batch_rows=slot)
-            undo = (exact_router_loss(model, SequenceParallelRouterLoss(group, 1.0, sharder_padding(lambda: sharder)))
+            undo = (exact_router_loss(model, SequenceParallelRouterLoss(group, 1.0, batch_padding(slot, sharder.order, sharder.sequence_parallel_rank)))
                     if swap else lambda: None)
             output = model(**sharder(batch))
             output.loss.backward()
