@@ -15,7 +15,9 @@ def test_a_model_transformers_cannot_switch_is_refused():
     assert validate_hf_model(tiny_model("falcon"), 2) == "sdpa"
     # A class whose source transformers cannot read (here: its module is not importable) and that no adapter
     # covers is refused.
-    unreadable = type("NotebookLlama", (LlamaForCausalLM,), {"__module__": "a_notebook_cell"})
+    # (transformers caches its verdict on the class, and a subclass would inherit Llama's from any earlier switch)
+    unreadable = type("NotebookLlama", (LlamaForCausalLM,), {"__module__": "a_notebook_cell",
+                                                             "_can_set_attn_implementation_cached_value": None})
     model = tiny_model("llama")
     model.__class__ = unreadable
     with pytest.raises(ValueError, match="NotebookLlama.*importable module"):
