@@ -38,6 +38,7 @@ from typing import Any, Optional, Union
 import torch
 
 from lightning_ulysses.memory import MemoryOptions
+from lightning_ulysses.native_model import NativeCausalLM
 from lightning_ulysses.planner import GIB, MemoryPlan, ModelShape, TrainingSetup, plan_memory
 from lightning_ulysses.step_time import StepTime, predict_step_time
 
@@ -499,14 +500,12 @@ def _longest(shape: ModelShape, setup: TrainingSetup, budget: Budget, multiple: 
 
 
 def shape_of(models: Sequence[Any]) -> ModelShape:
-    """The planner's shape of the module's largest model (Hugging Face Llama-style config or native GPT)."""
-    from lightning_ulysses.models.gpt import GPT
-
+    """The planner's shape of the module's largest model (Hugging Face Llama-style config or a `NativeCausalLM`)."""
     shapes = []
     for model in models:
         try:
-            if isinstance(model, GPT):
-                shapes.append(ModelShape.from_gpt_config(model.config, name=type(model).__name__))
+            if isinstance(model, NativeCausalLM):
+                shapes.append(model.planner_shape())
             else:
                 config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
                 shapes.append(ModelShape.from_hf_config(config, name=type(model).__name__))

@@ -24,16 +24,15 @@ from lightning.pytorch.callbacks import RichProgressBar
 from typing_extensions import override
 
 from lightning_ulysses import _lightning_private as lightning_private
+from lightning_ulysses.native_model import NativeCausalLM
 from lightning_ulysses.planner import ModelShape
 
 
 def infer_model_shape(module: torch.nn.Module) -> ModelShape:
     """The shape of the first native GPT or Hugging Face causal LM inside `module`."""
-    from lightning_ulysses.models.gpt import GPT
-
     for child in module.modules():
-        if isinstance(child, GPT):
-            return ModelShape.from_gpt_config(child.config)
+        if isinstance(child, NativeCausalLM):
+            return child.planner_shape()
         config = getattr(child, "config", None)
         if config is not None and hasattr(config, "num_hidden_layers") and hasattr(config, "vocab_size"):
             return ModelShape.from_hf_config(config.get_text_config() if hasattr(config, "get_text_config") else config)

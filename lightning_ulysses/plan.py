@@ -15,30 +15,9 @@ import argparse
 import dataclasses
 import math
 
-from lightning_ulysses.memory import MemoryOptions
-from lightning_ulysses.planner import GIB, MODELS, TrainingSetup, longest_sequence, plan_memory, published_176b_comparison
-
-FEATURES = {"ac": "activation_checkpointing", "offload": "offload_activations", "mlp": "tiled_mlp",
-            "logits": "tiled_logits_loss", "attn": "keep_attention_outputs", "norms": "low_memory_norms",
-            "fused": "fused_elementwise"}
-
-
-def memory_options(features: str, mlp_tile_tokens: int = 8192, logits_tile_tokens: int = 4096) -> MemoryOptions:
-    """`"ac,offload,mlp,logits,norms"` (or `+`-joined, or `none`) → `MemoryOptions`; `everyK` sets
-    checkpoint_interval=K."""
-    names, interval = [], 1
-    for name in features.replace("+", ",").split(","):
-        if name.startswith("every") and name[5:].isdigit():
-            interval = int(name[5:])  # the last one counts
-        elif name and name != "none":
-            names.append(name)
-    unknown = [name for name in names if name not in FEATURES]
-    if unknown:
-        raise ValueError(f"Unknown feature(s) {unknown}; choose from {sorted(FEATURES)}, everyK or none")
-    return MemoryOptions(mlp_tile_tokens=mlp_tile_tokens, logits_tile_tokens=logits_tile_tokens,
-                         checkpoint_interval=interval,
-                         **{FEATURES[name]: True for name in names})
-
+from lightning_ulysses.auto import AutoMemory, Layout, choose, longest_fit
+from lightning_ulysses.planner import (FEATURES, GIB, MODELS, TrainingSetup, longest_sequence, memory_options, plan_memory,
+                                       published_176b_comparison)
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m lightning_ulysses.plan", description=__doc__,
@@ -87,8 +66,6 @@ def main(argv=None) -> None:
 
 
 def _auto(args, shape) -> int:
-    from lightning_ulysses.auto import AutoMemory, Layout, choose, longest_fit
-
     pins = {name: True for name in FEATURES.values() if getattr(memory_options(args.features), name)}
     request = AutoMemory(seq_len=args.seq, micro_batch=args.micro_batch, **pins)
     # a GPU with Triton is assumed; the planner's gated-MLP shapes are Llama-style (RMSNorms), which it fuses

@@ -475,3 +475,27 @@ def published_176b_comparison(sequence_parallel_size: int = 8, world_size: int =
         " checkpointing the activations are far smaller than quoted (see plan_memory).",
     ]
     return "\n".join(lines)
+
+
+# The feature names of `python -m lightning_ulysses.plan --features` and of the step-time calibration rows
+# (`step_time.Measured.features`): here, below both, so that neither imports the other.
+FEATURES = {"ac": "activation_checkpointing", "offload": "offload_activations", "mlp": "tiled_mlp",
+            "logits": "tiled_logits_loss", "attn": "keep_attention_outputs", "norms": "low_memory_norms",
+            "fused": "fused_elementwise"}
+
+
+def memory_options(features: str, mlp_tile_tokens: int = 8192, logits_tile_tokens: int = 4096) -> MemoryOptions:
+    """`"ac,offload,mlp,logits,norms"` (or `+`-joined, or `none`) → `MemoryOptions`; `everyK` sets
+    checkpoint_interval=K."""
+    names, interval = [], 1
+    for name in features.replace("+", ",").split(","):
+        if name.startswith("every") and name[5:].isdigit():
+            interval = int(name[5:])  # the last one counts
+        elif name and name != "none":
+            names.append(name)
+    unknown = [name for name in names if name not in FEATURES]
+    if unknown:
+        raise ValueError(f"Unknown feature(s) {unknown}; choose from {sorted(FEATURES)}, everyK or none")
+    return MemoryOptions(mlp_tile_tokens=mlp_tile_tokens, logits_tile_tokens=logits_tile_tokens,
+                         checkpoint_interval=interval,
+                         **{FEATURES[name]: True for name in names})

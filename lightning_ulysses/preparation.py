@@ -34,6 +34,7 @@ from lightning_ulysses.loss import LossFunctionHost, SequenceParallelCausalLMLos
 from lightning_ulysses.memory import MemoryOptions, apply_memory_options, mark_leaf_layers
 from lightning_ulysses.metrics import SequenceParallel
 from lightning_ulysses.moe import SequenceParallelRouterLoss, exact_router_loss, batch_padding, validate_router_loss
+from lightning_ulysses.native_model import NativeCausalLM
 from lightning_ulysses.sharding import SequenceSharder
 
 Undo = Callable[[], None]
@@ -180,12 +181,10 @@ class LossHosts(ModuleAdapter):
 
 class MemoryEngine(ModuleAdapter):
     """The memory features' per-model hooks (tiled MLP, tiled logits + loss, checkpointing, low-memory norms) on
-    every model that has layers to apply them to: HF causal LMs and the native GPT."""
+    every model that has layers to apply them to: HF causal LMs and `NativeCausalLM`s (the example GPT)."""
 
     def find(self, root):
-        from lightning_ulysses.models.gpt import GPT  # (the native model imports the attention, not the other way)
-
-        return [*find_hf_models(root), *(m for m in root.modules() if isinstance(m, GPT))]
+        return [*find_hf_models(root), *(m for m in root.modules() if isinstance(m, NativeCausalLM))]
 
     def prepare(self, found, runtime):
         if not runtime.memory.changes_models:

@@ -233,11 +233,10 @@ def _check_schedule_applies(cfg: DictConfig) -> None:
 
 
 def _shape(spec: Any) -> ModelShape:
-    from lightning_ulysses.models.gpt import GPTConfig
-
-    if isinstance(spec, GPTConfig):
-        return ModelShape.from_gpt_config(spec)
-    return ModelShape.from_hf_config(spec.config)
+    """A spec that knows its planner shape says it (`GPTConfig.planner_shape`); the Hugging Face specs carry a
+    Llama-style config. Asked of the spec, not of its class: the package does not import its example models."""
+    planner_shape = getattr(spec, "planner_shape", None)
+    return planner_shape() if callable(planner_shape) else ModelShape.from_hf_config(spec.config)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from lightning_ulysses.planner import ModelShape, TrainingSetup, optimizer_sub_groups
+from lightning_ulysses.planner import MODELS, ModelShape, TrainingSetup, memory_options, optimizer_sub_groups
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ def predict_step_time(shape: ModelShape, setup: TrainingSetup, kernel: Optional[
 
 @dataclass(frozen=True)
 class Measured:
-    """One committed measurement: model, length, features (`plan.memory_options` syntax), optimizer share on the
+    """One committed measurement: model, length, features (`planner.memory_options` syntax), optimizer share on the
     host, sub-group size, SDPA kernel, measured step seconds, where it is committed, whether offloaded
     activations were copied beside compute (measurements before 2026-12-02 copied on the compute stream) and whether
     a checkpointed layer's recompute left its tiled MLP's forward out (from the second run of 2026-12-02 on)."""
@@ -304,9 +304,6 @@ FUSED_PAIRS = (
 
 
 def predicted(row: Measured, speeds: DeviceSpeeds = H200) -> StepTime:
-    from lightning_ulysses.plan import memory_options
-    from lightning_ulysses.planner import MODELS
-
     setup = TrainingSetup(seq_len=row.seq, offload_optimizer=row.offload, sub_group_size=row.sub_group_size,
                           memory=memory_options(row.features))
     return predict_step_time(MODELS[row.model], setup, row.kernel, speeds, overlapped_copies=row.overlapped,

@@ -38,6 +38,7 @@ from lightning_ulysses.deepspeed_config import deep_merge, inference_config, rea
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, check_ring_size, check_sequence_parallel_size
 from lightning_ulysses.memory import MemoryOptions, apply_allocator_settings, fused_elementwise_applies
 from lightning_ulysses.loss import SequenceParallelCausalLMLoss, gradient_scale_for, reduces_over_sequence
+from lightning_ulysses.lora_initialisation import check_adapters_initialised
 from lightning_ulysses.notebook import configure_launcher
 from lightning_ulysses.rng import SequenceParallelRNG, seed_workers_by_data_parallel_rank
 from lightning_ulysses.sharding import SequencePadding, SequenceSharder
@@ -411,8 +412,6 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     def _prepare_modules(self) -> None:
         """The module pipeline (`preparation.py`): scan the models, settle the ring size from their heads, build the
         runtime, check everything, then prepare everything."""
-        from lightning_ulysses.models.lora import check_adapters_initialised  # lazily: `models` loads transformers
-
         self._restore_modules()
         check_adapters_initialised(self.lightning_module)  # raises before any collective, on every rank alike
         size = self.parallel_groups.sequence_parallel_world_size

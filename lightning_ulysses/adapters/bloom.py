@@ -14,7 +14,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from lightning_ulysses.adapters import InlineAttention, register_inline
+from lightning_ulysses.adapters.registry import InlineAttention, register_inline
 
 
 def _forward(module, attend, hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,

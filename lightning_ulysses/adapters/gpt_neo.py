@@ -7,7 +7,7 @@ GPT-Neo does not scale its scores (scale 1) and its "local" layers see the `wind
 
 from __future__ import annotations
 
-from lightning_ulysses.adapters import InlineAttention, register_inline
+from lightning_ulysses.adapters.registry import InlineAttention, register_inline
 
 
 def _forward(module, attend, hidden_states, attention_mask=None, layer_past=None, use_cache=False,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_ulysses.adapters import FamilyAdapter, register
+from lightning_ulysses.adapters.registry import FamilyAdapter, register
 
 
 def _temperature(module: torch.nn.Module, positions: torch.Tensor) -> torch.Tensor:

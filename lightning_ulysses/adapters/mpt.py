@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 
-from lightning_ulysses.adapters import InlineAttention, register_inline
+from lightning_ulysses.adapters.registry import InlineAttention, register_inline
 
 
 def _forward(module, attend, hidden_states, position_bias, cache=None, attention_mask=None, **kwargs):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_ulysses.adapters import PositionRule, register_position_rule
+from lightning_ulysses.adapters.registry import PositionRule, register_position_rule
 
 
 def _real_token_positions(attention_mask: torch.Tensor) -> torch.Tensor:

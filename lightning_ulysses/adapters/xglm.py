@@ -7,7 +7,7 @@ Cross-attention (`add_cross_attention`) attends to an encoder's sequence, which 
 
 from __future__ import annotations
 
-from lightning_ulysses.adapters import InlineAttention, register_inline
+from lightning_ulysses.adapters.registry import InlineAttention, register_inline
 
 
 def _forward(module, attend, hidden_states, key_value_states=None, cache=None, attention_mask=None, **kwargs):

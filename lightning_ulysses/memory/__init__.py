@@ -29,8 +29,8 @@ dropout and with `use_cache=True`.
   (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` unless that variable is set already).
 
 Applied by `UlyssesDeepSpeedStrategy` to every Hugging Face causal LM (Llama-style: decoder layers with an `mlp`,
-a linear output head) and every native `GPT` in the LightningModule, before DeepSpeed wraps the model; undone at
-teardown. `apply_memory_options` does the same for a model used without the strategy.
+a linear output head) and every `NativeCausalLM` (the example `GPT`) in the LightningModule, before DeepSpeed wraps
+the model; undone at teardown. `apply_memory_options` does the same for a model used without the strategy.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from lightning_ulysses.memory.fused import check_backend, gated_mlp_activation, 
 from lightning_ulysses.memory.logits_loss import TiledLogitsLoss, fuse_head_with_loss, fuse_hugging_face_loss
 from lightning_ulysses.memory.norms import llama_style_norms, use_low_memory_norm
 from lightning_ulysses.memory.tiled_mlp import tile_mlp
+from lightning_ulysses.native_model import NativeCausalLM
 
 
 @dataclass(frozen=True)
@@ -119,10 +120,8 @@ def _takes_hidden_states_only(mlp: nn.Module) -> bool:
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    from lightning_ulysses.models.gpt import GPT
-
-    if isinstance(model, GPT):
-        return list(model.blocks)
+    if isinstance(model, NativeCausalLM):
+        return model.decoder_layers()
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
@@ -201,12 +200,10 @@ def mark_leaf_layers(model: nn.Module, options: MemoryOptions) -> list[Callable[
 
 def apply_memory_options(model: nn.Module, options: MemoryOptions,
                          store: Optional[HostActivationStore] = None) -> list[Callable[[], None]]:
-    """Apply `options` to one causal LM (Hugging Face or native GPT); return the callables that undo it.
+    """Apply `options` to one causal LM (Hugging Face or a `NativeCausalLM`); return the callables that undo it.
 
     All checks run before anything changes, so a refused model is left as it was.
     """
-    from lightning_ulysses.models.gpt import GPT
-
     restores: list[Callable[[], None]] = []
     if not options.changes_models:
         return restores
@@ -233,7 +230,7 @@ def apply_memory_options(model: nn.Module, options: MemoryOptions,
     try:
         if options.tiled_logits_loss:  # first: it refuses models whose logits are transformed before the loss
             loss = TiledLogitsLoss(options.logits_tile_tokens)
-            if isinstance(model, GPT):
+            if isinstance(model, NativeCausalLM):
                 restores += [fuse_head_with_loss(model.lm_head, loss), model.use_logits_loss(loss)]
             else:
                 restores.append(fuse_hugging_face_loss(model, loss))

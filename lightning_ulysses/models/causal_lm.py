@@ -19,6 +19,9 @@ from lightning_ulysses.optim import LRSchedule, adamw, optimizer_on_host, parame
 
 
 class ModelSpec(Protocol):
+    """What `CausalLMModule` builds. `recipe.plan` also asks a spec for `planner_shape()` where it has one (else it
+    reads the Llama-style `spec.config`)."""
+
     def build(self) -> torch.nn.Module: ...
 
     def num_parameters(self) -> int: ...
@@ -95,16 +98,15 @@ class CausalLMModule(L.LightningModule):
     def _split_losses(self, logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole-sequence losses of the targets before / after `report_loss_split` (a label's position is its
         target's), the same with or without the strategy and at every SP size."""
-        from lightning_ulysses.strategy import UlyssesDeepSpeedStrategy
-
         strategy = self.trainer.strategy
         labels = batch["labels"]
         positions = batch.get("position_ids")
         if positions is None:
             positions = torch.arange(labels.size(1), device=labels.device).expand_as(labels)
         second = positions >= self.hparams.report_loss_split
-        if isinstance(strategy, UlyssesDeepSpeedStrategy) and strategy.batches_are_sharded:
-            loss = strategy.loss_function  # shifts across the shards of the SP group
+        # Asked of the strategy, not of its class: the example models do not import the package's integration.
+        if getattr(strategy, "batches_are_sharded", False):
+            loss = strategy.loss_function  # UlyssesDeepSpeedStrategy's: shifts across the shards of the SP group
         else:
             loss = lambda logits, labels: sequence_parallel_cross_entropy(logits, labels=labels)  # noqa: E731
         return loss(logits, labels.masked_fill(second, -100)), loss(logits, labels.masked_fill(~second, -100))

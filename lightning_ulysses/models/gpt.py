@@ -28,6 +28,8 @@ from torch import nn
 
 from lightning_ulysses.attention.core import UlyssesAttention
 from lightning_ulysses.loss import IGNORE_INDEX, LossFunctionHost
+from lightning_ulysses.native_model import NativeCausalLM
+from lightning_ulysses.planner import ModelShape
 
 
 @dataclass
@@ -61,6 +63,10 @@ class GPTConfig:
 
     def build(self) -> "GPT":
         return GPT(self)
+
+    def planner_shape(self, name: str = "gpt") -> ModelShape:
+        """The shape the planner counts (`recipe.plan`, `memory="auto"`, `ThroughputCallback`)."""
+        return ModelShape.from_gpt_config(self, name=name)
 
     def num_parameters(self) -> int:
         with torch.device("meta"):
@@ -178,7 +184,7 @@ def shifted_cross_entropy(logits, labels, vocab_size=None, ignore_index=IGNORE_I
                            ignore_index=ignore_index)
 
 
-class GPT(nn.Module, LossFunctionHost):
+class GPT(nn.Module, LossFunctionHost, NativeCausalLM):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
@@ -198,6 +204,12 @@ class GPT(nn.Module, LossFunctionHost):
     def gradient_checkpointing_enable(self) -> None:
         """Recompute each block in backward (the same switch name as Hugging Face models)."""
         self.gradient_checkpointing = True
+
+    def decoder_layers(self) -> list[nn.Module]:
+        return list(self.blocks)
+
+    def planner_shape(self) -> ModelShape:
+        return self.config.planner_shape(name=type(self).__name__)
 
     def use_logits_loss(self, logits_loss) -> Callable[[], None]:
         """Training forwards with labels return `logits_loss(hidden, lm_head, labels, loss_function)` and no

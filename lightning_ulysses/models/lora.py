@@ -29,6 +29,8 @@ from typing import Iterator, Sequence, Union
 
 import torch
 
+from lightning_ulysses.lora_initialisation import INITIALISED_MARK, check_adapters_initialised  # noqa: F401
+
 
 @dataclass(frozen=True)
 class LoraSettings:
@@ -110,11 +112,6 @@ def check_targets(model: torch.nn.Module, target_modules: Union[Sequence[str], s
                          f" are named {linear}: set model.lora.target_modules to some of those.")
 
 
-# Set on an adapter weight whose initial values are known to be peft's: given by `_initialise_adapter`, or whole (not
-# partitioned) when peft initialised it. `check_adapters_initialised` refuses partitioned adapter weights without it.
-_INITIALISED = "lightning_ulysses_lora_initialised"
-
-
 def _initialise_adapter(peft_model, name: str, seed: int) -> None:
     """Under ZeRO-3 (`zero.Init`), peft initialises adapters that are already partitioned (empty on every rank):
     measured at SP 2, `B` kept `nn.Linear`'s random init instead of zero (the model no longer starts as the
@@ -126,13 +123,13 @@ def _initialise_adapter(peft_model, name: str, seed: int) -> None:
     peft), then `A` redrawn like `nn.Linear`'s (`kaiming_uniform_(a=sqrt(5))`) and `B` zero (`reset_lora_parameters`).
     `tests/unit/test_lora.py` pins this order against peft itself. One adapter per call: a peft call creates one,
     and the draws of two would interleave by layer, not by adapter. Without partitioning, peft's own values stand.
-    Every weight set (or left) here is marked (`_INITIALISED`)."""
+    Every weight set (or left) here is marked (`INITIALISED_MARK`)."""
     from peft.tuners.lora import LoraLayer
 
     layers = [m for m in peft_model.modules() if isinstance(m, LoraLayer) and name in m.lora_A]
     pairs = [(layer.lora_A[name].weight, layer.lora_B[name].weight) for layer in layers]
     for weight in (w for pair in pairs for w in pair):
-        setattr(weight, _INITIALISED, True)
+        setattr(weight, INITIALISED_MARK, True)
     if not pairs or not hasattr(pairs[0][0], "ds_id"):
         return
     import deepspeed
@@ -145,42 +142,6 @@ def _initialise_adapter(peft_model, name: str, seed: int) -> None:
             for (a, b), (a_value, b_value) in zip(pairs, values):
                 a.copy_(a_value)
                 b.copy_(b_value)
-
-
-def check_adapters_initialised(root: torch.nn.Module) -> None:
-    """Refuses LoRA adapter weights in `root` that ZeRO-3 partitioned at creation (`zero.Init`: `configure_model`)
-    and none of this module's functions initialised: peft's own initialisation of them was a no-op (see
-    `_initialise_adapter`), so they hold random values the user never asked for. Decided from the module tree alone
-    (the same on every rank: no collective). A weight that is whole here got peft's own values and is marked, so
-    that once DeepSpeed has partitioned it (a model built in `__init__`) a later setup (validate after fit) does not
-    refuse it. Nothing to do without peft or without adapters."""
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:
-        return
-    unset: dict[str, str] = {}  # adapter name -> one of its weights
-    for path, layer in root.named_modules():
-        if not isinstance(layer, LoraLayer):
-            continue
-        for kind in layer.adapter_layer_names:
-            for adapter, part in getattr(layer, kind, {}).items():
-                weights = part.named_parameters() if isinstance(part, torch.nn.Module) else [("", part)]
-                for weight_name, weight in weights:
-                    if getattr(weight, _INITIALISED, False):
-                        continue
-                    if not hasattr(weight, "ds_id"):
-                        setattr(weight, _INITIALISED, True)
-                    else:
-                        unset.setdefault(adapter, ".".join(filter(None, (path, kind, adapter, weight_name))))
-    if unset:
-        raise ValueError(
-            f"The LoRA adapters {sorted(unset)} were created partitioned by ZeRO-3 (in configure_model, under"
-            f" deepspeed.zero.Init) and their initial values were never set ({next(iter(unset.values()))}, ...):"
-            " peft initialises an adapter after ZeRO-3 has emptied its tensors, so `B` keeps a random init instead of"
-            " zero and the model no longer starts as the pretrained one. Add adapters with"
-            " lightning_ulysses.models.lora.add_adapter(peft_model, name, LoraSettings(...)) instead of peft's"
-            " peft_model.add_adapter(name, config) (and the first with lightning_ulysses.models.lora.with_lora"
-            " instead of get_peft_model): they give peft's values in the partitions.")
 
 
 def _peft_initial_pair(a_shape, b_shape, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
