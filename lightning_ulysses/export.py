@@ -17,11 +17,11 @@ adapter_name=<name>)` for each other). `merged/` holds the base with the *active
 merge one (load the adapter folders, `merge_and_unload(adapter_names=[...])`).
 
 Under ZeRO-3 each rank holds a partition of every parameter: DeepSpeed's own consolidation for `save_16bit_model`
-(`_zero3_consolidated_16bit_state_dict`, a collective: one module gathered at a time, copied to global rank 0's host
-memory) gives the whole state dict; global rank 0 then fills a model built on the meta device with it (no second copy
-of the weights) and saves. The values are the module's weights (the Trainer's precision), not DeepSpeed's fp32 master
-copies: what the trained model computes with. The config saved is the one the model was built with (the strategy
-swaps in a copy with Ulysses attention while it trains).
+(`_deepspeed_private.consolidated_16bit_state_dict`, a collective: one module gathered at a time, copied to global
+rank 0's host memory) gives the whole state dict; global rank 0 then fills a model built on the meta device with it
+(no second copy of the weights) and saves. The values are the module's weights (the Trainer's precision), not
+DeepSpeed's fp32 master copies: what the trained model computes with. The config saved is the one the model was built
+with (the strategy swaps in a copy with Ulysses attention while it trains).
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ from typing import Any, Mapping, Optional
 import lightning.pytorch as pl
 import torch
 from typing_extensions import override
+
+from lightning_ulysses import _deepspeed_private as deepspeed_private
 
 # Where a `PeftModel` keeps the model it adapts (`peft_model.base_model.model`): the PEFT model's state-dict keys are
 # that model's (adapted layers included) under this prefix.
@@ -208,7 +210,7 @@ def _whole_state_dict(trainer: "pl.Trainer", pl_module: "pl.LightningModule") ->
     """The LightningModule's whole state dict on global rank 0 (None elsewhere under ZeRO-3)."""
     engine = getattr(trainer.strategy, "deepspeed_engine", None)
     if engine is not None and engine.zero_optimization_partition_weights():
-        return engine._zero3_consolidated_16bit_state_dict()  # a collective: every rank calls it
+        return deepspeed_private.consolidated_16bit_state_dict(engine)  # a collective: every rank calls it
     return {key: value.detach().cpu() for key, value in pl_module.state_dict().items()}
 
 

@@ -27,7 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_ulysses.attention.all_to_all import all_gather_sequence
-from lightning_ulysses.layout import ShardOrder
+from lightning_ulysses.attention.hf import DecodeState, binding_of, prepare_hf_model
+from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, ShardOrder
 from lightning_ulysses.loss import IGNORE_INDEX, shift_sharded_labels
 
 OutputKind = Literal["last", "log_probs", "full"]
@@ -124,9 +125,6 @@ def prepare(model, sequence_parallel_size: int) -> SequenceParallelModel:
     launcher); SP groups are blocks of `sequence_parallel_size` contiguous ranks, as in training. Every rank of an
     SP group must then be given the same full-length prompts.
     """
-    from lightning_ulysses.attention.hf import prepare_hf_model
-    from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
-
     if not dist.is_initialized():
         raise RuntimeError("lightning_ulysses.inference.prepare needs torch.distributed initialised (e.g. torchrun).")
     groups = SequenceParallelGroups.build(ParallelLayout(dist.get_world_size(), sequence_parallel_size))
@@ -144,8 +142,6 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, groups) -> tor
     max_new_tokens]`, identical on every rank and to the same model's non-parallel greedy output.
     """
     from transformers import DynamicCache
-
-    from lightning_ulysses.attention.hf import DecodeState, binding_of
 
     size, rank = groups.sequence_parallel_world_size, groups.sequence_parallel_rank
     if groups.ring_size > 1:

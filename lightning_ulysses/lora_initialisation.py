@@ -17,11 +17,11 @@ INITIALISED_MARK = "lightning_ulysses_lora_initialised"
 
 def check_adapters_initialised(root: torch.nn.Module) -> None:
     """Refuses LoRA adapter weights in `root` that ZeRO-3 partitioned at creation (`zero.Init`: `configure_model`)
-    and none of this module's functions initialised: peft's own initialisation of them was a no-op (see
-    `models.lora._initialise_adapter`), so they hold random values the user never asked for. Decided from the module tree alone
-    (the same on every rank: no collective). A weight that is whole here got peft's own values and is marked, so
-    that once DeepSpeed has partitioned it (a model built in `__init__`) a later setup (validate after fit) does not
-    refuse it. Nothing to do without peft or without adapters."""
+    and none of `models.lora`'s functions initialised: peft's own initialisation of them was a no-op (see
+    `models.lora._initialise_adapter`), so they hold random values the user never asked for. Decided from the module
+    tree alone (the same on every rank: no collective). A weight that is whole here got peft's own values and is
+    marked, so that once DeepSpeed has partitioned it (a model built in `__init__`) a later setup (validate after
+    fit) does not refuse it. Nothing to do without peft or without adapters."""
     try:
         from peft.tuners.lora import LoraLayer
     except ImportError:

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lightning_ulysses.attention.all_to_all import all_gather_sequence
+
 IGNORE_INDEX = -100
 
 
@@ -201,8 +203,6 @@ def shift_sharded_labels(labels: torch.Tensor, group=None, order=None, ignore_in
     sequence over `group` in `order`: the whole rows are gathered (integers, no gradient), shifted and cut again,
     so the target of a shard's last token comes from the next shard. `unpadded_length`: the rows' length before the
     sharder padded them; labels beyond it (padding tokens when the labels are the input ids) are ignored."""
-    from lightning_ulysses.attention.all_to_all import all_gather_sequence
-
     size = 1 if group is None else dist.get_world_size(group)
     whole = all_gather_sequence(labels, group, 1, order) if size > 1 else labels
     if unpadded_length is not None and unpadded_length < whole.size(1):

@@ -22,11 +22,14 @@ from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
 from lightning_ulysses.attention.core import validate_head_counts
+from lightning_ulysses.checkpoint import PREVIOUS_SUFFIX, resolve_checkpoint, saved_global_step
 from lightning_ulysses.console import quiet_third_party  # noqa: F401  (recipes/train.py: before anything is built)
 from lightning_ulysses.layout import ParallelLayout
 from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.planner import ModelShape, TrainingSetup, plan_memory
 from lightning_ulysses.deepspeed_config import split_ulysses_block
+from lightning_ulysses.export import ExportPretrained
+from lightning_ulysses.faults import EXIT_PREEMPTED
 
 _RUNTIME_ENVIRONMENT = {
     "pytorch_cuda_alloc_conf": "PYTORCH_CUDA_ALLOC_CONF",
@@ -197,8 +200,6 @@ def export_callbacks(export: DictConfig, spec: Any, run_dir: Path) -> list:
     folder when it has one."""
     if not export.enabled:
         return []
-    from lightning_ulysses.export import ExportPretrained
-
     folder = getattr(spec, "pretrained", None)
     tokenizer = folder if folder and (Path(folder) / "tokenizer_config.json").exists() else None
     return [ExportPretrained(export.dir or str(run_dir / "export"), merged=export.merged, tokenizer=tokenizer)]
@@ -411,8 +412,6 @@ def newest_checkpoint(folders: list[Path]) -> tuple[Optional[SavedCheckpoint], l
     staging folders (`.partial`) are not checkpoints."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_ulysses.checkpoint import PREVIOUS_SUFFIX, resolve_checkpoint, saved_global_step
-
     found: list[tuple[int, float, Path]] = []
     passed_over: list[Path] = []
     for folder in folders:
@@ -434,7 +433,6 @@ def resume_from(resume: Optional[str], callbacks: list, run_dir: Optional[Path] 
     """The checkpoint `trainer.fit` continues from, and the one line that says so: `auto` is the newest complete
     checkpoint of the run (`newest_checkpoint` over `checkpoint_folders`), else none; `None` starts afresh; anything
     else is a path."""
-    from lightning_ulysses.checkpoint import resolve_checkpoint, saved_global_step
 
     if resume is None:
         _refuse_slurm_hpc_resume(run_dir)
@@ -538,8 +536,6 @@ def end_preempted_run(trainer: Any, decision: ResumeDecision, command: str, call
     process started (Lightning's script launcher), which exit 0: the launcher reads their status and SIGKILLs every
     process, itself included, when one is not 0. The launching process waits (up to `wait_for_ranks` seconds) for
     them to end first, so that its own exit means the whole job has ended."""
-    from lightning_ulysses.faults import EXIT_PREEMPTED
-
     if decision.started_by_launching_process:
         return 0
     for process in getattr(trainer.strategy.launcher, "procs", None) or []:

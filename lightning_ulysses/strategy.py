@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_ulysses import _deepspeed_private as deepspeed_private
 from lightning_ulysses import _lightning_private as lightning_private
 from lightning_ulysses import auto, console, faults, preflight, preparation, pretrained
 from lightning_ulysses.attention import copy_engine
@@ -69,18 +70,6 @@ def deepspeed_engine_type() -> type:
     return DeepSpeedEngine
 
 
-def _clear_lru_cache(function: Callable[..., Any]) -> None:
-    """Clear the `functools.lru_cache` under `function`, also where a decorator without `functools.wraps` wraps it
-    (DeepSpeed's `instrument_w_nvtx`): the cache is then a cell of the wrapper's closure."""
-    if hasattr(function, "cache_clear"):
-        function.cache_clear()
-        return
-    for cell in getattr(function, "__closure__", None) or ():
-        inner = cell.cell_contents
-        if callable(inner) and hasattr(inner, "cache_clear"):
-            inner.cache_clear()
-
-
 def skip_shared_memory_all_reduce_build(quiet: bool = True) -> None:
     """On CPU, DeepSpeed's backend compiles its shared-memory all-reduce op when the process group starts
     (`deepspeed/comm/torch.py: build_shm_op`): C++ against torch's headers, ~140 s of CPU on the first run of a
@@ -89,13 +78,12 @@ def skip_shared_memory_all_reduce_build(quiet: bool = True) -> None:
     `inference_all_reduce` falls back to torch's all-reduce; the flag is DeepSpeed's own (`__compatible_ops__`,
     which `build_shm_op` reads). Its first read probes every op by compiling test programs; `quiet`: with their
     linker errors discarded (`console.quiet_compiler_probes`)."""
-    import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is not None:
         with console.quiet_compiler_probes() if quiet else contextlib.nullcontext():
-            compatible_ops = deepspeed.ops.__compatible_ops__
+            compatible_ops = deepspeed_private.compatible_ops()
         compatible_ops[builder.NAME] = False
 
 
@@ -535,19 +523,9 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         if not isinstance(engine, deepspeed_engine_type()):
             return
         engine.destroy()
-        for name in ("module_forward_pre_hook", "module_forward_post_hook", "first_dataloader_check"):
-            handle = getattr(engine, name, None)
-            if handle is not None and hasattr(handle, "remove"):
-                handle.remove()
-        from deepspeed.runtime.zero import parameter_offload
-        from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
-
-        stack = getattr(parameter_offload, "FWD_MODULE_STACK", [])  # DeepSpeed 0.19's module globals
-        stack[:] = [m for m in stack if m is not engine.module]
-        # keyed on (coordinator, submodule, step): a cache only, recomputed by the engines still running
-        cached = getattr(PartitionedParameterCoordinator, "_PartitionedParameterCoordinator__params_to_release", None)
-        if cached is not None:
-            _clear_lru_cache(cached)
+        deepspeed_private.remove_engine_hooks(engine)
+        deepspeed_private.forget_forward_module(engine.module)
+        deepspeed_private.clear_params_to_release_cache()
 
     def _release_groups(self) -> None:
         """Destroy the SP/DP groups (and Ulysses/ring sub-groups) this strategy created, at the end of every run
@@ -559,10 +537,9 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         groups = self._groups
         if groups is None or groups.released or (self._run_failed and self.world_size > 1):
             return
-        from deepspeed.utils import groups as deepspeed_groups
-
-        if deepspeed_groups.mpu is not None and deepspeed_groups.mpu is self._mpu:  # set by `_initialize_engine`
-            deepspeed_groups.mpu = None
+        registered = deepspeed_private.registered_mpu()
+        if registered is not None and registered is self._mpu:  # set by `_initialize_engine`
+            deepspeed_private.register_mpu(None)
         self._mpu = None
         if self.world_size > 1:
             self.barrier("lightning_ulysses.release_groups")
@@ -618,13 +595,13 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
 
     def _initialize_engine(self, **kwargs: Any) -> tuple[Any, ...]:
         import deepspeed
-        from deepspeed.utils import groups as deepspeed_groups
 
         groups = self.parallel_groups
         mpu = groups.deepspeed_mpu() if groups.sequence_parallel_world_size > 1 else None
         # DeepSpeed keeps the last engine's mpu in a module global and only overwrites it with a non-None one:
         # clear it so an SP-1 engine after an SP-2 engine in one process does not reduce over stale groups.
-        deepspeed_groups.mpu = self._mpu = mpu
+        deepspeed_private.register_mpu(mpu)
+        self._mpu = mpu
         device_rank = self.root_device.index if self.root_device.index is not None else self.local_rank
         return deepspeed.initialize(args=argparse.Namespace(device_rank=device_rank), mpu=mpu,
                                     dist_init_required=False, **kwargs)

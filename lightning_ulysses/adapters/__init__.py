@@ -21,5 +21,5 @@ from lightning_ulysses.adapters.registry import (FamilyAdapter, InlineAttention,
 from lightning_ulysses.adapters import (  # noqa: F401  (they register themselves)
     bloom, falcon, gpt_neo, llama4, mpt, padding_positions, xglm)
 
-__all__ = ["FamilyAdapter", "InlineAttention", "PositionRule", "adapters_for", "inline_attention_of", "position_rule_of",
-           "register", "register_inline", "register_position_rule"]
+__all__ = ["FamilyAdapter", "InlineAttention", "PositionRule", "adapters_for", "inline_attention_of",
+           "position_rule_of", "register", "register_inline", "register_position_rule"]

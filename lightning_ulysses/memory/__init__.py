@@ -44,6 +44,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 from torch import nn
 
+from lightning_ulysses import _deepspeed_private as deepspeed_private
 from lightning_ulysses.memory.checkpointing import HostActivationStore, checkpoint_layers
 from lightning_ulysses.memory.fused import check_backend, gated_mlp_activation, use_fused_gated_mlp, use_fused_norm
 from lightning_ulysses.memory.logits_loss import TiledLogitsLoss, fuse_head_with_loss, fuse_hugging_face_loss
@@ -192,7 +193,7 @@ def mark_leaf_layers(model: nn.Module, options: MemoryOptions) -> list[Callable[
     for layer in _decoder_layers(model):
         if sum(getattr(p, "ds_numel", p.numel()) for p in layer.parameters()) > LEAF_LAYER_MAX_PARAMETERS:
             continue  # gathered whole, it would hold more at once than DeepSpeed's default live-parameter budget
-        layer._z3_leaf = True  # deepspeed.utils.set_z3_leaf_module, without importing DeepSpeed here
+        deepspeed_private.mark_z3_leaf(layer)
         # before DeepSpeed's own pre-forward hooks, which read which inputs need a gradient
         undo.append(layer.register_forward_pre_hook(_input_requiring_grad, prepend=True, with_kwargs=True).remove)
     return undo

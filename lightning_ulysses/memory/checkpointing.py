@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_ulysses import _deepspeed_private as deepspeed_private
 from lightning_ulysses.memory.tiled_mlp import TiledMLP, deferred_recompute, tiled_mlps
 from lightning_ulysses.views import view_key
 
@@ -564,7 +565,7 @@ def checkpoint_layers(layers: list[nn.Module], store: Optional[HostActivationSto
                 " option activation_checkpointing=True the layer would be recomputed twice. Disable one of them (for"
                 " the recipes: model.activation_checkpointing=false)."
             )
-    if interval > 1 and any(getattr(layer, "_z3_leaf", False) for layer in layers):
+    if interval > 1 and any(deepspeed_private.is_z3_leaf(layer) for layer in layers):
         raise ValueError("checkpoint_interval > 1 recomputes a stretch's earlier layers inside a later layer's"
                          " backward, where a DeepSpeed ZeRO-3 leaf layer's parameters are not gathered; these decoder"
                          " layers are marked leaves (the strategy's zero3_leaf_layers, or set_z3_leaf_modules). Use"

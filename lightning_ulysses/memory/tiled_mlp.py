@@ -33,6 +33,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
+from lightning_ulysses import _deepspeed_private as deepspeed_private
+
 
 def _tiles(x: torch.Tensor, tile_tokens: int) -> list[torch.Tensor]:
     # Contiguous: `narrow` along the sequence of a batch of several rows is a strided view, which layers that
@@ -245,7 +247,7 @@ def tile_mlp(mlp: nn.Module, tile_tokens: int) -> Callable[[], None]:
     """
     if tile_tokens < 1:
         raise ValueError(f"mlp_tile_tokens must be a positive number of tokens, got {tile_tokens}")
-    mlp._z3_leaf = True  # deepspeed.utils.set_z3_leaf_module, without importing DeepSpeed here
+    deepspeed_private.mark_z3_leaf(mlp)
     mlp.forward = TiledMLP(mlp, mlp.forward, tile_tokens)
 
     def restore() -> None:

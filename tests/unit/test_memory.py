@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from lightning_ulysses import _deepspeed_private as deepspeed_private
 from lightning_ulysses.attention.backends import check_sdpa_kernel_priority
 from lightning_ulysses.memory import HostActivationStore, MemoryOptions, apply_memory_options
 from lightning_ulysses.memory.checkpointing import _ATTENTION_KERNELS, _with_log_sumexp
@@ -433,7 +434,7 @@ def test_leaf_layers_give_frozen_hidden_states_a_gradient_only_where_a_layer_tra
         parameter.requires_grad_(trainable == "everything" or trainable in name)
     model = copy.deepcopy(plain)
     undo = mark_leaf_layers(model, MemoryOptions())
-    assert all(layer._z3_leaf for layer in model.model.layers)
+    assert all(deepspeed_private.is_z3_leaf(layer) for layer in model.model.layers)
     seen = []
     for layer in model.model.layers:
         layer.register_forward_pre_hook(lambda module, args: seen.append(args[0].requires_grad))
@@ -454,13 +455,13 @@ def test_leaf_layers_give_frozen_hidden_states_a_gradient_only_where_a_layer_tra
     big.model.layers[0].register_parameter("extra", torch.nn.Parameter(torch.empty(0)))
     big.model.layers[0].extra.ds_numel = LEAF_LAYER_MAX_PARAMETERS
     mark_leaf_layers(big, MemoryOptions())
-    assert [getattr(layer, "_z3_leaf", False) for layer in big.model.layers] == [False, True]
+    assert [deepspeed_private.is_z3_leaf(layer) for layer in big.model.layers] == [False, True]
 
 
 def test_checkpoint_interval_refuses_layers_marked_leaves():
     model = tiny_llama(2)
     for layer in model.model.layers:
-        layer._z3_leaf = True
+        deepspeed_private.mark_z3_leaf(layer)  # as the user's deepspeed.utils.set_z3_leaf_modules would
     with pytest.raises(ValueError, match="zero3_leaf_layers=False"):
         apply_memory_options(model, MemoryOptions(activation_checkpointing=True, checkpoint_interval=2))
 
