@@ -46,7 +46,7 @@ _WARNINGS: tuple[tuple[str, str, type[Warning], Optional[str]], ...] = (
      "Starting from v1.9.0, `tensorboardX` has been removed as a dependency", UserWarning, None),
     # peft initialising LoRA weights that ZeRO-3 has already partitioned (empty): torch's warning, attributed to peft's
     # call (`stacklevel=2`). `models.lora.with_lora` / `add_adapter` then give them peft's values, and adapters made
-    # otherwise are refused at setup naming the fix (`models.lora.check_adapters_initialised`). Only peft's calls:
+    # otherwise are refused at setup naming the fix (`preparation.check_adapters_initialised`). Only peft's calls:
     # the same warning for a user's own `nn.init` on a partitioned weight still shows.
     ("torch.nn.init", "Initializing zero-element tensors is a no-op", UserWarning, r"peft\."),
 )

@@ -39,7 +39,6 @@ from lightning_ulysses.deepspeed_config import deep_merge, inference_config, rea
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, check_ring_size, check_sequence_parallel_size
 from lightning_ulysses.memory import MemoryOptions, apply_allocator_settings, fused_elementwise_applies
 from lightning_ulysses.loss import SequenceParallelCausalLMLoss, gradient_scale_for, reduces_over_sequence
-from lightning_ulysses.lora_initialisation import check_adapters_initialised
 from lightning_ulysses.notebook import configure_launcher
 from lightning_ulysses.rng import SequenceParallelRNG, seed_workers_by_data_parallel_rank
 from lightning_ulysses.sharding import SequencePadding, SequenceSharder
@@ -401,7 +400,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         """The module pipeline (`preparation.py`): scan the models, settle the ring size from their heads, build the
         runtime, check everything, then prepare everything."""
         self._restore_modules()
-        check_adapters_initialised(self.lightning_module)  # raises before any collective, on every rank alike
+        preparation.check_adapters_initialised(self.lightning_module)  # raises before any collective, on every rank alike
         size = self.parallel_groups.sequence_parallel_world_size
         found = preparation.scan(self.lightning_module, size)  # raises before any collective
         if size > 1:  # identical on every rank (same model, same arguments): the sub-groups are created in step

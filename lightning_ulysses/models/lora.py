@@ -10,7 +10,7 @@ as any other (peft wraps the projections; attention, loss and memory engine are 
 More adapters (several adapters trained in turn, or exported side by side): `add_adapter(peft_model, name, settings)`,
 not peft's own `peft_model.add_adapter(name, config)`, which under ZeRO-3 leaves the new adapter's `B` random (the
 model would no longer start as the pretrained one). The strategy refuses, at setup, a partitioned adapter that none
-of these functions initialised (`check_adapters_initialised`).
+of these functions initialised (`preparation.check_adapters_initialised`, which the strategy runs on every module).
 
 Dropout (`settings.dropout` > 0) is allowed, as the model's own dropout is under the strategy: at SP > 1 each SP
 rank's steps draw from a random stream of their own (`lightning_ulysses.rng`), so each rank draws the masks of its
@@ -29,7 +29,7 @@ from typing import Iterator, Sequence, Union
 
 import torch
 
-from lightning_ulysses.lora_initialisation import INITIALISED_MARK, check_adapters_initialised  # noqa: F401
+from lightning_ulysses.preparation import INITIALISED_MARK
 
 
 @dataclass(frozen=True)

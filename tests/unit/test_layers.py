@@ -25,7 +25,7 @@ SOURCE = Path(__file__).resolve().parents[2] / PACKAGE
 
 FENCES = {"_lightning_private", "_deepspeed_private"}
 INTEGRATION = {"__init__", "__main__", "strategy", "preparation", "checkpoint", "export", "faults", "rng", "notebook",
-               "callbacks", "console", "recipe", "plan", "preflight", "lora_initialisation"}
+               "callbacks", "console", "recipe", "plan", "preflight"}
 LAYERS = ("fences", "core", "integration", "models")
 
 

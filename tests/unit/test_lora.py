@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lightning_ulysses import checkpoint as checkpoints
 from lightning_ulysses.export import ExportPretrained, PeftAdapters, adapter_configs, save_pretrained_folders
 from lightning_ulysses.models import CausalLMModule
-from lightning_ulysses.models.lora import (LoraSettings, _peft_initial_pair, add_adapter, check_adapters_initialised,
-                                          with_lora)
+from lightning_ulysses.models.lora import LoraSettings, _peft_initial_pair, add_adapter, with_lora
+from lightning_ulysses.preparation import check_adapters_initialised
 from tests.distributed.common import tiny_llama
 from tests.finetune_fixtures import save_tiny_pretrained, save_tiny_tokenizer
 
