@@ -21,11 +21,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
+from lightning_ulysses import auto
 from lightning_ulysses.attention.core import validate_head_counts
 from lightning_ulysses.checkpoint import PREVIOUS_SUFFIX, resolve_checkpoint, saved_global_step
 from lightning_ulysses.console import quiet_third_party  # noqa: F401  (recipes/train.py: before anything is built)
 from lightning_ulysses.layout import ParallelLayout
 from lightning_ulysses.memory import MemoryOptions
+from lightning_ulysses.pretrained import check_pretrained_folder
 from lightning_ulysses.planner import ModelShape, TrainingSetup, plan_memory
 from lightning_ulysses.deepspeed_config import split_ulysses_block
 from lightning_ulysses.export import ExportPretrained
@@ -86,8 +88,6 @@ def check_before_run(cfg: DictConfig) -> None:
     _refuse_missing_settings(cfg)
     pretrained = cfg.model.get("pretrained")
     if pretrained is not None:
-        from lightning_ulysses.models.hf import check_pretrained_folder
-
         try:
             check_pretrained_folder(str(pretrained), setting="model.pretrained")
         except OSError as error:
@@ -313,8 +313,6 @@ def auto_choice(cfg: DictConfig, spec: Any, layout: ParallelLayout) -> tuple[Any
     a GPU run: GPU 0's free memory, where this machine has one). A GPU run planned on a machine without one is
     refused, naming `free_memory`, as is a run nothing fits (auto's own message)."""
     import torch
-
-    from lightning_ulysses import auto
 
     request = auto.coerce_memory(strategy_memory(cfg))
     devices = int(cfg.trainer.devices)

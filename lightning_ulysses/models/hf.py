@@ -3,7 +3,6 @@ pretrained folder (`save_pretrained`'s, or a Hub name)."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -11,7 +10,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lightning_ulysses.pretrained import transformers_initialises_partitioned_weights
+from lightning_ulysses.pretrained import (MAKE_AN_EXAMPLE, check_pretrained_folder,
+                                          transformers_initialises_partitioned_weights)
 
 
 class HuggingFaceCausalLM:
@@ -74,33 +74,6 @@ class PretrainedCausalLM:
 
     def num_parameters(self) -> int:
         return _count_parameters(self.config, self.attn_implementation)
-
-
-# A Hugging Face Hub name: `name` or `namespace/name` (letters, digits, `_`, `-`, `.`), the form transformers accepts.
-_HUB_NAME = re.compile(r"[A-Za-z0-9_][\w.-]*(/[A-Za-z0-9_][\w.-]*)?")
-MAKE_AN_EXAMPLE = ("To try the recipes without a model of your own, `python -m lightning_ulysses example-finetune"
-                   " <folder>` writes a tiny one with data files, offline, and prints the command that fine-tunes it.")
-
-
-def check_pretrained_folder(pretrained: str, setting: str = "pretrained") -> None:
-    """Refuse, naming the path, a model folder that does not exist or is not one `save_pretrained` wrote (no
-    `config.json`), before transformers reads it as a Hub name ("Repo id must be in the form ..."). A name that can
-    only be a Hub name (`name` or `namespace/name`, not an existing path) is left to transformers. `setting` names the
-    option in the messages (the recipes': `model.pretrained`)."""
-    path = Path(pretrained).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"{setting}={pretrained}: {path.resolve()} holds no config.json, so it is not a model folder"
-                f" `save_pretrained` wrote (config.json, weights, tokenizer). {MAKE_AN_EXAMPLE}")
-        return
-    if path.exists():
-        raise NotADirectoryError(f"{setting}={pretrained}: {path.resolve()} is a file; name the model's folder (the"
-                                 f" one holding config.json and the weights). {MAKE_AN_EXAMPLE}")
-    first = Path(pretrained.split("/")[0]).expanduser()
-    if not _HUB_NAME.fullmatch(pretrained) or ".." in pretrained or first.is_dir():
-        raise FileNotFoundError(f"{setting}={pretrained}: the folder {path.resolve()} does not exist. Name a model"
-                                f" folder `save_pretrained` wrote (config.json, weights, tokenizer). {MAKE_AN_EXAMPLE}")
 
 
 def _pretrained_config(pretrained: str, **changes: Any):
