@@ -182,11 +182,12 @@ def test_export_writes_a_state_dict_and_a_pretrained_model_with_identical_output
     command = [sys.executable, "-m", "lightning_ulysses", "checkpoint", "export", str(workdir / f"sp4/step={STEPS}.ckpt"),
                str(tmp_path)]
     printed = subprocess.run(command, check=True, capture_output=True, text=True).stdout.splitlines()
-    assert printed[-2:] == [f"wrote {tmp_path / 'model.pt'}", f"wrote {tmp_path / 'model'}"]  # after DeepSpeed's logs
+    # One model: the output folder itself is its save_pretrained folder, model.pt beside (the recipes' export layout)
+    assert printed[-2:] == [f"wrote {tmp_path / 'model.pt'}", f"wrote {tmp_path}"]  # after DeepSpeed's logs
     trained = results[0]["sp4"]["weights"]  # gathered from the live engine at the end of the same run
     state = torch.load(tmp_path / "model.pt")
     assert all(torch.equal(state[f"model.{name}"], value) for name, value in trained.items())
-    exported = LlamaForCausalLM.from_pretrained(tmp_path / "model").eval()
+    exported = LlamaForCausalLM.from_pretrained(tmp_path).eval()
     assert exported.config._attn_implementation != "ulysses"  # the user's own attention, not ours
     expected = tiny_llama(2).eval()
     expected.load_state_dict(trained)
