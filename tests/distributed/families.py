@@ -19,7 +19,7 @@ _SMALL = dict(
     num_experts=4, num_local_experts=4, n_routed_experts=4, moe_num_experts=4, num_experts_per_tok=2,
     moe_intermediate_size=32, shared_expert_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
     q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1,
-    rotary_dim=4, use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    rotary_dim=4, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     # linear attention and state-space mixers (their defaults make CPU scans over chunks of 256 tokens)
     linear_key_head_dim=8, linear_value_head_dim=8, mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8,
     mamba_d_state=16, mamba_chunk_size=8, chunk_size=8, ssm_state_size=16, state_size=16, mamba_num_heads=8,
@@ -53,9 +53,9 @@ FAMILIES = {
     # hybrid and recurrent token mixers: run on whole rows
     "qwen3_next": {}, "qwen3_5_text": {}, "qwen3_5_moe_text": {},
     "lfm2": {"layer_types": ["conv", "full_attention"]},
-    "falcon_h1": {}, "granitemoehybrid": {"mamba_n_heads": 8}, "nemotron_h": {}, "jamba": {"attn_layer_period": 2,
-    "attn_layer_offset": 1}, "bamba": {"mamba_n_heads": 8}, "minimax": {}, "zamba2": {"layers_block_type": ["mamba", "hybrid"], "mamba_headdim": 8, "n_mamba_heads": 8}, "olmo_hybrid": {},
-    "mamba": {}, "mamba2": {"num_heads": 8, "n_groups": 1}, "recurrent_gemma": {}, "rwkv": {},
+    "falcon_h1": {}, "granitemoehybrid": {"mamba_n_heads": 8, "layer_types": ["mamba", "attention"]}, "nemotron_h": {}, "jamba": {"attn_layer_period": 2,
+    "attn_layer_offset": 1}, "bamba": {"mamba_n_heads": 8, "attn_layer_indices": [1]}, "minimax": {}, "zamba2": {"layers_block_type": ["mamba", "hybrid"], "mamba_headdim": 8, "n_mamba_heads": 8}, "olmo_hybrid": {},
+    "mamba": {}, "mamba2": {"num_heads": 8, "n_groups": 1}, "recurrent_gemma": {"block_types": ["recurrent", "attention"]}, "rwkv": {},
     "llama4_text": {"no_rope_layers": [1, 0]},  # layer 1 without RoPE: the NoPE temperature tuning is active
 }
 

@@ -24,7 +24,7 @@ import os
 
 import pytest
 
-from tests.distributed.families import FAMILIES
+from tests.distributed.families import FAMILIES, SEQ_LEN, tiny_config
 from tests.distributed.harness import ROOT
 from tests.distributed.pool import shared
 from tests.distributed.reference import assert_training_matches, reference_training
@@ -71,9 +71,13 @@ MEMORY_FAMILIES = ("qwen3_next", "mistral")
 MEMORY = {"activation_checkpointing": True, "offload_activations": True, "tiled_mlp": True, "mlp_tile_tokens": 3}
 
 
+# Families whose mixers run split by heads (lightning_ulysses/mixers/: a declaration per family); the others' run
+# on whole rows.
+SPLIT_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lfm2")
+
 # Families whose token mixers that are not attention are also checked layer by layer (`mixer_errors`): one layer of
 # each kind on its shard against the same layer on the whole rows, output and input gradient.
-MIXER_FAMILIES = ("qwen3_next", "qwen3_5_text", "kimi_linear", "minimax", "lfm2", "mamba", "mamba2", "jamba",
+MIXER_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "minimax", "lfm2", "mamba", "mamba2", "jamba",
                   "falcon_h1", "granitemoehybrid", "nemotron_h", "bamba", "zamba2", "olmo_hybrid", "recurrent_gemma",
                   "rwkv")
 
@@ -85,11 +89,42 @@ JOB = shared(4, "families", WORKER, _spec(), timeout=600)
 def test_every_token_mixer_layer_is_exact_on_its_own(outcome):
     for family in MIXER_FAMILIES:
         for sp in SIZES:
-            errors = [rank["mixers"][family][sp] for rank in outcome]
-            assert errors[0], (family, sp, "no mixer found")
-            for path in errors[0]:
-                output, gradient = max(e[path][0] for e in errors), max(e[path][1] for e in errors)
+            layers = [rank["mixers"][family][sp] for rank in outcome]
+            assert layers[0], (family, sp, "no mixer found")
+            for path in layers[0]:
+                output = max(layer[path]["output_error"] for layer in layers)
+                gradient = max(layer[path]["gradient_error"] for layer in layers)
                 assert output < 1e-5 and gradient < 1e-5, (family, sp, path, output, gradient)
+
+
+def test_hybrids_run_with_the_cache_transformers_makes_by_default():
+    # `model(**batch)` as users write it: transformers then creates a cache in every forward, training included,
+    # and hands it to each mixer; the matrix must run with it (a cache the model made for itself is no error).
+    for family in MIXER_FAMILIES:
+        overrides = {key: value for key, value in FAMILIES[family].items() if key not in ("eval", "float64")}
+        assert tiny_config(family, **overrides).get_text_config().use_cache is True, family
+
+
+def test_declared_mixers_run_split_by_heads(outcome):
+    for family in MIXER_FAMILIES:
+        for sp in SIZES:
+            ran = {path: layer["ran"] for path, layer in outcome[0]["mixers"][family][sp].items()}
+            expected = "split" if family in SPLIT_FAMILIES else "whole rows"
+            assert set(ran.values()) == {expected}, (family, sp, ran)
+
+
+def test_a_split_mixer_does_one_sp_th_of_the_work_on_every_rank(outcome):
+    # Scaling is a claim too: the FLOPs of forward and backward are exactly 1/SP of the whole layer's, its linear
+    # layers see seq/SP rows, and the activations it saves for backward are 1/SP of the whole layer's, up to the
+    # channel indices and narrowed weights a split keeps (a fixed ~1 KB here, where the layer saves ~11 KB per rank).
+    for family in SPLIT_FAMILIES:
+        for sp in SIZES:
+            for rank in outcome:
+                for path, layer in rank["mixers"][family][sp].items():
+                    work, whole = layer["work"], layer["whole_work"]
+                    assert work["flops"] * sp == whole["flops"], (family, sp, path, work, whole)
+                    assert work["rows"] * sp == whole["rows"] == SEQ_LEN, (family, sp, path, work, whole)
+                    assert work["saved_bytes"] * sp <= 1.15 * whole["saved_bytes"], (family, sp, path, work, whole)
 
 
 def classify(ranks: list[dict], family: str, sp: int) -> tuple[str, str]:
@@ -163,8 +198,12 @@ def render(ranks: list[dict]) -> str:
         " 1e-4 (relative); *refused*: `UlyssesDeepSpeedStrategy` stops before training, naming the fix; *untested*:"
         " the tiny recipe could not build it here.",
         "",
-        "| family | SP 2 | SP 4 | why |",
-        "| --- | --- | --- | --- |",
+        "*Token mixers* (linear attention, state-space layers, short convolutions): *split by heads*: each rank runs"
+        " its share of the heads (or channels) on whole rows, 1/SP of the layer's work; *whole rows*: every rank runs"
+        " the whole layer (exact, but its work does not shrink with SP).",
+        "",
+        "| family | SP 2 | SP 4 | token mixers | why |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for family in sorted(FAMILIES):
         cells = [classify(ranks, family, sp) for sp in SIZES]
@@ -174,7 +213,9 @@ def render(ranks: list[dict]) -> str:
         if FAMILIES[family].get("float64"):
             why = "compared in float64: its two subtracted softmax maps amplify fp32 rounding to 1e-4 of some gradients"
         why = why.split(". ")[0].replace("|", "\\|")[:200]
-        lines.append(f"| {family} | {cells[0][0]} | {cells[1][0]} | {why} |")
+        mixers = {layer["ran"] for sp in SIZES for layer in ranks[0].get("mixers", {}).get(family, {}).get(sp, {}).values()}
+        mixers = " / ".join(sorted("split by heads" if ran == "split" else ran for ran in mixers))
+        lines.append(f"| {family} | {cells[0][0]} | {cells[1][0]} | {mixers} | {why} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,6 +1,6 @@
-"""Forward pre-hooks on a prepared model for its positions: the latest forward's positions and padding mask kept on
-the binding (for attention modules their layer does not hand them to), and the refusal of a sharded forward
-without the batch's global positions."""
+"""Forward pre-hooks on a prepared model for what it is entered with: the latest forward's positions and padding
+mask kept on the binding (for attention modules their layer does not hand them to), the refusal of a sharded
+forward without the batch's global positions, and of one continuing from a cache."""
 
 from __future__ import annotations
 
@@ -91,3 +91,39 @@ class _PositionCheck:
             " boundary). Pass the batch's global positions: model(**batch), or model(input_ids=batch['input_ids'],"
             " labels=..., position_ids=batch['position_ids']) — the strategy fills them in when the batch has none."
         )
+
+
+CACHE_ARGUMENTS = ("past_key_values", "cache", "cache_params")
+
+
+def cache_holds_tokens(cache) -> bool:
+    """Whether a transformers cache already holds earlier tokens (attention keys, or a mixer's recorded state)."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:  # not transformers' layered cache: assume it holds tokens (refused rather than guessed)
+        return True
+    return any(any(getattr(layer, "has_previous_state", {}).values())
+               or (callable(getattr(layer, "get_seq_length", None)) and layer.get_seq_length() > 0) for layer in layers)
+
+
+class _CacheCheck:
+    """Refuses a sharded forward handed a cache that already holds tokens (a forward pre-hook).
+
+    A cache the model creates for itself (transformers' default `use_cache=True`, training included) records a
+    prefill and is fine; continuing from one is decoding, which only `lightning_ulysses.inference.generate` does
+    exactly under sequence parallelism. Raised before the model's first collective, on every rank alike (every rank
+    of the SP group is handed the same kind of cache)."""
+
+    def __init__(self, model: torch.nn.Module, binding: _Binding) -> None:
+        self.binding, self.name = binding, type(model).__name__
+
+    def __call__(self, module, args, kwargs):
+        if self.binding.decode is not None:
+            return None
+        for name in CACHE_ARGUMENTS:
+            cache = kwargs.get(name)
+            if cache is not None and not isinstance(cache, bool) and cache_holds_tokens(cache):
+                raise NotImplementedError(
+                    f"{self.name} was called under sequence parallelism with a {name} that already holds tokens:"
+                    " decoding from a cache needs the whole prompt's state, of which each rank holds a shard. Use"
+                    " lightning_ulysses.inference.generate, or decode with sequence_parallel_size=1.")
+        return None

@@ -18,12 +18,12 @@ from lightning_ulysses.attention.core import ProcessGroupHandle
 from lightning_ulysses.attention.hf.binding import _BINDING_ATTRIBUTE, ULYSSES_ATTENTION, _Binding
 from lightning_ulysses.attention.hf.forward import _register_attention
 from lightning_ulysses.attention.hf.mask_interface import bind_configs, unbind_configs
-from lightning_ulysses.attention.hf.positions import _ForwardPositions, _PositionCheck
+from lightning_ulysses.attention.hf.positions import _CacheCheck, _ForwardPositions, _PositionCheck
 from lightning_ulysses.attention.hf.validation import (_unswitchable_message, _unswitchable_submodel,
                                                        _unswitched_module, hf_head_counts, token_mixer_modules,
                                                        validate_hf_model)
-from lightning_ulysses.attention.mixers import WholeRowsMixer
 from lightning_ulysses.attention.rows import BatchRowsSlot
+from lightning_ulysses.mixers import install_mixers
 
 
 _NOT_SET = object()
@@ -138,16 +138,17 @@ def prepare_hf_model(
     if sharded and batch_rows is not None:
         prepared.hooks.append(model.register_forward_pre_hook(_PositionCheck(model, binding), with_kwargs=True))
     if sharded:
-        mixers = token_mixer_modules(model)
-        for path, module in mixers:
-            prepared.hooks += WholeRowsMixer(module, path, group.group, ring.group).attach(module)
-        if mixers:
-            kinds = sorted({type(module).__name__ for _, module in mixers})
+        prepared.hooks.append(model.register_forward_pre_hook(_CacheCheck(model, binding), with_kwargs=True))
+        handles, whole_rows = install_mixers(token_mixer_modules(model), group.group, ring.group,
+                                             decoding=lambda: binding.decode is not None, transport=transport)
+        prepared.hooks += handles
+        if whole_rows:
             warnings.warn(
-                f"{type(model).__name__}: {len(mixers)} token-mixing layers that are not attention ({', '.join(kinds)})"
-                f" run on whole rows on every one of the {group.world_size * ring.world_size} sequence-parallel ranks"
-                " (exact; their compute and activations do not shrink with the SP size, the attention layers' do).",
-                stacklevel=2)
+                f"{type(model).__name__}: {len(whole_rows)} token-mixing layers that are not attention run on whole rows"
+                f" on every one of the {group.world_size * ring.world_size} sequence-parallel ranks (exact, but their"
+                " compute and activations do not shrink with the SP size, and each costs an all-gather of the hidden"
+                " states and an all-reduce of their gradient): " + "; ".join(whole_rows[:3])
+                + (f"; and {len(whole_rows) - 3} more" if len(whole_rows) > 3 else ""), stacklevel=2)
     return prepared
 
 

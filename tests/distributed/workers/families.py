@@ -13,6 +13,7 @@ import inspect
 import os
 import json
 import logging
+import math
 import sys
 import time
 import warnings
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from lightning_ulysses import SequenceSharder, prepare_hf_model
 from lightning_ulysses.adapters import position_rule_of
 from lightning_ulysses.attention.hf import token_mixer_modules, validate_hf_model
-from lightning_ulysses.attention.mixers import WholeRowsMixer
+from lightning_ulysses.mixers import install_mixers
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
 from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.loss import SequenceParallelCausalLMLoss
@@ -146,8 +147,10 @@ def run_family(family: dict, sp_groups: dict) -> dict:
 
 
 def mixer_errors(pristine, sp_groups: dict) -> dict:
-    """{sp: {path: (output error, input-gradient error)}} for the first token mixer of each kind: one layer run on
-    its shard (`WholeRowsMixer`) against the same layer on the whole rows, output and input gradient."""
+    """{sp: {path: {...}}} for the first token mixer of each kind: one layer run on its shard as the strategy runs it
+    (`install_mixers`: split by heads, or on whole rows) against the same layer on the whole rows in one process:
+    output and input-gradient errors, how it ran, and the work of each (forward + backward FLOPs, bytes of
+    activations saved for backward, the most rows any of its linear layers saw)."""
     kinds, results = {}, {}
     for path, module in token_mixer_modules(pristine):
         kinds.setdefault(type(module).__name__, (path, module))
@@ -160,19 +163,79 @@ def mixer_errors(pristine, sp_groups: dict) -> dict:
             weights = torch.randn(2, SEQ_LEN, 1, generator=generator)
             whole = hidden.clone().requires_grad_(True)
             reference = copy.deepcopy(module)
-            expected = _first(reference(whole, **_call_kwargs(reference, whole)))
-            (expected * weights[..., :1]).sum().backward()
+            with _Work(reference) as whole_work:
+                expected = _first(reference(whole, **_call_kwargs(reference, whole)))
+                (expected * weights[..., :1]).sum().backward()
             mine = copy.deepcopy(module)
-            handles = WholeRowsMixer(mine, path, group).attach(mine)
+            handles, whole_rows = install_mixers([(path, mine)], group)
             cut = slice(rank * SEQ_LEN // sp, (rank + 1) * SEQ_LEN // sp)
             shard = hidden[:, cut].clone().requires_grad_(True)
-            output = _first(mine(shard, **_call_kwargs(mine, shard, cut)))
-            (output * weights[:, cut, :1]).sum().backward()
+            with _Work(mine) as work:
+                output = _first(mine(shard, **_call_kwargs(mine, shard, cut)))
+                (output * weights[:, cut, :1]).sum().backward()
             for handle in handles:
                 handle.remove()
-            results[sp][path] = ((output - expected[:, cut]).abs().max().item(),
-                                 (shard.grad - whole.grad[:, cut]).abs().max().item())
+            results[sp][path] = {
+                "output_error": (output - expected[:, cut]).abs().max().item(),
+                "gradient_error": (shard.grad - whole.grad[:, cut]).abs().max().item(),
+                "ran": "whole rows" if whole_rows else "split", "work": work.totals(), "whole_work": whole_work.totals(),
+            }
     return results
+
+
+def _convolution_flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    # torch's own formula counts a grouped (depthwise) convolution as a dense one: C_in x C_out per output position,
+    # so narrowing its channels would look quadratically cheaper. Each output reads C_in/groups x kernel inputs.
+    return 2 * math.prod(out_shape) * math.prod(w_shape[1:])
+
+
+def _convolution_backward_flops(grad_out_shape, x_shape, w_shape, *args, output_mask=(True, True, False),
+                                out_shape=None, **kwargs) -> int:
+    per_output = 2 * math.prod(grad_out_shape) * math.prod(w_shape[1:])
+    return per_output * (int(output_mask[0]) + int(output_mask[1]))  # input gradient, weight gradient
+
+
+class _Work:
+    """What one run of a module costs this rank: FLOPs (torch's counter: matmuls and convolutions, forward and
+    backward), bytes of the activations autograd saves for backward (parameters and their slices excluded), and the
+    most rows (tokens) any of its linear layers was handed."""
+
+    def __init__(self, module: torch.nn.Module):
+        from torch.utils.flop_counter import FlopCounterMode
+
+        aten = torch.ops.aten
+        self.module = module
+        self.counter = FlopCounterMode(display=False, custom_mapping={
+            aten.convolution: _convolution_flops, aten.convolution_backward: _convolution_backward_flops})
+        self.parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self.saved: dict[int, int] = {}
+        self.rows = 0
+
+    def _pack(self, tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self.parameters:
+            self.saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    def _linear_input(self, _module, args):
+        self.rows = max(self.rows, args[0].shape[-2] if args[0].dim() >= 2 else 1)
+
+    def __enter__(self):
+        self.hooks = [m.register_forward_pre_hook(self._linear_input) for m in self.module.modules()
+                      if isinstance(m, torch.nn.Linear)]
+        self.saving = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self.saving.__enter__()
+        self.counter.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.counter.__exit__(*exc)
+        self.saving.__exit__(*exc)
+        for hook in self.hooks:
+            hook.remove()
+
+    def totals(self) -> dict:
+        return {"flops": self.counter.get_total_flops(), "saved_bytes": sum(self.saved.values()), "rows": self.rows}
 
 
 def _call_kwargs(module, hidden, cut=slice(None)) -> dict:

@@ -1,5 +1,5 @@
 """Token mixers that are not attention (Mamba/Mamba2, Gated DeltaNet, KDA, lightning attention, short
-convolutions, RG-LRU, RWKV time shifts) under sequence parallelism: run each on whole rows.
+convolutions, RG-LRU, RWKV time shifts) under sequence parallelism, the last resort: run each on whole rows.
 
 Such a layer mixes tokens inside its own forward (a causal convolution, a recurrence over the sequence), so the
 attention exchange never reaches it: over a rank's shard alone it would restart its state at every shard boundary.
@@ -14,26 +14,26 @@ included), so these layers do not shrink with the SP size the way attention does
 still do). `prepare_hf_model` warns with the layers it wraps.
 
 A layer's arguments are read by name from its signature, so any layer shaped like transformers' mixers works:
-the first argument is the hidden states `[batch, seq, ...]`; `attention_mask` (2-D padding) and `position_ids`
-are replaced by their whole rows, `cache_position` by the whole row's positions, `position_embeddings` gathered;
-a cache must be None (training and evaluation, not decoding), and any other argument shaped like this shard is
-refused by name rather than guessed.
+the first argument is the hidden states `[batch, seq, ...]`; `position_embeddings` are gathered; the others are made
+whole as for a mixer split by heads (arguments.py: padding masks, positions, a cache the model made for itself), and
+any other argument shaped like this shard is refused by name rather than guessed.
+
+This is the last resort (mixers/__init__.py): mixers whose family declares how to split them by heads run split
+(head_split.py) unless their units do not divide by the SP size or the sequence also passes around a ring.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from lightning_ulysses.attention.all_to_all import all_gather_sequence
 from lightning_ulysses.layout import ShardOrder
+from lightning_ulysses.mixers.arguments import whole_row_argument
 
-# The attribute of the "ulysses" mask interface's marker for windowed layers (attention/hf/mask_interface.py `_mark`).
-MASK_MARKER = "_lightning_ulysses_pattern"
-_CACHES = ("cache", "cache_params", "past_key_values", "past_key_value", "layer_past", "state")
 
 
 class _GatherRows(torch.autograd.Function):
@@ -58,8 +58,10 @@ class _GatherRows(torch.autograd.Function):
 class WholeRowsMixer:
     """Forward pre-hook + forward hook that run one token-mixing layer on whole rows (see the module docstring)."""
 
-    def __init__(self, module: torch.nn.Module, path: str, group, ring_group=None):
+    def __init__(self, module: torch.nn.Module, path: str, group, ring_group=None,
+                 decoding: Callable[[], bool] = lambda: False):
         self.path, self.name = path, type(module).__name__
+        self.decoding = decoding  # whether `inference.generate` is decoding with the model (a cache is then refused)
         self.group = group if group is not None and dist.get_world_size(group) > 1 else None
         self.ring = ring_group if ring_group is not None and dist.get_world_size(ring_group) > 1 else None
         self.order, self.rank = ShardOrder.of_groups(self.group, self.ring)
@@ -95,36 +97,10 @@ class WholeRowsMixer:
         return bound.args, bound.kwargs
 
     def _whole(self, name: str, value: Any, hidden: torch.Tensor) -> Any:
-        batch, length = hidden.shape[:2]
-        if name == "attention_mask":
-            # Masks from the "ulysses" mask interface: 2-D padding, or a windowed layer's marker holding it (a
-            # recurrent block handed the attention's mask, like RecurrentGemma's, reads no window from it).
-            value = getattr(value, MASK_MARKER, (value, None))[0] if value is not None else None
-            # Rank-dependent None (transformers drops a shard's all-ones mask), so every rank gathers one.
-            if value is not None and (not isinstance(value, torch.Tensor) or value.dim() != 2):
-                raise NotImplementedError(
-                    f"{self.path} ({self.name}) got a {getattr(value, 'dim', lambda: '?')()}-D attention mask; under"
-                    " sequence parallelism it runs on whole rows and takes 2-D padding masks only.")
-            shard = torch.ones(batch, length, dtype=torch.long, device=hidden.device) if value is None else value
-            rows = self.gather(shard)
-            return None if bool(rows.bool().all()) else rows
-        if name == "position_ids" and isinstance(value, torch.Tensor):
-            return self.gather(value)
-        if name == "cache_position" and isinstance(value, torch.Tensor):
-            return torch.arange(length * self.order.sequence_parallel_size, device=value.device)
         if name == "position_embeddings" and isinstance(value, (tuple, list)):
             return type(value)(_GatherRows.apply(item, self) for item in value)
-        if name in _CACHES or name == "use_cache":
-            if value not in (None, False):
-                raise NotImplementedError(
-                    f"{self.path} ({self.name}) got a {name} under sequence parallelism: its state would cover one"
-                    " shard of the sequence. Call the model with use_cache=False (training and evaluation).")
-            return value
-        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.size(1) == length and value.size(0) in (1, batch):
-            raise NotImplementedError(
-                f"{self.path} ({self.name}) takes {name!r} shaped like this rank's shard of the sequence, which"
-                " lightning_ulysses does not know how to make whole: train this model with sequence_parallel_size=1.")
-        return value
+        whole = hidden.size(1) * self.order.sequence_parallel_size
+        return whole_row_argument(name, value, hidden, self.gather, whole, f"{self.path} ({self.name})", self.decoding())
 
     def after(self, module, args, output):
         length = self._shard_length
