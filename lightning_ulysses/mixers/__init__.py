@@ -31,17 +31,24 @@ def split_of(module: torch.nn.Module, parts: int) -> MixerSplit | None:
 
 
 def install_mixers(mixers: list[tuple[str, torch.nn.Module]], group, ring_group=None,
-                   decoding: Callable[[], bool] = lambda: False, transport=None) -> tuple[list, list[str]]:
+                   decoding: Callable[[], bool] = lambda: False, transport=None,
+                   positions: Callable[[], torch.Tensor | None] = lambda: None) -> tuple[list, list[str]]:
     """Put every mixer of `mixers` (`(path, module)`) under sequence parallelism over `group` (and `ring_group`).
 
-    Returns the handles that undo it (`.remove()`) and, for each mixer left on whole rows, "path (Class): why"."""
+    `decoding()`: whether `inference.generate` is decoding; `positions()`: the model's latest `position_ids` shard
+    (packed documents). At SP 1 only the declared splits are installed (one of one rank: packed documents then
+    restart the mixers as at any SP size); the other mixers stay as they are. Returns the handles that undo it
+    (`.remove()`) and, for each mixer left on whole rows, "path (Class): why"."""
     parts = 1 if group is None else dist.get_world_size(group)
     ring = 1 if ring_group is None else dist.get_world_size(ring_group)
     handles, whole_rows = [], []
     for path, module in mixers:
         split = split_of(module, parts)
         if split is not None and ring == 1 and split.units % parts == 0:
-            handles.append(HeadSplitMixer(module, path, split, group, decoding, transport).install(module))
+            handles.append(HeadSplitMixer(module, path, split, group if parts > 1 else None, decoding, transport,
+                                          positions).install(module))
+            continue
+        if parts * ring == 1:
             continue
         if split is None:
             why = "no head split is declared for it"
@@ -50,5 +57,5 @@ def install_mixers(mixers: list[tuple[str, torch.nn.Module]], group, ring_group=
         else:
             why = f"its {split.units} heads/channels do not divide by the SP size {parts}"
         whole_rows.append(f"{path} ({type(module).__name__}): {why}")
-        handles += WholeRowsMixer(module, path, group, ring_group, decoding).attach(module)
+        handles += WholeRowsMixer(module, path, group, ring_group, decoding, positions).attach(module)
     return handles, whole_rows

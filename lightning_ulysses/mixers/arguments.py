@@ -72,3 +72,21 @@ def whole_padding_mask(value: Any, hidden: torch.Tensor, gather: Callable[[torch
     shard = torch.ones(batch, length, dtype=torch.long, device=hidden.device) if value is None else value
     rows = gather(shard)
     return None if bool(rows.bool().all()) else rows
+
+
+def packed_documents(positions: Any, gather: Callable[[torch.Tensor], torch.Tensor], batch: int,
+                     length: int) -> list[list[tuple[int, int]]] | None:
+    """Per row, the `(start, end)` of each packed document of the whole rows, read from this shard's `positions`
+    (the model's `position_ids`: documents restart them, as the attention reads them, attention/documents.py);
+    None when every row is one sequence or no positions were given. The positions are gathered whole, so every rank
+    of the group gets the same answer and takes the same path."""
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or positions.size(-1) != length:
+        return None
+    starts = gather(positions.expand(batch, -1).contiguous()).diff(dim=1) != 1
+    if not bool(starts.any()):
+        return None
+    documents = []
+    for row in starts.tolist():
+        cuts = [0] + [index + 1 for index, start in enumerate(row) if start] + [len(row) + 1]
+        documents.append(list(zip(cuts[:-1], cuts[1:])))
+    return documents

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from lightning_ulysses._deepspeed_private import Z3_LEAF_ATTRIBUTE, mark_z3_leaf
 from lightning_ulysses.attention.all_to_all import all_gather_sequence
-from lightning_ulysses.mixers.arguments import shard_padding_mask, whole_row_argument
+from lightning_ulysses.mixers.arguments import CACHE_ARGUMENTS, packed_documents, shard_padding_mask, whole_row_argument
 from lightning_ulysses.mixers.channels import ChannelExchange, ChannelLayout, Replicated
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
@@ -89,6 +89,30 @@ class _ProjectFromHeadRows(torch.nn.Module):
         return self.projection(self.exchange.to_shard(rows))
 
 
+class _GivenRows(torch.nn.Module):
+    """Stands in for an input projection when its head rows were computed beforehand (one document of a row)."""
+
+    def __init__(self, rows: torch.Tensor):
+        super().__init__()
+        self.rows = rows
+
+    def forward(self, _placeholder: torch.Tensor) -> torch.Tensor:
+        return self.rows
+
+
+class _KeepRows(torch.nn.Module):
+    """Stands in for the output projection when documents run one by one: keeps what it is handed (projected once
+    all documents have run)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows: torch.Tensor | None = None
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        self.rows = rows
+        return rows
+
+
 def _bare_copy(module: torch.nn.Module) -> torch.nn.Module:
     """A shallow copy of `module` with its own parameter and child tables and no hooks (DeepSpeed's and ours stay
     on the module itself, which runs them around the whole mixer)."""
@@ -107,10 +131,12 @@ class HeadSplitMixer:
     """Runs one token mixer split by units over the SP group (module docstring); `install` puts it in place."""
 
     def __init__(self, module: torch.nn.Module, path: str, split: MixerSplit, group,
-                 decoding: Callable[[], bool] = lambda: False, transport=None):
+                 decoding: Callable[[], bool] = lambda: False, transport=None,
+                 positions: Callable[[], torch.Tensor | None] = lambda: None):
         self.path, self.name, self.split, self.group = path, type(module).__name__, split, group
-        self.parts, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.decoding = decoding
+        self.parts, self.rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+        self.decoding = decoding  # whether `inference.generate` is decoding with the model (a cache is then refused)
+        self.positions = positions  # this shard's position_ids of the model's forward (packed documents restart them)
         self.inputs = {name: ChannelExchange(layout, group, self.parts, transport)
                        for name, layout in split.inputs.items()}
         output, layout = split.output
@@ -152,19 +178,61 @@ class HeadSplitMixer:
         def whole_rows(name: str, value: Any) -> Any:
             return whole_row_argument(name, value, hidden, self.gather, whole, where, decoding)
 
-        for name, value in list(arguments.items()):
+        # At SP 1 the arguments are the whole rows' already (a cache included: decoding then runs as unprepared).
+        for name, value in list(arguments.items()) if self.parts > 1 else ():
             if name == self.variadic:
                 arguments[name] = {key: whole_rows(key, item) for key, item in value.items()}
             elif name != self.hidden:
                 arguments[name] = whole_rows(name, value)
         if mask is not None and self.split.masks_input:
             hidden = (hidden * mask[:, :, None]).to(hidden.dtype)  # what the mixer does to its input, on the shard
+        documents = self._documents(batch, length)
+        if documents is not None:
+            return self._per_document(module, arguments, hidden, documents, where)
         arguments[self.hidden] = hidden.new_empty(batch, whole, 0)
-        view = self._local_view(module, hidden)
+        view = self._local_view(module, lambda path, projection: _ProjectShard(projection, hidden, self.inputs[path]),
+                                lambda projection: _ProjectFromHeadRows(projection, self.output[1]))
         bound = inspect.BoundArguments(self.signature, arguments)
         return view.forward(*bound.args, **bound.kwargs)
 
-    def _local_view(self, module: torch.nn.Module, shard: torch.Tensor) -> torch.nn.Module:
+    def _documents(self, batch: int, length: int) -> list[list[tuple[int, int]]] | None:
+        return packed_documents(self.positions(), self.gather, batch, length)
+
+    def _per_document(self, module: torch.nn.Module, arguments: dict, shard: torch.Tensor,
+                      documents: list[list[tuple[int, int]]], where: str) -> torch.Tensor:
+        """Packed rows: the mixer's own forward runs once per document of each row, so its convolution and its
+        recurrence restart at every document, as the attention's masks restart (whatever kernels are installed:
+        transformers' PyTorch fallbacks take no document boundaries). The projections and both exchanges still run
+        once for the whole batch."""
+        head_rows = {path: exchange.to_head_rows(module.get_submodule(path)(shard))
+                     for path, exchange in self.inputs.items()}
+        whole = shard.size(1) * self.parts
+        rows = []
+        for row, spans in enumerate(documents):
+            pieces = []
+            for start, end in spans:
+                given = {path: value[row:row + 1, start:end] for path, value in head_rows.items()}
+                kept = _KeepRows()
+                view = self._local_view(module, lambda path, projection: _GivenRows(given[path]), lambda _: kept)
+                cut = {name: _document_of(name, value, row, start, end, whole) for name, value in arguments.items()}
+                if self.variadic in cut:
+                    cut[self.variadic] = {key: _document_of(key, item, row, start, end, whole)
+                                          for key, item in arguments[self.variadic].items()}
+                cut[self.hidden] = shard.new_empty(1, end - start, 0)
+                bound = inspect.BoundArguments(self.signature, cut)
+                output = view.forward(*bound.args, **bound.kwargs)
+                if kept.rows is None or output is not kept.rows:
+                    raise NotImplementedError(
+                        f"{where} computes more after its output projection, so its packed documents cannot run one"
+                        " by one: train it on unpacked rows (one document per row) under sequence parallelism.")
+                pieces.append(output)
+            rows.append(torch.cat(pieces, dim=1))
+        path, exchange = self.output
+        return module.get_submodule(path)(exchange.to_shard(torch.cat(rows, dim=0)))
+
+    def _local_view(self, module: torch.nn.Module, input_stand_in: Callable, output_stand_in: Callable) -> torch.nn.Module:
+        """A view of `module` for this rank's units; `input_stand_in(path, projection)` and
+        `output_stand_in(projection)` make the modules that take the projections' places."""
         copies = {"": _bare_copy(module)}
 
         def holder(path: str) -> tuple[torch.nn.Module, str]:
@@ -176,12 +244,11 @@ class HeadSplitMixer:
                 owner._modules[child] = copies[parent]
             return copies[parent], name
 
-        for path, exchange in self.inputs.items():
+        for path in self.inputs:
             owner, name = holder(path)
-            owner._modules[name] = _ProjectShard(owner._modules[name], shard, exchange)
-        path, exchange = self.output
-        owner, name = holder(path)
-        owner._modules[name] = _ProjectFromHeadRows(owner._modules[name], exchange)
+            owner._modules[name] = input_stand_in(path, owner._modules[name])
+        owner, name = holder(self.output[0])
+        owner._modules[name] = output_stand_in(owner._modules[name])
         for path, (dim, channels) in self.slices.items():
             owner, name = holder(path)
             parameter = owner._parameters[name]
@@ -190,6 +257,16 @@ class HeadSplitMixer:
             owner, name = holder(path)
             owner.__dict__[name] = value
         return copies[""]
+
+
+def _document_of(name: str, value: Any, row: int, start: int, end: int, whole: int) -> Any:
+    """A whole-row argument cut to one document of one row; no cache (each document starts from no state, and a
+    packed row is never decoded from); other arguments as they are."""
+    if name in CACHE_ARGUMENTS:
+        return None
+    if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.size(1) == whole:
+        return value[row:row + 1, start:end] if value.size(0) > 1 else value[:, start:end]
+    return value
 
 
 class _Installed:

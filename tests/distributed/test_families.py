@@ -113,6 +113,19 @@ def test_declared_mixers_run_split_by_heads(outcome):
             assert set(ran.values()) == {expected}, (family, sp, ran)
 
 
+def test_packed_documents_restart_split_mixers_and_are_refused_on_whole_rows(outcome):
+    # Split mixers run each packed document on its own: the matrix compares their packed rows with every document
+    # run alone (workers/families.py `document_by_document_loss`). A mixer left on whole rows would carry state from
+    # one document into the next: refused, naming the fix.
+    for family in SPLIT_FAMILIES:
+        assert "packed" in outcome[0]["families"][family][SIZES[0]]["batches"], family
+    for family in MIXER_FAMILIES:
+        for sp in SIZES:
+            for path, layer in outcome[0]["mixers"][family][sp].items():
+                if layer["ran"] == "whole rows":
+                    assert "unpacked rows" in layer["packed_refusal"], (family, sp, path)
+
+
 def test_a_split_mixer_does_one_sp_th_of_the_work_on_every_rank(outcome):
     # Scaling is a claim too: the FLOPs of forward and backward are exactly 1/SP of the whole layer's, its linear
     # layers see seq/SP rows, and the activations it saves for backward are 1/SP of the whole layer's, up to the
