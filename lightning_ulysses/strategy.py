@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import importlib.util
 import logging
 from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence, Union
 
@@ -35,12 +34,12 @@ from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.batch_check import CheckBatches, SameBatchCheck
 from lightning_ulysses.callbacks import correct_progress_bar
 from lightning_ulysses.checkpoint import StrategyCheckpoints
-from lightning_ulysses.deepspeed_config import deep_merge, inference_config, read_sequence_parallel_size
-from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, check_ring_size, check_sequence_parallel_size
-from lightning_ulysses.memory import MemoryOptions, apply_allocator_settings, fused_elementwise_applies
-from lightning_ulysses.loss import SequenceParallelCausalLMLoss, gradient_scale_for, reduces_over_sequence
+from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
+from lightning_ulysses.memory import MemoryOptions, apply_allocator_settings
+from lightning_ulysses.loss import SequenceParallelCausalLMLoss, reduces_over_sequence
 from lightning_ulysses.notebook import configure_launcher
 from lightning_ulysses.rng import SequenceParallelRNG, seed_workers_by_data_parallel_rank
+from lightning_ulysses.run_spec import RunSpec, deep_merge, inference_config, read_sequence_parallel_size
 from lightning_ulysses.sharding import SequencePadding, SequenceSharder
 
 # A child of Lightning's logger, so the start-up report prints wherever Lightning's own messages do.
@@ -202,11 +201,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         check_overlap_head_groups(overlap_head_groups)
         self._requested_exchange = copy_engine.check_exchange(exchange)
         config, sequence_parallel_size = read_sequence_parallel_size(
-            lightning_private.load_deepspeed_config(self, config), sequence_parallel_size)
-        if sequence_parallel_size is not None:
-            check_sequence_parallel_size(sequence_parallel_size)
-            if ring_size is not None:
-                check_ring_size(ring_size, sequence_parallel_size)
+            lightning_private.load_deepspeed_config(self, config), sequence_parallel_size, ring_size)
         if sequence_padding not in ("pad", "error"):
             raise ValueError(f"sequence_padding must be 'pad' or 'error', got {sequence_padding!r}")
         if heartbeat_timeout is not None and heartbeat_timeout <= 0:
@@ -222,6 +217,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._requested_ring_size = ring_size
         self.sequence_padding = sequence_padding
         self._groups: Optional[SequenceParallelGroups] = None
+        self._run: Optional[RunSpec] = None  # described in `setup_distributed`, from the config and the layout
         self._mpu = None  # the DeepSpeed mpu of our groups that `_initialize_engine` set last
         self._run_failed = False  # a rank raised in this run (`on_exception`): its groups are not released
         self._sharder: Optional[SequenceSharder] = None
@@ -258,7 +254,16 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._hf_model_configs: dict[str, Any] = {}  # module path → the config save_pretrained will need
         self._preflight_reported = False
 
-    # -- the parallel layout ------------------------------------------------------------------------------------
+    # -- the run and its parallel layout -------------------------------------------------------------------------
+    @property
+    def run_spec(self) -> RunSpec:
+        """The run's description (`run_spec.RunSpec`: layout, ZeRO stage and offload, precision, device), made when
+        the Trainer sets up distributed training from the DeepSpeed config; every reader asks it, not the config."""
+        if self._run is None:
+            raise RuntimeError("The run is described (run_spec) when the Trainer sets up distributed training: ask it"
+                               " inside fit/validate/test/predict.")
+        return self._run
+
     @property
     def parallel_groups(self) -> SequenceParallelGroups:
         """The SP/DP groups of this rank; available once the strategy has set up distributed training."""
@@ -300,8 +305,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         `labels`, `batch["input_ids"]`, labels built in the step; see `SequenceParallelCausalLMLoss`."""
         groups = self.parallel_groups
         group = groups.sequence_parallel_group if groups.sequence_parallel_world_size > 1 else None
-        return SequenceParallelCausalLMLoss(group, gradient_scale_for(self.config, groups.sequence_parallel_world_size),
-                                            batch_rows=self._batch_rows, order=groups.shard_order)
+        return SequenceParallelCausalLMLoss(group, self.run_spec.loss_gradient_scale, batch_rows=self._batch_rows,
+                                            order=groups.shard_order)
 
     # -- launch, environment and groups ------------------------------------------------------------------------
     @override
@@ -341,7 +346,9 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         # Raises before any collective; the ring size is settled against the model's heads in _prepare_modules.
         layout = ParallelLayout(world_size=self.world_size, sequence_parallel_size=size,
                                 ring_size=self._requested_ring_size or 1).with_ring_size(1)
-        gradient_scale_for(self.config, size)  # refuses a reduction no loss scale makes exact, before any group
+        # Refuses a configuration that cannot train exactly, before any group.
+        self._run = RunSpec.of_config(self.config, layout=layout, precision=str(self.precision_plugin.precision),
+                                      device=self.root_device)
         self._run_failed = False
         # Released at the end of every run (`teardown`), so built again for each; kept only after a failed run.
         if self._groups is not None and self._groups.layout.with_ring_size(1) != layout:
@@ -359,6 +366,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         if ring_size != self._groups.ring_size and ring_size > 1:
             rank_zero_info(f"lightning_ulysses: {self._groups.layout.with_ring_size(ring_size)}")
         self._groups = self._groups.with_ring_size(ring_size)
+        self._run = self._run.with_ring_size(ring_size)
         self._sharder = SequenceSharder(self._groups.sequence_parallel_world_size, self._groups.sequence_parallel_rank,
                                         self.sequence_padding, ring_size=ring_size, batch_rows=self._batch_rows)
 
@@ -439,55 +447,26 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._transport = copy_engine.transport_for(self.exchange)
 
     def _decide_auto(self, found: preparation.ModuleScan) -> None:
-        """`memory="auto"` and `sdpa_kernel_priority="auto"`, once per run, before the memory features are applied
-        and DeepSpeed starts. Every rank reaches the one all-reduce (the scan before it raises alike everywhere) and
-        then computes the same choice from the same inputs: the least free memory over all ranks, the model's shape
-        from its config (also under ZeRO-3, where its parameters are already partitioned), the layout, the ZeRO
-        stage and the precision; a refusal is raised on every rank alike."""
+        """`memory="auto"` and `sdpa_kernel_priority="auto"`, once per run (`auto.decide`); the optimizer offload
+        chosen is written into the DeepSpeed config through the run's description."""
         request = self.memory
-        memory_auto = isinstance(request, auto.AutoMemory)
         kernel_auto = self._requested_sdpa_kernel_priority == "auto"
         cuda = isinstance(self.accelerator, CUDAAccelerator)
-        if not (memory_auto or (kernel_auto and cuda)) or self.memory_choice is not None:
+        if not (isinstance(request, auto.AutoMemory) or (kernel_auto and cuda)) or self.memory_choice is not None:
             return
-        device_free, host_free = request.free_bytes(self.root_device, self.num_processes) if memory_auto else (0, 0)
-        cudnn = float(kernel_auto and auto.auto_sdpa_kernel(self.root_device) == ("cudnn",))
-        agreed = torch.tensor([device_free, host_free, cudnn], dtype=torch.float64, device=self.root_device)
-        if torch.distributed.is_initialized() and self.world_size > 1:
-            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
-        device_free, host_free, cudnn = agreed.tolist()
-        if kernel_auto:
-            self.sdpa_kernel_priority = ("cudnn",) if cudnn else None
-        if not memory_auto:
+        models = [m for adapter, modules in found.found if isinstance(adapter, preparation.MemoryEngine) for m in modules]
+        self.sdpa_kernel_priority, choice = auto.decide(
+            request, self._run, models, kernel_priority=self._requested_sdpa_kernel_priority if kernel_auto
+            else self.sdpa_kernel_priority, local_ranks=self.num_processes,
+            reduce=torch.distributed.is_initialized() and self.world_size > 1)
+        if choice is None:
             return
-        zero = self.config.get("zero_optimization", {})
-        offload = zero.get("offload_optimizer") or {}
-        configured = None
-        if offload.get("device") == "cpu":  # the user's own optimizer offload stays as configured
-            configured = (float(offload.get("ratio", 1.0)), int(zero.get("sub_group_size", 10**12)))
-        groups = self.parallel_groups
-        models = [m for adapter, modules in found.found if isinstance(adapter, preparation.MemoryEngine)
-                  for m in modules]
-        # inductor needs Triton for GPU code; the model must have parts `fused_elementwise` recognises
-        fusable = (cuda and importlib.util.find_spec("triton") is not None
-                   and all(map(fused_elementwise_applies, models)))
-        layout = auto.Layout(sequence_parallel_size=groups.sequence_parallel_world_size,
-                             data_parallel_size=groups.data_parallel_world_size, zero_stage=int(zero.get("stage", 0)),
-                             compute_bytes=4 if "32" in str(self.precision_plugin.precision) else 2, on_cuda=cuda,
-                             kernel=(self.sdpa_kernel_priority or (None,))[0] if cuda else None,
-                             configured_offload=configured,
-                             configured_sub_group_size=int(zero.get("sub_group_size", 10**12)),
-                             fused_elementwise=fusable)
-        choice = auto.choose(auto.shape_of(models), request, layout, (device_free, host_free))
         self.memory, self.memory_choice = choice.memory, choice
         if request.confirm_steps:
             self._memory_probe = auto.StepProbe(choice, int(request.confirm_steps),
                                                 self.lightning_module.trainer.accumulate_grad_batches)
-        if cuda and layout.zero_stage == 3:
-            zero["sub_group_size"] = choice.sub_group_size
-        if choice.offload_optimizer and configured is None:
-            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True, "ratio": choice.offload_optimizer}
-        self.config["zero_optimization"] = zero
+        self._run = self._run.with_memory_choice(choice.offload_optimizer, choice.sub_group_size)
+        self.config.update(self._run.written_into(self.config))  # in place: the dict Lightning and DeepSpeed read
         rank_zero_info(choice.report())
 
     def _restore_modules(self) -> None:
@@ -569,16 +548,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def _setup_model_and_optimizer(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
                                    lr_scheduler: Optional[Any] = None) -> tuple[Any, Any]:
-        choice = self.memory_choice
-        if choice is not None and choice.offload_optimizer and optimizer is not None:
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-            if not isinstance(optimizer, DeepSpeedCPUAdam):  # DeepSpeed's offload runs CPU Adam on the host share
-                raise ValueError(
-                    f'memory="auto" moves {choice.offload_optimizer:.0%} of the optimizer to the host, where DeepSpeed'
-                    f" needs deepspeed.ops.adam.DeepSpeedCPUAdam, but configure_optimizers returned"
-                    f" {type(optimizer).__name__}. Return DeepSpeedCPUAdam, or keep the optimizer on the device:"
-                    ' memory={"auto": True, "offload_optimizer": 0.0, ...}.')
+        auto.check_optimizer(self.memory_choice, optimizer)
         with console.verified_optimizer(optimizer) if self.quiet_third_party else contextlib.nullcontext():
             engine, deepspeed_optimizer, _, _ = self._initialize_engine(
                 config=self.config, model=model, model_parameters=filter(lambda p: p.requires_grad, model.parameters()),
