@@ -128,6 +128,26 @@ def reduces_over_sequence(loss: torch.Tensor) -> bool:
     return False
 
 
+def refuse_shard_local_loss(loss: torch.Tensor, sequence_parallel_size: int) -> None:
+    """At SP > 1 each rank holds `seq/P` tokens of every row: a loss computed from this rank's logits alone (the
+    hand-written `cross_entropy(logits[:, :-1], batch["labels"][:, 1:])`) drops the targets at shard boundaries,
+    averages per shard, and is then summed over the SP group by ZeRO — it trains, silently wrong. Every
+    whole-sequence loss of ours ends in a reduction over the group (`reduces_over_sequence`); one that does not is
+    refused (the strategy asks at its first backward, before any optimizer step, on every rank alike: each runs the
+    same step)."""
+    if sequence_parallel_size == 1 or reduces_over_sequence(loss):
+        return
+    raise RuntimeError(
+        f"The loss of this training step was computed from this rank's shard alone: at sequence_parallel_size="
+        f"{sequence_parallel_size} every rank holds 1/{sequence_parallel_size} of each row,"
+        " so a loss of its logits only (e.g. cross_entropy(logits[:, :-1], batch['labels'][:, 1:])) loses the"
+        " targets at shard boundaries and averages per shard. Return model(**batch).loss, or"
+        " self.trainer.strategy.loss_function(logits, batch['labels']) (labels as the batch holds them,"
+        " unshifted); for a per-token loss of your own, sum it over this rank's tokens and reduce it with"
+        " loss_fn.reduce_token_loss_sum(token_loss_sum, loss_fn.targets(batch['labels'])), where loss_fn ="
+        " self.trainer.strategy.loss_function.")
+
+
 class SequenceParallelCausalLMLoss:
     """Drop-in for a Hugging Face model's `loss_function` under `UlyssesDeepSpeedStrategy`, at every SP size.
 

@@ -2,14 +2,15 @@
 
 groups (layout.py) → DP-only sampler → sequence sharding (sharding.py) → Ulysses attention (attention/) →
 SP-aware loss (loss.py) → DeepSpeed with an `mpu`, so ZeRO partitions and reduces over all DP×SP ranks.
-The policies live with their owners: the DeepSpeed config dialect in `deepspeed_config`, the checkpoint
-protocol and resume state in `checkpoint`, signals, requeue and the rank watchdog in `faults`, the start-up
-report in `preflight`; every private Lightning name the strategy needs is reached through `_lightning_private`.
+The policies live with their owners: the run's description (layout, ZeRO options, precision, device; the DeepSpeed
+config and its dialect) in `run_spec`, `memory="auto"` in `auto`, the DeepSpeed engine's start and release in
+`engine`, the checkpoint protocol and resume state in `checkpoint`, signals, requeue and the rank watchdog in
+`faults`, the start-up report in `preflight`; every private Lightning name the strategy needs is reached through
+`_lightning_private`.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import logging
@@ -24,9 +25,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_ulysses import _deepspeed_private as deepspeed_private
 from lightning_ulysses import _lightning_private as lightning_private
-from lightning_ulysses import auto, console, faults, preflight, preparation, pretrained
+from lightning_ulysses import auto, console, engine, faults, preflight, preparation, pretrained
 from lightning_ulysses.attention import copy_engine
 from lightning_ulysses.attention.backends import check_sdpa_kernel_priority, sdpa_priority
 from lightning_ulysses.attention.core import check_overlap_head_groups, resolve_ring_size
@@ -36,7 +36,7 @@ from lightning_ulysses.callbacks import correct_progress_bar
 from lightning_ulysses.checkpoint import StrategyCheckpoints
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
 from lightning_ulysses.memory import MemoryOptions, apply_allocator_settings
-from lightning_ulysses.loss import SequenceParallelCausalLMLoss, reduces_over_sequence
+from lightning_ulysses.loss import SequenceParallelCausalLMLoss, refuse_shard_local_loss
 from lightning_ulysses.notebook import configure_launcher
 from lightning_ulysses.rng import SequenceParallelRNG, seed_workers_by_data_parallel_rank
 from lightning_ulysses.run_spec import RunSpec, deep_merge, inference_config, read_sequence_parallel_size
@@ -60,29 +60,6 @@ def _step_hook(name: str) -> Callable[..., Any]:
 
 def _from_groups(name: str) -> property:
     return property(lambda self: getattr(self.parallel_groups, name), doc=f"`parallel_groups.{name}`")
-
-
-def deepspeed_engine_type() -> type:
-    from deepspeed.runtime.engine import DeepSpeedEngine
-
-    return DeepSpeedEngine
-
-
-def skip_shared_memory_all_reduce_build(quiet: bool = True) -> None:
-    """On CPU, DeepSpeed's backend compiles its shared-memory all-reduce op when the process group starts
-    (`deepspeed/comm/torch.py: build_shm_op`): C++ against torch's headers, ~140 s of CPU on the first run of a
-    machine, with every rank waiting on the build lock, and a compiler required. Only DeepSpeed-inference's
-    `inference_all_reduce` uses it, which training never calls. Marked incompatible, the op is not built and
-    `inference_all_reduce` falls back to torch's all-reduce; the flag is DeepSpeed's own (`__compatible_ops__`,
-    which `build_shm_op` reads). Its first read probes every op by compiling test programs; `quiet`: with their
-    linker errors discarded (`console.quiet_compiler_probes`)."""
-    from deepspeed.accelerator import get_accelerator
-
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is not None:
-        with console.quiet_compiler_probes() if quiet else contextlib.nullcontext():
-            compatible_ops = deepspeed_private.compatible_ops()
-        compatible_ops[builder.NAME] = False
 
 
 class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
@@ -329,7 +306,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         if isinstance(self.accelerator, CUDAAccelerator):
             lightning_private.validate_device_index_selection(self.parallel_devices)  # CPU devices have no index
         else:
-            skip_shared_memory_all_reduce_build(quiet=self.quiet_third_party)
+            engine.skip_shared_memory_all_reduce_build(quiet=self.quiet_third_party)
         reset_seed()
         self.set_world_ranks()
         lightning_private.init_deepspeed_distributed(self)
@@ -484,26 +461,12 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             self._watchdog = None
         super().teardown()
         try:
-            self._release_engine()
+            # The engine stays `self.model` until the next run replaces it: `trainer.save_checkpoint` after `fit`
+            # still saves through it (it needs no hook).
+            engine.release(self.model)
         except Exception as error:  # DeepSpeed internals this relies on moved: a leak, not a reason to fail the run
             rank_zero_warn(f"lightning_ulysses: the DeepSpeed engine of this run could not be freed ({error!r}); it"
                            " stays in memory until the process ends.")
-
-    def _release_engine(self) -> None:
-        """Let the run's DeepSpeed engine be freed with the Trainer: DeepSpeed's own references keep it alive for
-        the life of the process otherwise (DESIGN-NOTES, 2026-12-02, engines), with its optimizer state and buffers.
-        `engine.destroy()` removes the ZeRO gradient-accumulation hooks (the ZeRO-2 cycle through autograd nodes,
-        which gc does not walk) and the ZeRO-3 module hooks; the engine's own forward hooks on the user's module and
-        ZeRO-3's module stack and `__params_to_release` cache are dropped here. The engine stays `self.model` until
-        the next run replaces it: `trainer.save_checkpoint` after `fit` still saves through it (it needs no hook).
-        Local to each rank, no collective: also after a failed run."""
-        engine = self.model
-        if not isinstance(engine, deepspeed_engine_type()):
-            return
-        engine.destroy()
-        deepspeed_private.remove_engine_hooks(engine)
-        deepspeed_private.forget_forward_module(engine.module)
-        deepspeed_private.clear_params_to_release_cache()
 
     def _release_groups(self) -> None:
         """Destroy the SP/DP groups (and Ulysses/ring sub-groups) this strategy created, at the end of every run
@@ -515,9 +478,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         groups = self._groups
         if groups is None or groups.released or (self._run_failed and self.world_size > 1):
             return
-        registered = deepspeed_private.registered_mpu()
-        if registered is not None and registered is self._mpu:  # set by `_initialize_engine`
-            deepspeed_private.register_mpu(None)
+        engine.forget_mpu(self._mpu)  # set by `_initialize_engine`
         self._mpu = None
         if self.world_size > 1:
             self.barrier("lightning_ulysses.release_groups")
@@ -550,10 +511,10 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
                                    lr_scheduler: Optional[Any] = None) -> tuple[Any, Any]:
         auto.check_optimizer(self.memory_choice, optimizer)
         with console.verified_optimizer(optimizer) if self.quiet_third_party else contextlib.nullcontext():
-            engine, deepspeed_optimizer, _, _ = self._initialize_engine(
+            started, deepspeed_optimizer, _, _ = self._initialize_engine(
                 config=self.config, model=model, model_parameters=filter(lambda p: p.requires_grad, model.parameters()),
                 optimizer=optimizer, lr_scheduler=lr_scheduler)
-        return engine, deepspeed_optimizer
+        return started, deepspeed_optimizer
 
     @override
     def _initialize_deepspeed_inference(self, model: torch.nn.Module) -> None:
@@ -563,17 +524,9 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             model_parameters=[])
 
     def _initialize_engine(self, **kwargs: Any) -> tuple[Any, ...]:
-        import deepspeed
-
-        groups = self.parallel_groups
-        mpu = groups.deepspeed_mpu() if groups.sequence_parallel_world_size > 1 else None
-        # DeepSpeed keeps the last engine's mpu in a module global and only overwrites it with a non-None one:
-        # clear it so an SP-1 engine after an SP-2 engine in one process does not reduce over stale groups.
-        deepspeed_private.register_mpu(mpu)
-        self._mpu = mpu
         device_rank = self.root_device.index if self.root_device.index is not None else self.local_rank
-        return deepspeed.initialize(args=argparse.Namespace(device_rank=device_rank), mpu=mpu,
-                                    dist_init_required=False, **kwargs)
+        started, self._mpu = engine.initialize(self.parallel_groups, device_rank, **kwargs)
+        return started
 
     # -- checkpoints (`checkpoint.StrategyCheckpoints`) -------------------------------------------------------------
     @override
@@ -650,30 +603,12 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         # that gradient clipping compares) k times too small. DeepSpeed still counts the micro-steps, so its step
         # boundary stays where it was; its loss scaler (fp16) is applied either way. Manual optimization has k = 1.
         kwargs.setdefault("scale_wrt_gas", False)
-        if self.batches_are_sharded and self.sequence_parallel_world_size > 1:
-            self._refuse_shard_local_loss(args[0] if args else kwargs["closure_loss"])
+        if self.batches_are_sharded:  # a loss of this rank's shard alone is refused at SP > 1
+            refuse_shard_local_loss(args[0] if args else kwargs["closure_loss"], self.sequence_parallel_world_size)
         if self.lightning_module is not None and self.lightning_module.automatic_optimization:
             self._mark_accumulation_boundary()
         with sdpa_priority(self.sdpa_kernel_priority), self._step_random_stream():
             return super().backward(*args, **kwargs)
-
-    def _refuse_shard_local_loss(self, loss: torch.Tensor) -> None:
-        """At SP > 1 each rank holds `seq/P` tokens of every row: a loss computed from this rank's logits alone (the
-        hand-written `cross_entropy(logits[:, :-1], batch["labels"][:, 1:])`) drops the targets at shard boundaries,
-        averages per shard, and is then summed over the SP group by ZeRO — it trains, silently wrong. Every
-        whole-sequence loss of ours ends in a reduction over the group (`reduces_over_sequence`); one that does not is
-        refused at its first backward, before any optimizer step, on every rank alike (each runs the same step)."""
-        if reduces_over_sequence(loss):
-            return
-        raise RuntimeError(
-            f"The loss of this training step was computed from this rank's shard alone: at sequence_parallel_size="
-            f"{self.sequence_parallel_world_size} every rank holds 1/{self.sequence_parallel_world_size} of each row,"
-            " so a loss of its logits only (e.g. cross_entropy(logits[:, :-1], batch['labels'][:, 1:])) loses the"
-            " targets at shard boundaries and averages per shard. Return model(**batch).loss, or"
-            " self.trainer.strategy.loss_function(logits, batch['labels']) (labels as the batch holds them,"
-            " unshifted); for a per-token loss of your own, sum it over this rank's tokens and reduce it with"
-            " loss_fn.reduce_token_loss_sum(token_loss_sum, loss_fn.targets(batch['labels'])), where loss_fn ="
-            " self.trainer.strategy.loss_function.")
 
     @property
     @override
