@@ -259,3 +259,34 @@ def test_step_time_model_ranks_what_was_measured():
     assert seconds(kernel="cudnn", shape=LLAMA_8B, seq=131072) < seconds(kernel=None, shape=LLAMA_8B, seq=131072)
     assert seconds("ac+attn", shape=LLAMA_8B, seq=131072) < seconds("ac", shape=LLAMA_8B, seq=131072)
     assert seconds(offload_optimizer=0.5, sub_group_size=10**7) > seconds(offload_optimizer=0.1, sub_group_size=10**7)
+
+
+def test_decide_keeps_a_given_kernel_priority_and_chooses_for_the_run():
+    """`auto.decide` (the strategy's set-up, here on one CPU rank with no process group): a kernel priority given by
+    hand is kept, "auto" is torch's order off Hopper; the memory choice plans the run it is given."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_ulysses.auto import decide
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    request = AutoMemory(seq_len=64, free_memory=(40 * GIB, 40 * GIB))
+    priority, choice = decide(request, CPU, [model], kernel_priority=("math",), local_ranks=1, reduce=False)
+    assert priority == ("math",)
+    assert choice.run is CPU and choice.kernel is None  # CPU: no SDPA kernel to plan with
+    assert decide(request, CPU, [model], kernel_priority="auto", local_ranks=1, reduce=False)[0] is None
+    assert decide(MemoryOptions(), CPU, [model], kernel_priority="auto", local_ranks=1, reduce=False) == (None, None)
+
+
+def test_an_offloading_choice_needs_deepspeeds_cpu_adam():
+    import torch
+
+    from lightning_ulysses.auto import check_optimizer
+
+    offloading = choose(LLAMA_1B, AutoMemory(seq_len=4096, offload_optimizer=0.5), GPU, (139 * GIB, 125 * GIB),
+                        kernel="cudnn")
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    with pytest.raises(ValueError, match="Return DeepSpeedCPUAdam"):
+        check_optimizer(offloading, sgd)
+    check_optimizer(_choice(LLAMA_1B, 32768, 130), sgd)  # nothing on the host: any optimizer
+    check_optimizer(None, sgd)  # memory not "auto"
