@@ -340,17 +340,15 @@ def _offload_choices(request: AutoMemory, run: RunSpec, shape: ModelShape) -> li
     else:
         shares = (0.0, 1.0)
     if not run.on_cuda and request.sub_group_size is None:
-        cut = run.sub_group_size or LIGHTNING_SUB_GROUP_SIZE  # nothing is offloaded: the config's sub-groups stay as they are
+        cut = run.sub_group_size or LIGHTNING_SUB_GROUP_SIZE  # nothing offloaded: the config's sub-groups stay
     return [(share, cut) for share in shares]
 
 
 def _setup(request: AutoMemory, run: RunSpec, options: MemoryOptions, share: float, cut: int,
            seq_len: Optional[int] = None) -> TrainingSetup:
-    return TrainingSetup(seq_len=seq_len or request.seq_len, micro_batch=request.micro_batch,
-                         sequence_parallel_size=run.sequence_parallel_size,
-                         data_parallel_size=run.data_parallel_size, zero_stage=run.zero_stage,
-                         offload_optimizer=share, compute_bytes=run.compute_bytes, memory=options,
-                         sub_group_size=cut, host_process_bytes=TrainingSetup.host_process_bytes if run.on_cuda else 0)
+    return TrainingSetup.of_run(run, seq_len or request.seq_len, micro_batch=request.micro_batch, memory=options,
+                                offload_optimizer=share, sub_group_size=cut,
+                                host_process_bytes=TrainingSetup.host_process_bytes if run.on_cuda else 0)
 
 
 def _best_share(shape, request, run, kernel, budget, options, offloads) -> Optional[Candidate]:
@@ -598,10 +596,11 @@ def decide(request: Union[MemoryOptions, AutoMemory], run: RunSpec, models: Sequ
            reduce: bool) -> tuple[Optional[tuple[str, ...]], Optional[AutoChoice]]:
     """`memory="auto"` and `sdpa_kernel_priority="auto"` for `run`, once per run, before the memory features are
     applied and DeepSpeed starts: (the SDPA kernel priority — `kernel_priority` as given unless it is "auto" —, or
-    None for torch's order; the memory choice, or None when memory is not "auto"). Every rank reaches the one all-reduce (`reduce`: over the default group) and then
-    computes the same choice from the same inputs: the least free memory over all ranks, the largest of `models`'
-    shapes from its config (also under ZeRO-3, where its parameters are already partitioned), and the run; a refusal
-    is raised on every rank alike. `local_ranks`: the ranks on this node, which share its host memory."""
+    None for torch's order; the memory choice, or None when memory is not "auto"). Every rank reaches the one
+    all-reduce (`reduce`: over the default group) and then computes the same choice from the same inputs: the least
+    free memory over all ranks, the largest of `models`' shapes from its config (also under ZeRO-3, where its
+    parameters are already partitioned), and the run; a refusal is raised on every rank alike. `local_ranks`: the
+    ranks on this node, which share its host memory."""
     memory_auto, kernel_auto = isinstance(request, AutoMemory), kernel_priority == "auto"
     device = run.device
     device_free, host_free = request.free_bytes(device, local_ranks) if memory_auto else (0, 0)

@@ -290,13 +290,8 @@ def _offload_host_bytes(run: PlannedRun) -> tuple[float, str]:
 
 def _training_setup(run: PlannedRun, offload_ratio: float) -> TrainingSetup:
     """The planner's view of the run's model states (lengths do not matter for them)."""
-    spec = run.spec
-    return TrainingSetup(
-        seq_len=1, sequence_parallel_size=spec.sequence_parallel_size, data_parallel_size=spec.data_parallel_size,
-        zero_stage=spec.zero_stage, offload_optimizer=offload_ratio, compute_bytes=spec.compute_bytes,
-        sub_group_size=run.sub_group_size or TrainingSetup.sub_group_size,
-        offload_pin_memory=spec.optimizer_offload_pin_memory,
-    )
+    return TrainingSetup.of_run(run.spec, 1, offload_optimizer=offload_ratio,
+                                sub_group_size=run.sub_group_size or TrainingSetup.sub_group_size)
 
 
 def _partial_offload(run: PlannedRun) -> list[Finding]:

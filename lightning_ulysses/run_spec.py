@@ -121,8 +121,8 @@ class RunSpec:
             with open(config) as file:
                 config = json.load(file)
         if config is None:
-            zero: dict[str, Any] = {"stage": int(arguments.get("stage", 3)),
-                                    "sub_group_size": int(float(arguments.get("sub_group_size", LIGHTNING_SUB_GROUP_SIZE))),
+            sub_group_size = int(float(arguments.get("sub_group_size", LIGHTNING_SUB_GROUP_SIZE)))
+            zero: dict[str, Any] = {"stage": int(arguments.get("stage", 3)), "sub_group_size": sub_group_size,
                                     "reduce_scatter": bool(arguments.get("reduce_scatter", True))}
             pin_memory = bool(arguments.get("pin_memory", False))  # Lightning's default
             if arguments.get("offload_optimizer", False):
@@ -193,7 +193,7 @@ class RunSpec:
         (ZeRO-3 without reduce-scatter at SP > 1 is refused on construction)."""
         return float(self.sequence_parallel_size) if self.zero3 else 1.0
 
-    # -- decisions made later, and writing them -------------------------------------------------------------------------
+    # -- decisions made later, and writing them -----------------------------------------------------------------------
     def with_ring_size(self, ring_size: int) -> "RunSpec":
         return replace(self, layout=self.layout.with_ring_size(ring_size))
 
@@ -223,13 +223,6 @@ class RunSpec:
             zero["offload_optimizer"] = offload
         config[_ZERO] = zero
         return config
-
-    def __str__(self) -> str:
-        offload = (f", optimizer {self.optimizer_share_on_host:.0%} on the host ({self.optimizer_offload_device})"
-                   if self.offloads_optimizer else "")
-        return (f"{self.layout}, ZeRO-{self.zero_stage}{offload}"
-                + (f", parameters on {self.parameter_offload_device}" if self.offloads_parameters else "")
-                + f", {self.precision} on {self.device.type}")
 
 
 def _offload_device(section: Mapping[str, Any]) -> Optional[str]:

@@ -431,7 +431,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         cuda = isinstance(self.accelerator, CUDAAccelerator)
         if not (isinstance(request, auto.AutoMemory) or (kernel_auto and cuda)) or self.memory_choice is not None:
             return
-        models = [m for adapter, modules in found.found if isinstance(adapter, preparation.MemoryEngine) for m in modules]
+        models = [m for adapter, modules in found.found if isinstance(adapter, preparation.MemoryEngine)
+                  for m in modules]
         self.sdpa_kernel_priority, choice = auto.decide(
             request, self._run, models, kernel_priority=self._requested_sdpa_kernel_priority if kernel_auto
             else self.sdpa_kernel_priority, local_ranks=self.num_processes,
