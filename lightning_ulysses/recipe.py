@@ -245,7 +245,7 @@ _RUN_ARGUMENTS = ("config", "config_overrides", "stage", "offload_optimizer", "o
                   "offload_parameters", "offload_params_device", "sub_group_size", "pin_memory", "reduce_scatter")
 
 
-def run_spec(cfg: DictConfig, layout: ParallelLayout, on_cuda: bool) -> RunSpec:
+def described_run(cfg: DictConfig, layout: ParallelLayout, on_cuda: bool) -> RunSpec:
     """The run the recipe's strategy will describe at start-up: its layout, ZeRO stage and optimizer offload (the
     `strategy` block's arguments, its DeepSpeed `config` and `config_overrides`), precision and device."""
     arguments = {key: cfg.strategy.get(key) for key in _RUN_ARGUMENTS if cfg.strategy.get(key) is not None}
@@ -265,7 +265,7 @@ def plan(cfg: DictConfig) -> str:
     micro, accumulate = int(cfg.data.get("batch_size", 1)), int(cfg.trainer.get("accumulate_grad_batches", 1))
     seq_len = int(cfg.data.get("seq_len", 0))
     global_batch = micro * accumulate * layout.data_parallel_size
-    run = run_spec(cfg, layout, on_cuda=False)  # the device matters to auto only (`auto_choice`)
+    run = described_run(cfg, layout, on_cuda=False)  # the device matters to auto only (`auto_choice`)
     offload, sub_group_size = run.optimizer_share_on_host, run.sub_group_size or LIGHTNING_SUB_GROUP_SIZE
     requested = strategy_memory(cfg)
     choice = None
@@ -340,7 +340,7 @@ def auto_choice(cfg: DictConfig, spec: Any, layout: ParallelLayout) -> tuple[Any
     try:
         # fused_elementwise as `python -m lightning_ulysses.plan --auto`: a GPU with Triton, and Llama-style (gated)
         # MLPs it fuses
-        return auto.choose(shape, request, run_spec(cfg, layout, on_cuda), free, kernel=kernel,
+        return auto.choose(shape, request, described_run(cfg, layout, on_cuda), free, kernel=kernel,
                            fused_elementwise=on_cuda and shape.gated_mlp), free_from
     except ValueError as error:
         raise RecipeError(str(error)) from error
