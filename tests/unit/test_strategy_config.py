@@ -161,3 +161,8 @@ def test_preflight_run_carries_the_run_and_the_parameters():
     assert run.num_parameters == 23
     assert (run.local_world_size, run.num_nodes) == (2, 2)
     assert run.sub_group_size == 1000  # ZeRO-3's, the unit of the partial offload
+
+
+def test_the_run_is_described_at_set_up_not_before():
+    with pytest.raises(RuntimeError, match="when the Trainer sets up distributed training"):
+        UlyssesDeepSpeedStrategy().run_spec
