@@ -16,7 +16,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from lightning_ulysses.attention.all_to_all import all_gather_sequence
+from lightning_ulysses.layout import ShardOrder
 from lightning_ulysses.mixers import gated_deltanet, short_conv
+from lightning_ulysses.mixers.arguments import PackedDocuments
 from lightning_ulysses.mixers.head_split import HeadSplitMixer, MixerSplit
 from lightning_ulysses.mixers.whole_rows import WholeRowsMixer
 
@@ -41,12 +44,19 @@ def install_mixers(mixers: list[tuple[str, torch.nn.Module]], group, ring_group=
     (`.remove()`) and, for each mixer left on whole rows, "path (Class): why"."""
     parts = 1 if group is None else dist.get_world_size(group)
     ring = 1 if ring_group is None else dist.get_world_size(ring_group)
+    order, _ = ShardOrder.of_groups(group if parts > 1 else None, ring_group if ring > 1 else None)
+
+    def gather(shard: torch.Tensor) -> torch.Tensor:
+        rows = all_gather_sequence(shard, group if parts > 1 else None, seq_dim=1)
+        return all_gather_sequence(rows, ring_group if ring > 1 else None, seq_dim=1, order=order)
+
+    documents = PackedDocuments(positions, gather)
     handles, whole_rows = [], []
     for path, module in mixers:
         split = split_of(module, parts)
         if split is not None and ring == 1 and split.units % parts == 0:
             handles.append(HeadSplitMixer(module, path, split, group if parts > 1 else None, decoding, transport,
-                                          positions).install(module))
+                                          documents).install(module))
             continue
         if parts * ring == 1:
             continue
@@ -57,5 +67,5 @@ def install_mixers(mixers: list[tuple[str, torch.nn.Module]], group, ring_group=
         else:
             why = f"its {split.units} heads/channels do not divide by the SP size {parts}"
         whole_rows.append(f"{path} ({type(module).__name__}): {why}")
-        handles += WholeRowsMixer(module, path, group, ring_group, decoding, positions).attach(module)
+        handles += WholeRowsMixer(module, path, group, ring_group, decoding, documents).attach(module)
     return handles, whole_rows

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from lightning_ulysses._deepspeed_private import Z3_LEAF_ATTRIBUTE, mark_z3_leaf
 from lightning_ulysses.attention.all_to_all import all_gather_sequence
-from lightning_ulysses.mixers.arguments import CACHE_ARGUMENTS, packed_documents, shard_padding_mask, whole_row_argument
+from lightning_ulysses.mixers.arguments import CACHE_ARGUMENTS, PackedDocuments, shard_padding_mask, whole_row_argument
 from lightning_ulysses.mixers.channels import ChannelExchange, ChannelLayout, Replicated
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
@@ -132,11 +132,11 @@ class HeadSplitMixer:
 
     def __init__(self, module: torch.nn.Module, path: str, split: MixerSplit, group,
                  decoding: Callable[[], bool] = lambda: False, transport=None,
-                 positions: Callable[[], torch.Tensor | None] = lambda: None):
+                 documents: PackedDocuments | None = None):
         self.path, self.name, self.split, self.group = path, type(module).__name__, split, group
         self.parts, self.rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
         self.decoding = decoding  # whether `inference.generate` is decoding with the model (a cache is then refused)
-        self.positions = positions  # this shard's position_ids of the model's forward (packed documents restart them)
+        self.documents = documents  # the packed documents of the model's forward (None: the model packs none)
         self.inputs = {name: ChannelExchange(layout, group, self.parts, transport)
                        for name, layout in split.inputs.items()}
         output, layout = split.output
@@ -171,6 +171,9 @@ class HeadSplitMixer:
         if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
             raise TypeError(f"{where} was called without hidden states [batch, seq, hidden] first.")
         batch, length, _ = hidden.shape
+        documents = None if self.documents is None else self.documents.spans(batch, length)
+        if self.parts == 1 and documents is None:
+            return type(module).forward(module, *args, **kwargs)  # one rank, one document per row: the module itself
         whole = length * self.parts
         mask = shard_padding_mask(arguments.get("attention_mask"), hidden, where)
         decoding = self.decoding()
@@ -186,7 +189,6 @@ class HeadSplitMixer:
                 arguments[name] = whole_rows(name, value)
         if mask is not None and self.split.masks_input:
             hidden = (hidden * mask[:, :, None]).to(hidden.dtype)  # what the mixer does to its input, on the shard
-        documents = self._documents(batch, length)
         if documents is not None:
             return self._per_document(module, arguments, hidden, documents, where)
         arguments[self.hidden] = hidden.new_empty(batch, whole, 0)
@@ -194,9 +196,6 @@ class HeadSplitMixer:
                                 lambda projection: _ProjectFromHeadRows(projection, self.output[1]))
         bound = inspect.BoundArguments(self.signature, arguments)
         return view.forward(*bound.args, **bound.kwargs)
-
-    def _documents(self, batch: int, length: int) -> list[list[tuple[int, int]]] | None:
-        return packed_documents(self.positions(), self.gather, batch, length)
 
     def _per_document(self, module: torch.nn.Module, arguments: dict, shard: torch.Tensor,
                       documents: list[list[tuple[int, int]]], where: str) -> torch.Tensor:
