@@ -127,18 +127,32 @@ def test_packed_documents_restart_split_mixers_and_are_refused_on_whole_rows(out
                     assert "unpacked rows" in layer["packed_refusal"], (family, sp, path)
 
 
+# Mamba2 mixers and their `n_groups` groups of B and C (mixers/mamba2.py): where the groups do not divide by the SP
+# size, each rank takes the one group its heads read whole, and convolves it: 32 of the convolution's 96 channels
+# in these tiny layers (in real ones a few %: Mamba2-2.7B's B and C are 256 of 5376 channels).
+SHARED_GROUPS = {"mamba2": 1, "bamba": 1, "granitemoehybrid": 1, "zamba2": 1, "falcon_h1": 2, "nemotron_h": 8}
+
+
 def test_a_split_mixer_does_one_sp_th_of_the_work_on_every_rank(outcome):
     # Scaling is a claim too: the FLOPs of forward and backward are exactly 1/SP of the whole layer's, its linear
     # layers see seq/SP rows, and the activations it saves for backward are 1/SP of the whole layer's, up to the
     # channel indices and narrowed weights a split keeps (a fixed ~1 KB here, where the layer saves ~11 KB per rank).
+    # Where Mamba2's groups of B and C do not divide by SP, their convolution, its saved activations and the norm's
+    # sums over the SP group come on top; measured here: 1.2% more FLOPs than 1/SP and 13% more saved bytes at SP 2,
+    # 3.6% and 24% at SP 4 (n_groups 1), 2.2% and 18% for Falcon-H1's 2 groups at SP 4.
     for family in SPLIT_FAMILIES:
         for sp in SIZES:
+            shared = SHARED_GROUPS.get(family, sp) % sp != 0
             for rank in outcome:
                 for path, layer in rank["mixers"][family][sp].items():
                     work, whole = layer["work"], layer["whole_work"]
-                    assert work["flops"] * sp == whole["flops"], (family, sp, path, work, whole)
+                    if shared:
+                        assert whole["flops"] < work["flops"] * sp <= 1.04 * whole["flops"], (family, sp, work, whole)
+                        assert work["saved_bytes"] * sp <= 1.25 * whole["saved_bytes"], (family, sp, path, work, whole)
+                    else:
+                        assert work["flops"] * sp == whole["flops"], (family, sp, path, work, whole)
+                        assert work["saved_bytes"] * sp <= 1.15 * whole["saved_bytes"], (family, sp, path, work, whole)
                     assert work["rows"] * sp == whole["rows"] == SEQ_LEN, (family, sp, path, work, whole)
-                    assert work["saved_bytes"] * sp <= 1.15 * whole["saved_bytes"], (family, sp, path, work, whole)
 
 
 def classify(ranks: list[dict], family: str, sp: int) -> tuple[str, str]:
