@@ -62,8 +62,9 @@ def outcome(tmp_path_factory):
 
 # Left-padded rows too: positions numbered from the mask (OPT), counted from RoPE's arange (Llama), chunks from the
 # first real token (Llama 4), windows (Mistral), ALiBi over real tokens (BLOOM), inline rotary attention (Falcon), a
-# hybrid's mixers on whole rows (Qwen3-Next), sinks in eager attention (GPT-OSS).
-LEFT_PADDED = ("opt", "llama", "llama4_text", "mistral", "bloom", "falcon", "qwen3_next", "gpt_oss")
+# hybrid's mixers (Qwen3-Next), sinks in eager attention (GPT-OSS), a Mamba2 mixer split by heads (its mask applied
+# to the shard, then to the convolution's output on whole rows).
+LEFT_PADDED = ("opt", "llama", "llama4_text", "mistral", "bloom", "falcon", "qwen3_next", "gpt_oss", "mamba2")
 
 # Learned positions, plain GQA, MoE; a Gated-DeltaNet hybrid; sinks + sliding windows in eager attention; ALiBi inline.
 TRAINED = ("opt", "gpt2", "qwen3_moe", "qwen3_next", "gpt_oss", "bloom")
