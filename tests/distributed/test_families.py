@@ -120,7 +120,8 @@ def test_packed_documents_restart_split_mixers_and_are_refused_on_whole_rows(out
     # run alone (workers/families.py `document_by_document_loss`). A mixer left on whole rows would carry state from
     # one document into the next: refused, naming the fix.
     for family in SPLIT_FAMILIES:
-        assert "packed" in outcome[0]["families"][family][SIZES[0]]["batches"], family
+        if family != "mamba2":  # Mamba2ForCausalLM takes no position_ids: no documents to pack by
+            assert "packed" in outcome[0]["families"][family][SIZES[0]]["batches"], family
     for family in MIXER_FAMILIES:
         for sp in SIZES:
             for path, layer in outcome[0]["mixers"][family][sp].items():

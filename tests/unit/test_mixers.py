@@ -1,8 +1,8 @@
 """Token mixers split by heads (lightning_ulysses/mixers/), what the 4-rank family matrix cannot show on CPU: the
 path a split Mamba2 mixer takes where mamba_ssm's fused kernel is installed (GPU), and where its groups cannot split.
 
-One process, a 1-rank gloo group: the split runs its whole machinery (the local view, the stand-ins, the exchanges
-over one rank); exactness over several ranks is the matrix's (tests/distributed/test_families.py).
+One process at SP 1, where a declared split is installed too (one of one rank: its local view and stand-ins, as at
+any SP size); exactness over several ranks is the matrix's (tests/distributed/test_families.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from lightning_ulysses.attention.hf import token_mixer_modules
 from lightning_ulysses.mixers import install_mixers, mamba2
@@ -19,13 +18,6 @@ from tests.distributed.families import family_model, tiny_model
 
 MAMBA2_FAMILIES = ("mamba2", "bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2")
 FUSED = "mamba2_split_conv1d_scan_combined"  # the module-level name these mixers call their fused kernel by
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def _mixer(family: str):
@@ -47,7 +39,7 @@ def _fused_kernel(monkeypatch, module: torch.nn.Module) -> list:
 
 
 @pytest.mark.parametrize("family", MAMBA2_FAMILIES)
-def test_a_split_mamba2_mixer_never_takes_the_fused_kernel_path(family, one_rank, monkeypatch):
+def test_a_split_mamba2_mixer_never_takes_the_fused_kernel_path(family, monkeypatch):
     # Where mamba_ssm is installed (GPU), these mixers in training hand their projected states to its fused kernel,
     # which normalises and projects out by itself from `out_proj.weight`: around the split's exchanges.
     path, mixer = _mixer(family)
@@ -58,8 +50,8 @@ def test_a_split_mamba2_mixer_never_takes_the_fused_kernel_path(family, one_rank
     with torch.no_grad():
         unfused = mixer.eval()(hidden)  # the path that calls the modules (the fused one is taken in training only)
     mixer.train()
-    handles, whole_rows = install_mixers([(path, mixer)], one_rank)
-    assert not whole_rows
+    handles, whole_rows = install_mixers([(path, mixer)], None)
+    assert handles and not whole_rows
     try:
         output = mixer(hidden)
     finally:
@@ -69,7 +61,7 @@ def test_a_split_mamba2_mixer_never_takes_the_fused_kernel_path(family, one_rank
     torch.testing.assert_close(output, unfused)
 
 
-def test_a_split_view_that_would_take_a_fused_path_is_refused(one_rank, monkeypatch):
+def test_a_split_view_that_would_take_a_fused_path_is_refused(monkeypatch):
     # Were a declaration to leave the view in training, the fused kernel would read the output projection's weight
     # through its stand-in: refused, naming the fix, rather than projecting this rank's head rows.
     path, mixer = _mixer("mamba2")
@@ -82,7 +74,7 @@ def test_a_split_view_that_would_take_a_fused_path_is_refused(one_rank, monkeypa
             name: value for name, value in split.attributes.items() if name != "training"}})
 
     monkeypatch.setattr(mamba2, "split", in_training)
-    handles, _ = install_mixers([(path, mixer)], one_rank)
+    handles, _ = install_mixers([(path, mixer)], None)
     try:
         with pytest.raises(NotImplementedError, match="sequence_parallel_size=1"):
             mixer(torch.randn(1, 4, mixer.hidden_size))
