@@ -22,8 +22,17 @@ the whole rows' shape `[batch, seq, 0]` in place of the hidden states: the famil
 masks it, then hands it to a projection stand-in, which ignores it and projects the real shard.
 
 Per family, all of this is a declaration (`MixerSplit`), kept in one small file per family (gated_deltanet.py,
-short_conv.py, ...); a mixer without one, or whose units do not divide by the SP size, or on a ring, runs on whole
-rows (whole_rows.py) with a warning that names the cost.
+short_conv.py, mamba2.py, ...); a mixer without one, or whose units do not divide by the SP size, or on a ring, runs
+on whole rows (whole_rows.py) with a warning that names the cost.
+
+A submodule whose computation spans units on different ranks (Mamba2's gated RMSNorm when a norm group holds the
+heads of several ranks) is replaced in the view by a stand-in its family makes (`MixerSplit.replaced`); such a
+stand-in combines per-rank partial statistics with `sum_over_ranks`, whose backward sums the gradients alike.
+
+The stand-ins of the projections are modules of their own, not the projections: code that reads a projection's
+weight instead of calling it (a fused kernel that projects inside) would bypass the exchanges, so reading `weight`
+or `bias` of a stand-in is refused with an error; a family whose mixer has such a fused path declares how its view
+takes the path that calls the modules (mamba2.py).
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ import torch.distributed as dist
 from lightning_ulysses._deepspeed_private import Z3_LEAF_ATTRIBUTE, mark_z3_leaf
 from lightning_ulysses.attention.all_to_all import all_gather_sequence
 from lightning_ulysses.mixers.arguments import CACHE_ARGUMENTS, PackedDocuments, shard_padding_mask, whole_row_argument
-from lightning_ulysses.mixers.channels import ChannelExchange, ChannelLayout, Replicated
+from lightning_ulysses.mixers.channels import ChannelExchange, ChannelLayout, Replicated, Shared
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
                "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
@@ -53,9 +62,14 @@ class MixerSplit:
     `units`: how many units (heads, channels) the mixer has; the SP size must divide it.
     `inputs`: submodule path → the layout of its output channels; run on the shard, exchanged to head rows.
     `output`: (submodule path, the layout of its input channels); exchanged back to the shard before it runs.
-    `parameters`: parameter path → (dimension, layout): this rank's slice along that dimension.
+    `parameters`: parameter (or buffer) path → (dimension, layout): this rank's slice along that dimension.
     `attributes`: attribute path → its value for this rank's units (head counts, widths, a convolution's groups).
     `masks_input`: the mixer zeroes padded tokens' hidden states before projecting them (done on the shard).
+    `input_multiplier`: the attribute by which the mixer multiplies its hidden states before projecting them
+    (Falcon-H1's `ssm_in_multiplier`); done on the shard, after the mask.
+    `replaced`: submodule path → a factory `(submodule, group) -> stand-in`: called for each local view with the
+    view's copy of the submodule (its parameters already sliced, its attributes set) and the SP group; for a
+    computation that spans units on different ranks (module docstring).
     """
 
     units: int
@@ -64,9 +78,48 @@ class MixerSplit:
     parameters: Mapping[str, tuple[int, ChannelLayout]] = field(default_factory=dict)
     attributes: Mapping[str, Any] = field(default_factory=dict)
     masks_input: bool = True
+    input_multiplier: str | None = None
+    replaced: Mapping[str, Callable[[torch.nn.Module, Any], torch.nn.Module]] = field(default_factory=dict)
 
 
-class _ProjectShard(torch.nn.Module):
+class _SumOverRanks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        total = tensor.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # every rank's output is the same sum: each rank's input reaches every rank's loss
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def sum_over_ranks(tensor: torch.Tensor, group) -> torch.Tensor:
+    """The sum of `tensor` over the ranks of `group`, on every rank; differentiable (its backward sums the
+    gradients over the group the same way). For statistics that span units on different ranks."""
+    return _SumOverRanks.apply(tensor, group)
+
+
+class _StandIn(torch.nn.Module):
+    """A projection's stand-in in a local view: reading the projection's weight through it is refused (module
+    docstring): a fused kernel that projects by itself would skip the exchange, so its result would be wrong."""
+
+    @property
+    def weight(self):
+        raise NotImplementedError(
+            f"a token mixer split by heads read a projection's weight itself (through its {type(self).__name__}):"
+            " a fused kernel path would bypass the split. Its family's declaration in lightning_ulysses/mixers/"
+            " must make the local view take the path that calls the projection; until then train this model with"
+            " sequence_parallel_size=1.")
+
+    bias = weight
+
+
+class _ProjectShard(_StandIn):
     """Stands in for an input projection in a local view: projects the shard, returns this rank's head rows."""
 
     def __init__(self, projection: torch.nn.Module, shard: torch.Tensor, exchange: ChannelExchange):
@@ -78,7 +131,7 @@ class _ProjectShard(torch.nn.Module):
         return self.exchange.to_head_rows(self.projection(self.shard))
 
 
-class _ProjectFromHeadRows(torch.nn.Module):
+class _ProjectFromHeadRows(_StandIn):
     """Stands in for the output projection in a local view: back to every channel of this rank's tokens first."""
 
     def __init__(self, projection: torch.nn.Module, exchange: ChannelExchange):
@@ -89,7 +142,7 @@ class _ProjectFromHeadRows(torch.nn.Module):
         return self.projection(self.exchange.to_shard(rows))
 
 
-class _GivenRows(torch.nn.Module):
+class _GivenRows(_StandIn):
     """Stands in for an input projection when its head rows were computed beforehand (one document of a row)."""
 
     def __init__(self, rows: torch.Tensor):
@@ -100,7 +153,7 @@ class _GivenRows(torch.nn.Module):
         return self.rows
 
 
-class _KeepRows(torch.nn.Module):
+class _KeepRows(_StandIn):
     """Stands in for the output projection when documents run one by one: keeps what it is handed (projected once
     all documents have run)."""
 
@@ -121,6 +174,7 @@ def _bare_copy(module: torch.nn.Module) -> torch.nn.Module:
     copy.__dict__.pop("forward", None)  # the split forward installed on the module itself
     copy.__dict__["_parameters"] = dict(module._parameters)
     copy.__dict__["_modules"] = dict(module._modules)
+    copy.__dict__["_buffers"] = dict(module._buffers)
     for name in _HOOK_DICTS:
         if name in copy.__dict__:
             copy.__dict__[name] = collections.OrderedDict()
@@ -140,8 +194,8 @@ class HeadSplitMixer:
         self.inputs = {name: ChannelExchange(layout, group, self.parts, transport)
                        for name, layout in split.inputs.items()}
         output, layout = split.output
-        if any(isinstance(segment, Replicated) for segment in layout.segments):
-            raise ValueError(f"{path}: an output projection's channels cannot be replicated")
+        if any(isinstance(segment, (Replicated, Shared)) for segment in layout.segments):
+            raise ValueError(f"{path}: an output projection's channels cannot be replicated or shared")
         self.output = (output, ChannelExchange(layout, group, self.parts, transport))
         self.slices = {name: (dim, layout.local_channels(self.rank, self.parts))
                        for name, (dim, layout) in split.parameters.items()}
@@ -189,6 +243,8 @@ class HeadSplitMixer:
                 arguments[name] = whole_rows(name, value)
         if mask is not None and self.split.masks_input:
             hidden = (hidden * mask[:, :, None]).to(hidden.dtype)  # what the mixer does to its input, on the shard
+        if self.split.input_multiplier is not None:
+            hidden = hidden * getattr(module, self.split.input_multiplier)
         if documents is not None:
             return self._per_document(module, arguments, hidden, documents, where)
         arguments[self.hidden] = hidden.new_empty(batch, whole, 0)
@@ -250,11 +306,15 @@ class HeadSplitMixer:
         owner._modules[name] = output_stand_in(owner._modules[name])
         for path, (dim, channels) in self.slices.items():
             owner, name = holder(path)
-            parameter = owner._parameters[name]
-            owner._parameters[name] = parameter.index_select(dim, channels.to(parameter.device))
+            table = owner._parameters if name in owner._parameters else owner._buffers
+            table[name] = table[name].index_select(dim, channels.to(table[name].device))
         for path, value in self.split.attributes.items():
             owner, name = holder(path)
             owner.__dict__[name] = value
+        for path, make in self.split.replaced.items():
+            owner, name = holder(path)
+            view = owner._modules[name]
+            owner._modules[name] = make(view if path in copies else _bare_copy(view), self.group)
         return copies[""]
 
 

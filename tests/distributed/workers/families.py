@@ -116,10 +116,11 @@ def run_family(family: dict, sp_groups: dict) -> dict:
     if "packed" in batches and not keeps_documents_apart(pristine, batches["packed"]):
         # Recurrent mixers, and models whose mask ignores the positions, let packed documents see each other in
         # transformers (the strategy's attention keeps them apart). Where every mixer runs split by heads, which
-        # restarts them at every document, the reference runs each document on its own; the others (Mamba, RWKV:
-        # no positions to pack by) have no reference.
+        # restarts them at every document, the reference runs each document on its own; the others (Mamba, RWKV;
+        # Mamba2, whose mixers split but whose model takes no position_ids: no positions to pack by) have none.
         mixers = token_mixer_modules(pristine)
-        by_document = bool(mixers) and all(split_of(module, 1) is not None for _, module in mixers)
+        by_document = ("position_ids" in inspect.signature(pristine.forward).parameters and bool(mixers)
+                       and all(split_of(module, 1) is not None for _, module in mixers))
         if not by_document:
             del batches["packed"]
     outcomes = {sp: {"status": "ran", "loss_error": 0.0, "grad_error": 0.0, "batches": []} for sp in sp_groups}
