@@ -10,16 +10,47 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.console_noise import third_party_noise
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_a_users_own_script_is_quiet_and_says_what_is_ours(tmp_path):
+def _start(script: Path, args: list[str], cwd: Path, output: Path) -> subprocess.Popen:
+    """`python <script> <args>` as the user runs it: a fresh interpreter, not under pytest's warning filters; its
+    stdout and stderr written to `output`/stdout and `output`/stderr (files: a full pipe would stall it)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     env.pop("PYTHONWARNINGS", None)
-    result = subprocess.run([sys.executable, str(ROOT / "tests" / "user_script.py"), str(tmp_path)], env=env,
-                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    with open(output / "stdout", "w") as stdout, open(output / "stderr", "w") as stderr:
+        return subprocess.Popen([sys.executable, str(script), *args], env=env, cwd=cwd, stdout=stdout, stderr=stderr)
+
+
+@pytest.fixture(scope="module")
+def consoles(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Both scripts at once: each spends its first seconds importing in one process (and again when Lightning starts
+    its second rank), which side by side keeps both cores busy."""
+    runs = {name: (tmp_path_factory.mktemp(name), tmp_path_factory.mktemp(f"{name}_console"))
+            for name in ("user_script", "example")}
+    scripts = {"user_script": (ROOT / "tests" / "user_script.py", [str(runs["user_script"][0])]),
+               "example": (ROOT / "examples" / "your_module.py", [])}
+    started = {name: _start(*scripts[name], *runs[name]) for name in runs}
+    try:
+        for process in started.values():
+            process.wait(timeout=300)
+    finally:
+        for process in started.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return {name: subprocess.CompletedProcess(process.args, process.returncode,
+                                              (runs[name][1] / "stdout").read_text(),
+                                              (runs[name][1] / "stderr").read_text())
+            for name, process in started.items()}
+
+
+def test_a_users_own_script_is_quiet_and_says_what_is_ours(consoles):
+    result = consoles["user_script"]
     console = result.stdout + result.stderr
     # The last fit is refused on every rank, before any collective, with its fix named; the two before it ran.
     assert result.returncode != 0
@@ -34,17 +65,14 @@ def test_a_users_own_script_is_quiet_and_says_what_is_ours(tmp_path):
     assert third_party_noise(console) == [], console
 
 
-def test_the_readme_contract_example_is_this_file_and_trains_quietly(tmp_path):
+def test_the_readme_contract_example_is_this_file_and_trains_quietly(consoles):
     """The README's contract example is `examples/your_module.py` verbatim, and runs as it is: two ranks, ZeRO-3,
     SP 2, a few steps, no third-party noise."""
     example = ROOT / "examples" / "your_module.py"
     readme = (ROOT / "README.md").read_text()
     block = readme.split("## Your module's contract\n\n```python\n", 1)[1].split("```\n", 1)[0]
     assert block == example.read_text(), "README's contract example differs from examples/your_module.py"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    env.pop("PYTHONWARNINGS", None)
-    result = subprocess.run([sys.executable, str(example)], env=env, cwd=tmp_path, capture_output=True, text=True,
-                            timeout=300)
+    result = consoles["example"]
     console = result.stdout + result.stderr
     assert result.returncode == 0, console[-3000:]
     assert "`Trainer.fit` stopped: `max_steps=8` reached" in console, console[-3000:]

@@ -162,9 +162,9 @@ def run_script(script: Path, args: list[str], env: dict, cwd: Path, timeout: flo
                                            err.read_text())
 
 
-def start_script(script: Path, args: list[str], env: dict, cwd: Path, stdout: Path, stderr: Path) -> _Rank:
+def start_script(script: Path, args: list[str], env: dict, cwd: Path, stdout: Path, stderr: Optional[Path]) -> _Rank:
     """`run_script` without waiting: the started process (`pid`, `poll`, `wait`, `kill`), its output written to
-    `stdout` and `stderr` as it runs (a test can watch it, signal the process, then wait)."""
+    `stdout` and `stderr` (None: into `stdout`) as it runs (a test can watch it, signal the process, then wait)."""
     return _Rank(script, args, env, cwd, stdout, stderr)
 
 

@@ -17,31 +17,57 @@ HEARTBEAT_TIMEOUT = 10
 BOUND = 120  # seconds from launch (start-up included) until every process is gone
 
 
-def killed_run(tmp_path, world_size, **spec):
-    outcome = run_ranks(WORKER, world_size, dict(spec, heartbeat_timeout=HEARTBEAT_TIMEOUT), tmp_path,
-                        timeout=BOUND + 60, stop_on_first_failure=False)
+def _killed_launch(workdir: Path, world_size: int, **spec):
+    return run_ranks(WORKER, world_size, dict(spec, heartbeat_timeout=HEARTBEAT_TIMEOUT), workdir,
+                     timeout=BOUND + 60, stop_on_first_failure=False)
+
+
+def check_killed_run(outcome, victim: int) -> None:
     assert outcome.failure != "timeout" and outcome.seconds < BOUND, outcome.logs
-    victim = spec["victim"]
     assert outcome.returncodes[victim] == -9
     for rank, (code, log) in enumerate(zip(outcome.returncodes, outcome.logs)):
         if rank != victim:
             assert code == EXIT_PEER_LOST, log[-3000:]
             assert f"lightning_ulysses: rank {victim} (host" in log, log[-3000:]
-    return outcome
 
 
-def test_a_rank_killed_mid_step_ends_every_rank_naming_it(tmp_path):
-    # Rank 2 dies before step 3's collectives: its SP partner fails in the all-to-all, the other DP group in the
-    # gradient reduce-scatter, and all of them report rank 2 rather than gloo's "connection closed by peer".
-    outcome = killed_run(tmp_path, 4, kill="step", victim=2, at=3, sp=2)
+# The launches that wait on the heartbeat's clock (a death is noticed HEARTBEAT_TIMEOUT after it; a rank lingers),
+# (world size, spec) each. Mid-step: rank 2 dies before step 3's collectives: its SP partner fails in the all-to-all,
+# the other DP group in the gradient reduce-scatter, and all of them report rank 2 rather than gloo's "connection
+# closed by peer". Mid-save: rank 1 dies in the third save. Rank 0 leaving first: rank 0 hosts the rendezvous store;
+# here it finishes and exits while rank 1 still lingers after training. The watchdog of rank 1 loses the store but
+# must wait for its own rank to finish rather than report a death.
+CLOCKED = {
+    "killed_mid_step": (4, {"kill": "step", "victim": 2, "at": 3, "sp": 2}),
+    "killed_mid_save": (2, {"kill": "save", "victim": 1, "at": 3, "sp": 2}),
+    "rank_0_leaves_first": (2, {"kill": "none", "victim": 1, "linger": HEARTBEAT_TIMEOUT / 2, "sp": 2, "steps": 2}),
+}
+
+
+@pytest.fixture(scope="module")
+def clocked_runs(tmp_path_factory):
+    """The three launches at once (each its own job, rendezvous and port): most of their time is spent waiting on
+    the heartbeat's clock, which side by side they wait out together. {name: (outcome, workdir)}"""
+    with ThreadPoolExecutor(len(CLOCKED)) as pool:
+        runs = {}
+        for name, (world_size, spec) in CLOCKED.items():
+            workdir = tmp_path_factory.mktemp(name)
+            runs[name] = (pool.submit(_killed_launch, workdir, world_size, **spec), workdir)
+        return {name: (run.result(), workdir) for name, (run, workdir) in runs.items()}
+
+
+def test_a_rank_killed_mid_step_ends_every_rank_naming_it(clocked_runs):
+    outcome, _ = clocked_runs["killed_mid_step"]
+    check_killed_run(outcome, victim=2)
     # The start-up preflight report is logged once per node, by its local rank 0.
     assert "lightning_ulysses preflight (node 0):" in outcome.logs[0]
     assert all("lightning_ulysses preflight" not in log for log in outcome.logs[1:])
 
 
-def test_a_rank_killed_mid_save_leaves_the_last_complete_checkpoint(tmp_path):
-    killed_run(tmp_path, 2, kill="save", victim=1, at=3, sp=2)
-    last = tmp_path / "checkpoints" / "last.ckpt"
+def test_a_rank_killed_mid_save_leaves_the_last_complete_checkpoint(clocked_runs):
+    outcome, workdir = clocked_runs["killed_mid_save"]
+    check_killed_run(outcome, victim=1)
+    last = workdir / "checkpoints" / "last.ckpt"
     # The third save (after step 3) never committed: `last.ckpt` is still the one of step 2, complete...
     assert checkpoints.resolve_checkpoint(last) == last
     assert checkpoints.read_manifest(last).epoch_samples_consumed == 2  # 2 steps × batch 1 × DP 1
@@ -50,12 +76,9 @@ def test_a_rank_killed_mid_save_leaves_the_last_complete_checkpoint(tmp_path):
         checkpoints.resolve_checkpoint(checkpoints.staging_path(last))
 
 
-def test_rank_0_leaving_first_at_the_end_of_a_job_is_not_a_failure(tmp_path):
-    # Rank 0 hosts the rendezvous store; here it finishes and exits while rank 1 still lingers after training. The
-    # watchdog of rank 1 loses the store but must wait for its own rank to finish rather than report a death.
-    linger = HEARTBEAT_TIMEOUT / 2
-    outcome = run_ranks(WORKER, 2, {"kill": "none", "victim": 1, "linger": linger, "sp": 2, "steps": 2,
-                                    "heartbeat_timeout": HEARTBEAT_TIMEOUT}, tmp_path, timeout=BOUND)
+def test_rank_0_leaving_first_at_the_end_of_a_job_is_not_a_failure(clocked_runs):
+    outcome, _ = clocked_runs["rank_0_leaves_first"]
+    assert outcome.failure != "timeout" and outcome.seconds < BOUND, outcome.logs
     assert outcome.returncodes == [0, 0], outcome.logs[1][-3000:]
 
 

@@ -1,7 +1,7 @@
 """The notebook launch (strategy="ulysses_notebook": ranks forked from the current process).
 
-One plain Python process (workers/fork_launch.py, started with subprocess so that pytest itself is never forked)
-runs four fits one after the other, as a notebook kernel would: SP 2 by the registered name, SP 2 with every
+One plain Python process (workers/fork_launch.py, forked from the harness's server, so that pytest itself is never
+forked) runs four fits one after the other, as a notebook kernel would: SP 2 by the registered name, SP 2 with every
 ZeRO-3 parameter partitioned, devices=1, and SP 2 in bf16. The fp32 fits must match the single-process fp32
 reference (losses within 1e-5, the weights that come back to the parent within 1e-4 of the update); the bf16 fit
 must bring back its 16-bit weights with a warning saying so; the parent must end every fit outside
@@ -11,11 +11,10 @@ raise before any process starts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import lightning as L
 import pytest
@@ -29,7 +28,7 @@ from torch.utils.data import DataLoader
 from lightning_ulysses import UlyssesDeepSpeedStrategy
 from lightning_ulysses.notebook import UlyssesForkLauncher, check_parent_can_fork
 from tests.distributed.common import CausalLM, UnevenlyMaskedTokens, collate
-from tests.distributed.harness import ROOT
+from tests.distributed.harness import ROOT, start_script
 from tests.distributed.reference import reference_training
 
 WORKER = ROOT / "tests" / "distributed" / "workers" / "fork_launch.py"
@@ -54,17 +53,15 @@ def launched(tmp_path_factory):
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
     log_path = workdir / "worker.log"
-    with open(log_path, "w") as log:
-        # Own session: on a timeout the worker and the ranks it forked go down together.
-        process = subprocess.Popen(
-            [sys.executable, str(WORKER), str(spec), str(workdir)],
-            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir, start_new_session=True,
-        )
-        try:
-            process.wait(timeout=240)
-        except subprocess.TimeoutExpired:
+    # Forked from the harness's server (its imports made once), not a fresh interpreter; its own session (the
+    # worker's setsid): on a timeout the worker and the ranks it forked go down together.
+    process = start_script(WORKER, [str(spec), str(workdir)], env, workdir, log_path, None)  # stderr with stdout
+    process.process.join(240)
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):  # (not yet in its own session)
             os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        process.kill()
+        process.wait()
     if process.returncode != 0:
         pytest.fail(f"fork-launch worker exited with {process.returncode}:\n{log_path.read_text()[-6000:]}")
     parent = torch.load(workdir / "parent.pt")

@@ -1,8 +1,10 @@
 """Worker: several fits in ONE plain Python process, each starting its ranks by forking (strategy="ulysses_notebook").
 
-Run as `python fork_launch.py <spec.json> <workdir>` by test_notebook_launch.py, never inside pytest (pytest's
-own state must not be forked). Each forked rank saves what its steps saw to `<case>_rank<r>.pt`; this process
-saves what came back to it (trained weights, trainer state, its own environment) to `parent.pt`.
+Run as `python fork_launch.py <spec.json> <workdir>` by test_notebook_launch.py (forked from the harness's server,
+whose imports a kernel would have made too), never inside pytest (pytest's own state must not be forked). It leads
+a session of its own, so that the test can end it with the ranks it forked. Each forked rank saves what its steps
+saw to `<case>_rank<r>.pt`; this process saves what came back to it (trained weights, trainer state, its own
+environment) to `parent.pt`.
 """
 
 import json
@@ -79,6 +81,7 @@ def run_case(case: dict, workdir: Path) -> dict:
 
 
 def main() -> None:
+    os.setsid()
     spec = json.loads(Path(sys.argv[1]).read_text())
     workdir = Path(sys.argv[2])
     results = {}
