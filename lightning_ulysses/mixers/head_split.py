@@ -11,6 +11,12 @@ heads, exactly as attention does; so the same trick applies. With the hidden sta
    flash-linear-attention and causal-conv1d ones where installed, transformers' PyTorch fallbacks elsewhere);
 4. before its output projection, a second all-to-all returns every channel of this rank's tokens.
 
+A projection from every unit's channels to channels that every unit reads (Mamba's `x_proj`: all channels → the
+step, B and C every channel's recurrence shares) is *reduced*: each rank multiplies its units' slice of the weight
+(its input channels) on its whole rows, and an all-reduce over the SP group sums the partial products (a
+row-parallel linear: forward sum, and backward sum of the gradients, since every rank's units read the result).
+It then runs on every token but `1/P` of its input channels, so its work is `1/P` of the whole layer's too.
+
 Every projection, convolution, recurrence and activation of the layer is then `1/P` of the whole layer's, per rank.
 
 How it is done without copying a family's forward: for each call, a *local view* of the module is made (a shallow
@@ -56,6 +62,8 @@ class MixerSplit:
     `parameters`: parameter path → (dimension, layout): this rank's slice along that dimension.
     `attributes`: attribute path → its value for this rank's units (head counts, widths, a convolution's groups).
     `masks_input`: the mixer zeroes padded tokens' hidden states before projecting them (done on the shard).
+    `reduced`: submodule path (a linear) → the layout of its input channels; run on this rank's channels of the
+    whole rows, its partial products summed over the SP group (module docstring).
     """
 
     units: int
@@ -64,9 +72,26 @@ class MixerSplit:
     parameters: Mapping[str, tuple[int, ChannelLayout]] = field(default_factory=dict)
     attributes: Mapping[str, Any] = field(default_factory=dict)
     masks_input: bool = True
+    reduced: Mapping[str, ChannelLayout] = field(default_factory=dict)
 
 
-class _ProjectShard(torch.nn.Module):
+class _StandIn(torch.nn.Module):
+    """A projection's stand-in in a local view. The family's code must call it: code that reads the projection's
+    weights instead (a fused kernel) would skip the split, so reading them is an error that says so."""
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name not in ("weight", "bias"):
+                raise
+        raise AttributeError(
+            f"A token mixer split by heads read the {name} of its projection instead of calling it (a fused kernel"
+            " that would skip the split): its family's declaration (lightning_ulysses/mixers/) must lead it to a path"
+            " that calls its projections; until then train it with sequence_parallel_size=1.")
+
+
+class _ProjectShard(_StandIn):
     """Stands in for an input projection in a local view: projects the shard, returns this rank's head rows."""
 
     def __init__(self, projection: torch.nn.Module, shard: torch.Tensor, exchange: ChannelExchange):
@@ -78,7 +103,7 @@ class _ProjectShard(torch.nn.Module):
         return self.exchange.to_head_rows(self.projection(self.shard))
 
 
-class _ProjectFromHeadRows(torch.nn.Module):
+class _ProjectFromHeadRows(_StandIn):
     """Stands in for the output projection in a local view: back to every channel of this rank's tokens first."""
 
     def __init__(self, projection: torch.nn.Module, exchange: ChannelExchange):
@@ -87,6 +112,39 @@ class _ProjectFromHeadRows(torch.nn.Module):
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         return self.projection(self.exchange.to_shard(rows))
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce (sum) over the SP group; backward too: every rank's units read the sum, so the gradient of each
+    partial product is the sum of every rank's gradient of it."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        total = partial.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ProjectSummedOverRanks(_StandIn):
+    """Stands in for a reduced projection in a local view: this rank's input channels, summed over the SP group."""
+
+    def __init__(self, projection: torch.nn.Linear, channels: torch.Tensor, group, adds_bias: bool):
+        super().__init__()
+        self.projection, self.group, self.adds_bias = projection, group, adds_bias
+        self.channels = channels
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        weight = self.projection.weight
+        bias = self.projection.bias if self.adds_bias else None  # added once, by the group's first rank
+        partial = torch.nn.functional.linear(rows, weight.index_select(1, self.channels.to(weight.device)), bias)
+        return _SumOverRanks.apply(partial, self.group)
 
 
 def _bare_copy(module: torch.nn.Module) -> torch.nn.Module:
@@ -119,6 +177,10 @@ class HeadSplitMixer:
         self.output = (output, ChannelExchange(layout, group, self.parts, transport))
         self.slices = {name: (dim, layout.local_channels(self.rank, self.parts))
                        for name, (dim, layout) in split.parameters.items()}
+        self.reduced = {name: layout.local_channels(self.rank, self.parts) for name, layout in split.reduced.items()}
+        for name in self.reduced:
+            if not isinstance(module.get_submodule(name), torch.nn.Linear):
+                raise TypeError(f"{path}: {name} is declared reduced over the SP group but is no torch.nn.Linear")
         self.signature = inspect.signature(module.forward)
         parameters = list(self.signature.parameters.values())
         self.hidden = parameters[0].name
@@ -182,6 +244,9 @@ class HeadSplitMixer:
         path, exchange = self.output
         owner, name = holder(path)
         owner._modules[name] = _ProjectFromHeadRows(owner._modules[name], exchange)
+        for path, channels in self.reduced.items():
+            owner, name = holder(path)
+            owner._modules[name] = _ProjectSummedOverRanks(owner._modules[name], channels, self.group, self.rank == 0)
         for path, (dim, channels) in self.slices.items():
             owner, name = holder(path)
             parameter = owner._parameters[name]

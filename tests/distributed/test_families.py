@@ -73,11 +73,11 @@ MEMORY = {"activation_checkpointing": True, "offload_activations": True, "tiled_
 
 # Families whose mixers run split by heads (lightning_ulysses/mixers/: a declaration per family); the others' run
 # on whole rows.
-SPLIT_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lfm2")
+SPLIT_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "mamba", "falcon_mamba", "jamba")
 
 # Families whose token mixers that are not attention are also checked layer by layer (`mixer_errors`): one layer of
 # each kind on its shard against the same layer on the whole rows, output and input gradient.
-MIXER_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "minimax", "lfm2", "mamba", "mamba2", "jamba",
+MIXER_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "minimax", "lfm2", "mamba", "falcon_mamba", "mamba2", "jamba",
                   "falcon_h1", "granitemoehybrid", "nemotron_h", "bamba", "zamba2", "olmo_hybrid", "recurrent_gemma",
                   "rwkv")
 
@@ -114,16 +114,22 @@ def test_declared_mixers_run_split_by_heads(outcome):
 
 
 def test_a_split_mixer_does_one_sp_th_of_the_work_on_every_rank(outcome):
-    # Scaling is a claim too: the FLOPs of forward and backward are exactly 1/SP of the whole layer's, its linear
-    # layers see seq/SP rows, and the activations it saves for backward are 1/SP of the whole layer's, up to the
-    # channel indices and narrowed weights a split keeps (a fixed ~1 KB here, where the layer saves ~11 KB per rank).
+    # Scaling is a claim too: the FLOPs of forward and backward are exactly 1/SP of the whole layer's, its input and
+    # output projections see seq/SP rows, and the activations it saves for backward are 1/SP of the whole layer's, up
+    # to the channel indices and narrowed weights a split keeps (a fixed ~1 KB here, where the layer saves ~11 KB per
+    # rank) and the shared channels every rank holds whole (Mamba's step, B and C after x_proj's sum over the group:
+    # Jamba saves 1.105/SP of its whole layer's at SP 4). A reduced projection (Mamba's x_proj, head_split.py) sees
+    # every row of 1/SP of its input channels: its FLOPs are in the first claim.
     for family in SPLIT_FAMILIES:
         for sp in SIZES:
             for rank in outcome:
                 for path, layer in rank["mixers"][family][sp].items():
                     work, whole = layer["work"], layer["whole_work"]
                     assert work["flops"] * sp == whole["flops"], (family, sp, path, work, whole)
-                    assert work["rows"] * sp == whole["rows"] == SEQ_LEN, (family, sp, path, work, whole)
+                    assert layer["projections"], (family, sp, path)
+                    for projection in layer["projections"]:
+                        rows = work["rows"][projection], whole["rows"][projection]
+                        assert rows[0] * sp == rows[1] == SEQ_LEN, (family, sp, path, projection, rows)
                     assert work["saved_bytes"] * sp <= 1.15 * whole["saved_bytes"], (family, sp, path, work, whole)
 
 
@@ -165,7 +171,7 @@ def test_the_families_users_train_are_exact(outcome):
                    # soft-capping, sinks; sliding windows shorter than the rows; chunks and the NoPE temperature
                    "gemma2", "gpt_oss", "llama4_text",
                    # linear attention, state-space and convolution mixers on whole rows
-                   "qwen3_next", "qwen3_5_text", "kimi_linear", "minimax", "lfm2", "mamba", "mamba2", "jamba",
+                   "qwen3_next", "qwen3_5_text", "kimi_linear", "minimax", "lfm2", "mamba", "falcon_mamba", "mamba2", "jamba",
                    "falcon_h1", "granitemoehybrid", "nemotron_h", "bamba", "zamba2", "recurrent_gemma", "rwkv",
                    # attention computed inline (adapters/): ALiBi, Falcon's own branches, GPT-Neo's local windows
                    "bloom", "mpt", "falcon", "gpt_neo", "xglm"):
