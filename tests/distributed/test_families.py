@@ -73,7 +73,8 @@ MEMORY = {"activation_checkpointing": True, "offload_activations": True, "tiled_
 
 # Families whose mixers run split by heads (lightning_ulysses/mixers/: a declaration per family); the others' run
 # on whole rows.
-SPLIT_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "mamba", "falcon_mamba", "jamba")
+SPLIT_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "mamba", "falcon_mamba", "jamba",
+                  "kimi_linear")
 
 # Families whose token mixers that are not attention are also checked layer by layer (`mixer_errors`): one layer of
 # each kind on its shard against the same layer on the whole rows, output and input gradient.
@@ -119,7 +120,8 @@ def test_a_split_mixer_does_one_sp_th_of_the_work_on_every_rank(outcome):
     # to the channel indices and narrowed weights a split keeps (a fixed ~1 KB here, where the layer saves ~11 KB per
     # rank) and the shared channels every rank holds whole (Mamba's step, B and C after x_proj's sum over the group:
     # Jamba saves 1.105/SP of its whole layer's at SP 4). A reduced projection (Mamba's x_proj, head_split.py) sees
-    # every row of 1/SP of its input channels: its FLOPs are in the first claim.
+    # every row of 1/SP of its input channels, the second half of a low-rank pair (Kimi's f_b_proj and g_b_proj)
+    # every row of 1/SP of its output channels: their FLOPs are in the first claim.
     for family in SPLIT_FAMILIES:
         for sp in SIZES:
             for rank in outcome:
