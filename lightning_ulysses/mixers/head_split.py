@@ -16,6 +16,8 @@ step, B and C every channel's recurrence shares) is *reduced*: each rank multipl
 (its input channels) on its whole rows, and an all-reduce over the SP group sums the partial products (a
 row-parallel linear: forward sum, and backward sum of the gradients, since every rank's units read the result).
 It then runs on every token but `1/P` of its input channels, so its work is `1/P` of the whole layer's too.
+Likewise a norm over every unit's channels (MiniMax's output norm) becomes a *norm over ranks*: each rank
+normalises its channels by the root mean square of all of them, whose sum of squares is summed over the SP group.
 
 Every projection, convolution, recurrence and activation of the layer is then `1/P` of the whole layer's, per rank.
 
@@ -59,11 +61,14 @@ class MixerSplit:
     `units`: how many units (heads, channels) the mixer has; the SP size must divide it.
     `inputs`: submodule path → the layout of its output channels; run on the shard, exchanged to head rows.
     `output`: (submodule path, the layout of its input channels); exchanged back to the shard before it runs.
-    `parameters`: parameter path → (dimension, layout): this rank's slice along that dimension.
+    `parameters`: parameter (or buffer) path → (dimension, layout): this rank's slice along that dimension.
     `attributes`: attribute path → its value for this rank's units (head counts, widths, a convolution's groups).
     `masks_input`: the mixer zeroes padded tokens' hidden states before projecting them (done on the shard).
     `reduced`: submodule path (a linear) → the layout of its input channels; run on this rank's channels of the
     whole rows, its partial products summed over the SP group (module docstring).
+    `norms`: submodule path (an RMS norm over every unit's channels: `weight * x / sqrt(mean(x²) + eps)` in float32,
+    cast back before the weight, as transformers' RMSNorms compute it; its epsilon `variance_epsilon` or `eps`) →
+    the layout of its channels; this rank's channels normalised over every rank's (module docstring).
     """
 
     units: int
@@ -73,6 +78,7 @@ class MixerSplit:
     attributes: Mapping[str, Any] = field(default_factory=dict)
     masks_input: bool = True
     reduced: Mapping[str, ChannelLayout] = field(default_factory=dict)
+    norms: Mapping[str, ChannelLayout] = field(default_factory=dict)
 
 
 class _StandIn(torch.nn.Module):
@@ -147,6 +153,24 @@ class _ProjectSummedOverRanks(_StandIn):
         return _SumOverRanks.apply(partial, self.group)
 
 
+class _NormOverRanks(_StandIn):
+    """Stands in for an RMS norm over every unit's channels in a local view (`MixerSplit.norms`)."""
+
+    def __init__(self, norm: torch.nn.Module, channels: torch.Tensor, whole_channels: int, group):
+        super().__init__()
+        self.norm, self.group, self.whole_channels = norm, group, whole_channels
+        self.channels = channels
+        self.eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        dtype = rows.dtype
+        rows = rows.to(torch.float32)
+        squares = _SumOverRanks.apply(rows.pow(2).sum(-1, keepdim=True), self.group)
+        rows = rows * torch.rsqrt(squares / self.whole_channels + self.eps)
+        weight = self.norm.weight
+        return weight.index_select(0, self.channels.to(weight.device)) * rows.to(dtype)
+
+
 def _bare_copy(module: torch.nn.Module) -> torch.nn.Module:
     """A shallow copy of `module` with its own parameter and child tables and no hooks (DeepSpeed's and ours stay
     on the module itself, which runs them around the whole mixer)."""
@@ -154,6 +178,7 @@ def _bare_copy(module: torch.nn.Module) -> torch.nn.Module:
     copy.__dict__.update(module.__dict__)
     copy.__dict__.pop("forward", None)  # the split forward installed on the module itself
     copy.__dict__["_parameters"] = dict(module._parameters)
+    copy.__dict__["_buffers"] = dict(module._buffers)
     copy.__dict__["_modules"] = dict(module._modules)
     for name in _HOOK_DICTS:
         if name in copy.__dict__:
@@ -181,6 +206,14 @@ class HeadSplitMixer:
         for name in self.reduced:
             if not isinstance(module.get_submodule(name), torch.nn.Linear):
                 raise TypeError(f"{path}: {name} is declared reduced over the SP group but is no torch.nn.Linear")
+        self.norms = {name: (layout.local_channels(self.rank, self.parts), layout.channels)
+                      for name, layout in split.norms.items()}
+        for name, (_, channels) in self.norms.items():
+            norm = module.get_submodule(name)
+            weight = getattr(norm, "weight", None)
+            if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or getattr(
+                    norm, "variance_epsilon", getattr(norm, "eps", None)) is None:
+                raise TypeError(f"{path}: {name} is declared an RMS norm over ranks but has no weight and epsilon")
         self.signature = inspect.signature(module.forward)
         parameters = list(self.signature.parameters.values())
         self.hidden = parameters[0].name
@@ -247,10 +280,13 @@ class HeadSplitMixer:
         for path, channels in self.reduced.items():
             owner, name = holder(path)
             owner._modules[name] = _ProjectSummedOverRanks(owner._modules[name], channels, self.group, self.rank == 0)
+        for path, (channels, whole_channels) in self.norms.items():
+            owner, name = holder(path)
+            owner._modules[name] = _NormOverRanks(owner._modules[name], channels, whole_channels, self.group)
         for path, (dim, channels) in self.slices.items():
             owner, name = holder(path)
-            parameter = owner._parameters[name]
-            owner._parameters[name] = parameter.index_select(dim, channels.to(parameter.device))
+            table = owner._parameters if name in owner._parameters else owner._buffers
+            table[name] = table[name].index_select(dim, channels.to(table[name].device))
         for path, value in self.split.attributes.items():
             owner, name = holder(path)
             owner.__dict__[name] = value

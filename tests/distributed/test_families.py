@@ -74,7 +74,7 @@ MEMORY = {"activation_checkpointing": True, "offload_activations": True, "tiled_
 # Families whose mixers run split by heads (lightning_ulysses/mixers/: a declaration per family); the others' run
 # on whole rows.
 SPLIT_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "mamba", "falcon_mamba", "jamba",
-                  "kimi_linear")
+                  "kimi_linear", "minimax")
 
 # Families whose token mixers that are not attention are also checked layer by layer (`mixer_errors`): one layer of
 # each kind on its shard against the same layer on the whole rows, output and input gradient.

@@ -242,7 +242,8 @@ class _Work:
 
 
 def _call_kwargs(module, hidden, cut=slice(None)) -> dict:
-    parameters = inspect.signature(module.forward).parameters
+    # the class's forward: a mixer split by heads is called through a forward of `*args, **kwargs` (head_split.py)
+    parameters = inspect.signature(type(module).forward).parameters
     kwargs = {}
     if "position_ids" in parameters:
         kwargs["position_ids"] = torch.arange(SEQ_LEN)[None, cut].expand(hidden.size(0), -1)
