@@ -82,8 +82,8 @@ class MixerSplit:
 
 
 class _StandIn(torch.nn.Module):
-    """A projection's stand-in in a local view. The family's code must call it: code that reads the projection's
-    weights instead (a fused kernel) would skip the split, so reading them is an error that says so."""
+    """A projection's (or norm's) stand-in in a local view. The family's code must call it: code that reads the
+    layer's weights instead (a fused kernel) would skip the split, so reading them is an error that says so."""
 
     def __getattr__(self, name: str):
         try:
@@ -92,9 +92,9 @@ class _StandIn(torch.nn.Module):
             if name not in ("weight", "bias"):
                 raise
         raise AttributeError(
-            f"A token mixer split by heads read the {name} of its projection instead of calling it (a fused kernel"
-            " that would skip the split): its family's declaration (lightning_ulysses/mixers/) must lead it to a path"
-            " that calls its projections; until then train it with sequence_parallel_size=1.")
+            f"A token mixer split by heads read the {name} of a layer it calls (a projection or norm) instead of calling"
+            " it (a fused kernel, which would skip the split): its family's declaration (lightning_ulysses/mixers/)"
+            " must lead it to a path that calls that layer; until then train it with sequence_parallel_size=1.")
 
 
 class _ProjectShard(_StandIn):
@@ -150,7 +150,8 @@ class _ProjectSummedOverRanks(_StandIn):
         weight = self.projection.weight
         bias = self.projection.bias if self.adds_bias else None  # added once, by the group's first rank
         partial = torch.nn.functional.linear(rows, weight.index_select(1, self.channels.to(weight.device)), bias)
-        return _SumOverRanks.apply(partial, self.group)
+        # summed in float32, as one matmul over every channel accumulates (a few shared channels: cheap to send)
+        return _SumOverRanks.apply(partial.float(), self.group).to(partial.dtype)
 
 
 class _NormOverRanks(_StandIn):
