@@ -39,11 +39,15 @@ MEMORY = {"tiled_mlp": True, "tiled_logits_loss": True, "activation_checkpointin
 
 def predicted_longest(args, devices: int) -> int:
     """auto's longest length at SP = devices from total (not free) memory, so that every rank computes the same."""
-    from lightning_ulysses.auto import AutoMemory, Layout, _proc_bytes, longest_fit
+    from lightning_ulysses.auto import AutoMemory, _proc_bytes, longest_fit
+    from lightning_ulysses.layout import ParallelLayout
+    from lightning_ulysses.run_spec import RunSpec
 
     total_device = torch.cuda.get_device_properties(0).total_memory
     total_host = _proc_bytes("/proc/meminfo", "MemTotal")
-    longest, _ = longest_fit(MODELS[args.model], AutoMemory(), Layout(sequence_parallel_size=devices),
+    run = RunSpec(layout=ParallelLayout(world_size=devices, sequence_parallel_size=devices), precision="bf16-mixed",
+                  device="cuda")
+    longest, _ = longest_fit(MODELS[args.model], AutoMemory(), run,
                              (total_device * args.usable, total_host * args.usable / devices))
     return longest
 

@@ -27,6 +27,7 @@ training steps confirm it (`StepProbe`): their measured step time and device pea
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import itertools
 import math
 import statistics
@@ -37,9 +38,10 @@ from typing import Any, Optional, Union
 
 import torch
 
-from lightning_ulysses.memory import MemoryOptions
+from lightning_ulysses.memory import MemoryOptions, fused_elementwise_applies
 from lightning_ulysses.native_model import NativeCausalLM
 from lightning_ulysses.planner import GIB, MemoryPlan, ModelShape, TrainingSetup, plan_memory
+from lightning_ulysses.run_spec import LIGHTNING_SUB_GROUP_SIZE, RunSpec
 from lightning_ulysses.step_time import StepTime, predict_step_time
 
 # The features `choose` decides, in the order the report lists them.
@@ -192,21 +194,11 @@ def auto_sdpa_kernel(device) -> Optional[tuple[str, ...]]:
     return ("cudnn",) if torch.cuda.get_device_capability(device)[0] == 9 else None
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Everything `choose` needs besides the shape and the request."""
-
-    sequence_parallel_size: int = 1
-    data_parallel_size: int = 1
-    zero_stage: int = 3
-    compute_bytes: int = 2
-    on_cuda: bool = True  # False: the device is the CPU (no host offload; device and host memory are one)
-    kernel: Optional[str] = "cudnn"  # the SDPA kernel attention runs with (None: torch's order, flash on Hopper)
-    # DeepSpeed config already offloading the optimizer: its (ratio, sub_group_size), kept as they are
-    configured_offload: Optional[tuple[float, int]] = None
-    configured_sub_group_size: int = 10**12
-    # `fused_elementwise` may be switched on: CUDA with Triton, and a model it recognises parts of
-    fused_elementwise: bool = False
+def _configured_offload(run: RunSpec) -> Optional[tuple[float, int]]:
+    """A DeepSpeed config that already offloads the optimizer: its (share on the host, sub-group size), kept."""
+    if not run.offloads_optimizer:
+        return None
+    return run.optimizer_share_on_host, run.sub_group_size or LIGHTNING_SUB_GROUP_SIZE
 
 
 @dataclass(frozen=True)
@@ -238,7 +230,8 @@ class AutoChoice:
     """The decision: the options to apply, DeepSpeed's optimizer offload, the SDPA kernel, and why."""
 
     shape: ModelShape
-    layout: Layout
+    run: RunSpec
+    kernel: Optional[str]  # the SDPA kernel attention runs with (None: torch's order, flash on Hopper)
     budget: Budget
     best: Candidate
     reasons: dict[str, str]
@@ -259,7 +252,7 @@ class AutoChoice:
 
     def as_dict(self) -> dict[str, Any]:
         return {"memory": dataclasses.asdict(self.memory), "offload_optimizer": self.offload_optimizer,
-                "sub_group_size": self.sub_group_size, "kernel": self.layout.kernel,
+                "sub_group_size": self.sub_group_size, "kernel": self.kernel,
                 "predicted_step_s": self.best.time.total, "predicted_device_bytes": self.best.plan.gpu_total,
                 "predicted_host_bytes": self.best.plan.host_total}
 
@@ -275,8 +268,8 @@ class AutoChoice:
             value = getattr(s.memory, name) if hasattr(s.memory, name) else getattr(s, name)
             shown = f"{value:.0%}" if name == "offload_optimizer" else str(value)
             lines.append(f"  {name:<26}{shown:<8}{reason}")
-        lines.append(f"  {'sdpa kernel':<26}{self.layout.kernel or 'torch':<8}"
-                     + ("cuDNN first (Hopper, measured fastest)" if self.layout.kernel == "cudnn"
+        lines.append(f"  {'sdpa kernel':<26}{self.kernel or 'torch':<8}"
+                     + ("cuDNN first (Hopper, measured fastest)" if self.kernel == "cudnn"
                         else "torch's own order"))
         tokens = s.seq_len * s.micro_batch
         lines.append(f"  predicted: device peak {best.plan.gpu_total / GIB:.2f} GiB, host peak"
@@ -299,15 +292,15 @@ def _describe(setup: TrainingSetup) -> str:
     return ", ".join(names) or "no features"
 
 
-def _option_sets(request: AutoMemory, layout: Layout) -> list[MemoryOptions]:
+def _option_sets(request: AutoMemory, run: RunSpec, fused_elementwise: bool) -> list[MemoryOptions]:
     """Every valid combination of the features not pinned (pinned ones as set), fewest features first."""
     def values(name: str, free: tuple) -> tuple:
         pinned = getattr(request, name)
         return (pinned,) if pinned is not None else free
 
-    host = (False, True) if layout.on_cuda else (False,)
+    host = (False, True) if run.on_cuda else (False,)
     # Not an axis: where allowed it is faster and keeps less for backward (planner, measured), so it is simply on.
-    fused = request.fused_elementwise if request.fused_elementwise is not None else layout.fused_elementwise
+    fused = request.fused_elementwise if request.fused_elementwise is not None else fused_elementwise
     axes = {"tiled_logits_loss": values("tiled_logits_loss", (False, True)),
             "low_memory_norms": values("low_memory_norms", (False, True)),
             "tiled_mlp": values("tiled_mlp", (False, True)),
@@ -329,66 +322,67 @@ def _option_sets(request: AutoMemory, layout: Layout) -> list[MemoryOptions]:
     return options
 
 
-def _offload_choices(request: AutoMemory, layout: Layout, shape: ModelShape) -> list[tuple[float, int]]:
+def _offload_choices(request: AutoMemory, run: RunSpec, shape: ModelShape) -> list[tuple[float, int]]:
     """(optimizer share on the host, sub-group size) in increasing share: DeepSpeed's partial offload needs ZeRO-3
     and is cut by sub-group count, so a partial share comes with `SUB_GROUPS` sub-groups."""
-    if layout.configured_offload is not None:
-        return [layout.configured_offload]
-    ranks = layout.sequence_parallel_size * layout.data_parallel_size
+    configured = _configured_offload(run)
+    if configured is not None:
+        return [configured]
+    ranks = run.world_size
     local = sum(math.ceil(numel / ranks) for numel in shape.parameter_numels())
     cut = request.sub_group_size or min(10**9, max(1, math.ceil(local / SUB_GROUPS)))
-    if not layout.on_cuda:
+    if not run.on_cuda:
         shares = (0.0,)
     elif request.offload_optimizer is not None:
         shares = (request.offload_optimizer,)
-    elif layout.zero_stage == 3:
+    elif run.zero3:
         shares = tuple(step / RATIO_STEPS for step in range(RATIO_STEPS + 1))
     else:
         shares = (0.0, 1.0)
-    if not layout.on_cuda and request.sub_group_size is None:
-        cut = layout.configured_sub_group_size  # nothing is offloaded: the config's sub-groups stay as they are
+    if not run.on_cuda and request.sub_group_size is None:
+        cut = run.sub_group_size or LIGHTNING_SUB_GROUP_SIZE  # nothing offloaded: the config's sub-groups stay
     return [(share, cut) for share in shares]
 
 
-def _setup(request: AutoMemory, layout: Layout, options: MemoryOptions, share: float, cut: int,
+def _setup(request: AutoMemory, run: RunSpec, options: MemoryOptions, share: float, cut: int,
            seq_len: Optional[int] = None) -> TrainingSetup:
-    return TrainingSetup(seq_len=seq_len or request.seq_len, micro_batch=request.micro_batch,
-                         sequence_parallel_size=layout.sequence_parallel_size,
-                         data_parallel_size=layout.data_parallel_size, zero_stage=layout.zero_stage,
-                         offload_optimizer=share, compute_bytes=layout.compute_bytes, memory=options,
-                         sub_group_size=cut, host_process_bytes=TrainingSetup.host_process_bytes if layout.on_cuda else 0)
+    return TrainingSetup.of_run(run, seq_len or request.seq_len, micro_batch=request.micro_batch, memory=options,
+                                offload_optimizer=share, sub_group_size=cut,
+                                host_process_bytes=TrainingSetup.host_process_bytes if run.on_cuda else 0)
 
 
-def _best_share(shape, request, layout, budget, options, offloads) -> Optional[Candidate]:
+def _best_share(shape, request, run, kernel, budget, options, offloads) -> Optional[Candidate]:
     """The smallest optimizer share on the host with which `options` fit (more share: more CPU Adam time)."""
     for share, cut in offloads:
-        setup = _setup(request, layout, options, share, cut)
+        setup = _setup(request, run, options, share, cut)
         plan = plan_memory(shape, setup)
         if budget.fits(plan):
-            return Candidate(setup, plan, predict_step_time(shape, setup, layout.kernel,
-                                                            host_beside_device=layout.on_cuda))
+            return Candidate(setup, plan, predict_step_time(shape, setup, kernel, host_beside_device=run.on_cuda))
     return None
 
 
-def choose(shape: ModelShape, request: AutoMemory, layout: Layout, free: tuple[float, float]) -> AutoChoice:
-    """The fastest predicted configuration that fits `free` (device, host bytes per rank) less the margins; raises
-    `ValueError` naming the longest length that would fit, and what to change, when none does."""
+def choose(shape: ModelShape, request: AutoMemory, run: RunSpec, free: tuple[float, float], *,
+           kernel: Optional[str] = None, fused_elementwise: bool = False) -> AutoChoice:
+    """The fastest predicted configuration of `run` that fits `free` (device, host bytes per rank) less the margins;
+    raises `ValueError` naming the longest length that would fit, and what to change, when none does. `kernel`: the
+    SDPA kernel attention runs with (None: torch's order); `fused_elementwise`: whether that feature may be switched
+    on (CUDA with Triton, and a model it recognises parts of)."""
     if request.seq_len is None:
         raise ValueError('memory="auto" needs the training length: memory={"auto": True, "seq_len": N} (and'
                          ' "micro_batch" if it is not 1); the recipes fill both in from data.seq_len and data.batch_size.')
-    budget = Budget(free[0] * (1 - request.device_margin), free[1] * (1 - request.host_margin), not layout.on_cuda)
-    offloads = _offload_choices(request, layout, shape)
-    fitting = [c for c in (_best_share(shape, request, layout, budget, options, offloads)
-                           for options in _option_sets(request, layout)) if c is not None]
+    budget = Budget(free[0] * (1 - request.device_margin), free[1] * (1 - request.host_margin), not run.on_cuda)
+    offloads = _offload_choices(request, run, shape)
+    fitting = [c for c in (_best_share(shape, request, run, kernel, budget, options, offloads)
+                           for options in _option_sets(request, run, fused_elementwise)) if c is not None]
     if not fitting:
-        raise ValueError(_nothing_fits(shape, request, layout, budget, offloads))
+        raise ValueError(_nothing_fits(shape, request, run, fused_elementwise, budget, offloads))
     ranked = sorted(fitting, key=lambda c: c.key)  # stable: candidates in enumeration order on equal keys
     best = ranked[0]
-    reasons = _reasons(shape, request, layout, budget, offloads, best)
-    return AutoChoice(shape, layout, budget, best, reasons, ranked[1] if len(ranked) > 1 else None, free)
+    reasons = _reasons(shape, request, run, kernel, fused_elementwise, budget, offloads, best)
+    return AutoChoice(shape, run, kernel, budget, best, reasons, ranked[1] if len(ranked) > 1 else None, free)
 
 
-def _reasons(shape, request, layout, budget, offloads, best: Candidate) -> dict[str, str]:
+def _reasons(shape, request, run, kernel, fused_elementwise, budget, offloads, best: Candidate) -> dict[str, str]:
     """Per feature: pinned, or what switching it alone would do (not fit, or its predicted time)."""
     pinned, reasons = request.pinned(), {}
     for name in FEATURES:
@@ -405,10 +399,10 @@ def _reasons(shape, request, layout, budget, offloads, best: Candidate) -> dict[
         except ValueError:
             reasons[name] = "needs layer checkpointing"
             continue
-        if name in ("offload_activations",) and not layout.on_cuda:
+        if name in ("offload_activations",) and not run.on_cuda:
             reasons[name] = "no host offload on CPU"
             continue
-        alternative = _best_share(shape, request, layout, budget, options, offloads)
+        alternative = _best_share(shape, request, run, kernel, budget, options, offloads)
         label = f"{name}={other}"
         if alternative is None:
             reasons[name] = f"with {label} nothing fits"
@@ -418,16 +412,16 @@ def _reasons(shape, request, layout, budget, offloads, best: Candidate) -> dict[
                                                                          if abs(delta) < 1e-9 else ""))
     if request.fused_elementwise is not None:
         reasons["fused_elementwise"] = "set by you"
-    elif not layout.fused_elementwise:
+    elif not fused_elementwise:
         reasons["fused_elementwise"] = "needs CUDA with Triton and Llama-style norms or gated MLPs"
     else:
-        off = _best_share(shape, request, layout, budget,
+        off = _best_share(shape, request, run, kernel, budget,
                           dataclasses.replace(best.setup.memory, fused_elementwise=False), offloads)
         reasons["fused_elementwise"] = (f"with fused_elementwise=False: {off.time.total - best.time.total:+.3f} s per"
                                         " step" if off else "with fused_elementwise=False nothing fits")
-    if "offload_optimizer" in pinned or layout.configured_offload is not None:
+    if "offload_optimizer" in pinned or run.offloads_optimizer:
         reasons["offload_optimizer"] = "set by you"
-    elif not layout.on_cuda:
+    elif not run.on_cuda:
         reasons["offload_optimizer"] = "no host offload on CPU"
     else:
         reasons["offload_optimizer"] = ("the smallest share that fits" if best.setup.offload_optimizer
@@ -435,38 +429,38 @@ def _reasons(shape, request, layout, budget, offloads, best: Candidate) -> dict[
     return reasons
 
 
-def longest_fit(shape: ModelShape, request: AutoMemory, layout: Layout,
-                free: tuple[float, float]) -> tuple[int, Optional[TrainingSetup]]:
+def longest_fit(shape: ModelShape, request: AutoMemory, run: RunSpec, free: tuple[float, float], *,
+                fused_elementwise: bool = False) -> tuple[int, Optional[TrainingSetup]]:
     """The longest length `memory="auto"` can train in `free` (device, host bytes per rank, less the margins), with
     the most memory-saving configuration it may choose, and that configuration; `(0, None)` when not even the
     shortest length fits. A multiple of 64 tokens × the SP size (`request.seq_len` is not needed)."""
-    budget = Budget(free[0] * (1 - request.device_margin), free[1] * (1 - request.host_margin), not layout.on_cuda)
-    return _longest_fit(shape, request, layout, budget, _offload_choices(request, layout, shape))
+    budget = Budget(free[0] * (1 - request.device_margin), free[1] * (1 - request.host_margin), not run.on_cuda)
+    return _longest_fit(shape, request, run, fused_elementwise, budget, _offload_choices(request, run, shape))
 
 
-def _longest_fit(shape, request, layout, budget, offloads) -> tuple[int, Optional[TrainingSetup]]:
+def _longest_fit(shape, request, run, fused_elementwise, budget, offloads) -> tuple[int, Optional[TrainingSetup]]:
     def saving(o: MemoryOptions) -> tuple:
         return (o.activation_checkpointing, o.checkpoint_interval, o.tiled_mlp, o.tiled_logits_loss,
                 o.low_memory_norms, not o.keep_attention_outputs)
 
-    options = _option_sets(request, layout)
+    options = _option_sets(request, run, fused_elementwise)
     most = max(map(saving, options))
     most_saving = [o for o in options if saving(o) == most]  # with and without host offload of the kept inputs
     longest, how = 0, None
-    short = request.seq_len is not None and request.seq_len < 64 * layout.sequence_parallel_size
+    short = request.seq_len is not None and request.seq_len < 64 * run.sequence_parallel_size
     for option, (share, cut) in itertools.product(most_saving, offloads):  # every share: the limit `choose` has
-        setup = _setup(request, layout, option, share, cut, seq_len=1)
+        setup = _setup(request, run, option, share, cut, seq_len=1)
         seq = _longest(shape, setup, budget, 1 if short else 64)
         if seq > longest:
             longest, how = seq, setup
     return longest, (None if how is None else dataclasses.replace(how, seq_len=longest))
 
 
-def _nothing_fits(shape, request, layout, budget, offloads) -> str:
+def _nothing_fits(shape, request, run, fused_elementwise, budget, offloads) -> str:
     """The longest length the most memory-saving allowed configurations fit, and what to change."""
-    longest, how = _longest_fit(shape, request, layout, budget, offloads)
+    longest, how = _longest_fit(shape, request, run, fused_elementwise, budget, offloads)
     where = (f"{shape.name} at {request.seq_len} tokens × micro-batch {request.micro_batch} on sp"
-             f" {layout.sequence_parallel_size} × dp {layout.data_parallel_size}, ZeRO-{layout.zero_stage}, with"
+             f" {run.sequence_parallel_size} × dp {run.data_parallel_size}, ZeRO-{run.zero_stage}, with"
              f" {budget.device / GIB:.2f} GiB of device memory" + ("" if budget.shared else
                                                                    f" and {budget.host / GIB:.2f} GiB of host memory")
              + " per rank (free, less the margins)")
@@ -546,7 +540,7 @@ class Confirmation:
     def report(self) -> str:
         best = self.choice.best
         line = f'lightning_ulysses memory="auto" confirmed over {self.steps} steps: step {self.step_s:.3f} s'
-        if self.choice.layout.on_cuda:
+        if self.choice.run.on_cuda:
             line += f" (predicted {best.time.total:.3f} s, {self.step_s / best.time.total - 1:+.0%})"
         else:  # the step-time model's rates are a GPU's
             line += " (no prediction on CPU)"
@@ -595,3 +589,46 @@ class StepProbe:
             torch.distributed.all_reduce(measured, op=torch.distributed.ReduceOp.MAX)
         step_s, peak = measured.tolist()
         return Confirmation(self.steps, step_s, peak if peak >= 0 else None, self.choice)
+
+
+def decide(request: Union[MemoryOptions, AutoMemory], run: RunSpec, models: Sequence[Any], *,
+           kernel_priority: Union[str, tuple[str, ...], None], local_ranks: int,
+           reduce: bool) -> tuple[Optional[tuple[str, ...]], Optional[AutoChoice]]:
+    """`memory="auto"` and `sdpa_kernel_priority="auto"` for `run`, once per run, before the memory features are
+    applied and DeepSpeed starts: (the SDPA kernel priority — `kernel_priority` as given unless it is "auto" —, or
+    None for torch's order; the memory choice, or None when memory is not "auto"). Every rank reaches the one
+    all-reduce (`reduce`: over the default group) and then computes the same choice from the same inputs: the least
+    free memory over all ranks, the largest of `models`' shapes from its config (also under ZeRO-3, where its
+    parameters are already partitioned), and the run; a refusal is raised on every rank alike. `local_ranks`: the
+    ranks on this node, which share its host memory."""
+    memory_auto, kernel_auto = isinstance(request, AutoMemory), kernel_priority == "auto"
+    device = run.device
+    device_free, host_free = request.free_bytes(device, local_ranks) if memory_auto else (0, 0)
+    cudnn = float(kernel_auto and auto_sdpa_kernel(device) == ("cudnn",))
+    agreed = torch.tensor([device_free, host_free, cudnn], dtype=torch.float64, device=device)
+    if reduce:
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+    device_free, host_free, cudnn = agreed.tolist()
+    priority = (("cudnn",) if cudnn else None) if kernel_auto else kernel_priority
+    if not memory_auto:
+        return priority, None
+    # inductor needs Triton for GPU code; the model must have parts `fused_elementwise` recognises
+    fusable = (run.on_cuda and importlib.util.find_spec("triton") is not None
+               and all(map(fused_elementwise_applies, models)))
+    return priority, choose(shape_of(models), request, run, (device_free, host_free),
+                            kernel=(priority or (None,))[0] if run.on_cuda else None, fused_elementwise=fusable)
+
+
+def check_optimizer(choice: Optional[AutoChoice], optimizer: Any) -> None:
+    """DeepSpeed runs its optimizer offload with its own CPU Adam: a choice that offloads needs it from
+    `configure_optimizers`."""
+    if choice is None or not choice.offload_optimizer or optimizer is None:
+        return
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    if not isinstance(optimizer, DeepSpeedCPUAdam):  # DeepSpeed's offload runs CPU Adam on the host share
+        raise ValueError(
+            f'memory="auto" moves {choice.offload_optimizer:.0%} of the optimizer to the host, where DeepSpeed'
+            f" needs deepspeed.ops.adam.DeepSpeedCPUAdam, but configure_optimizers returned"
+            f" {type(optimizer).__name__}. Return DeepSpeedCPUAdam, or keep the optimizer on the device:"
+            ' memory={"auto": True, "offload_optimizer": 0.0, ...}.')

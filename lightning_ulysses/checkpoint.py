@@ -494,7 +494,7 @@ class StrategyCheckpoints:
             world_size=self.strategy.world_size,
             sequence_parallel_size=groups.sequence_parallel_world_size,
             data_parallel_size=groups.data_parallel_world_size,
-            zero_stage=self.strategy.config["zero_optimization"]["stage"],
+            zero_stage=self.strategy.run_spec.zero_stage,
             epoch_samples_consumed=self.epoch_samples_consumed(),
             global_batch_size=self.global_batch_size(),
             micro_batches_accumulated=self.strategy.micro_batches_accumulated,

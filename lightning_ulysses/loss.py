@@ -6,13 +6,13 @@ the unsharded loss.
 
 Gradient: each rank back-propagates only its own shard's share (`local sum / global count`); the all-to-alls
 carry the cross-shard terms, and DeepSpeed sums the SP ranks' gradients when it reduces over DP×SP. How it then
-divides depends on the ZeRO stage (see `gradient_scale_for`), so the share is multiplied by a scale in the
+divides depends on the ZeRO stage (see `run_spec.RunSpec.loss_gradient_scale`), so the share is multiplied by a scale in the
 backward pass only, leaving the reported value untouched.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -21,35 +21,6 @@ import torch.nn.functional as F
 from lightning_ulysses.attention.all_to_all import all_gather_sequence
 
 IGNORE_INDEX = -100
-
-
-def gradient_scale_for(deepspeed_config: Mapping[str, Any] | None, sequence_parallel_size: int) -> float:
-    """Factor that makes DeepSpeed's gradient reduction return the mean over DP of full-sequence gradients.
-
-    Measured with SGD on DeepSpeed 0.19 (tests/distributed/test_parity.py fails if it changes): ZeRO 0/1/2 sum the
-    gradients over DP×SP and divide by DP on every path (buckets of any size, `contiguous_gradients` on or off,
-    `reduce_scatter` on or off: `runtime/engine.py` `_reduce_non_expert_gradients`, `stage_1_and_2.py`
-    `average_tensor`/`allreduce_bucket`), which is already right. ZeRO-3's reduce-scatter divides by DP×SP
-    (`runtime/comm/coalesced_collectives.py`), so each SP rank's share must be scaled up by SP to compensate.
-
-    ZeRO-3 with `reduce_scatter: false` follows no single rule: a bucket within `reduce_bucket_size` takes the
-    contiguous path, which divides by DP; a parameter larger than the bucket, or `contiguous_gradients: false`,
-    takes the reduce-scatter path, which divides by DP×SP (`stage3.py` `__reduce_and_partition_ipg_grads`). One
-    factor on the loss cannot be right for both, so at SP > 1 that combination is refused (raises `ValueError`;
-    identical on every rank, so the strategy calls this before creating any group).
-    """
-    zero = (deepspeed_config or {}).get("zero_optimization") or {}
-    if zero.get("stage", 0) != 3 or sequence_parallel_size == 1:
-        return 1.0
-    if not zero.get("reduce_scatter", True):
-        raise ValueError(
-            f"ZeRO-3 with reduce_scatter=False cannot train exactly at sequence_parallel_size={sequence_parallel_size}:"
-            " DeepSpeed then divides the gradients of buckets within reduce_bucket_size by the DP size and those of"
-            " larger parameters (or all of them with contiguous_gradients=False) by DP × SP, and no single loss scale"
-            " corrects both. Leave reduce_scatter on (the default; remove reduce_scatter=False from the strategy"
-            ' arguments or "reduce_scatter": false from the DeepSpeed config\'s zero_optimization).'
-        )
-    return float(sequence_parallel_size)
 
 
 class _SumOverGroup(torch.autograd.Function):
@@ -155,6 +126,26 @@ def reduces_over_sequence(loss: torch.Tensor) -> bool:
                     following.append(parent)
         frontier = following
     return False
+
+
+def refuse_shard_local_loss(loss: torch.Tensor, sequence_parallel_size: int) -> None:
+    """At SP > 1 each rank holds `seq/P` tokens of every row: a loss computed from this rank's logits alone (the
+    hand-written `cross_entropy(logits[:, :-1], batch["labels"][:, 1:])`) drops the targets at shard boundaries,
+    averages per shard, and is then summed over the SP group by ZeRO — it trains, silently wrong. Every
+    whole-sequence loss of ours ends in a reduction over the group (`reduces_over_sequence`); one that does not is
+    refused (the strategy asks at its first backward, before any optimizer step, on every rank alike: each runs the
+    same step)."""
+    if sequence_parallel_size == 1 or reduces_over_sequence(loss):
+        return
+    raise RuntimeError(
+        f"The loss of this training step was computed from this rank's shard alone: at sequence_parallel_size="
+        f"{sequence_parallel_size} every rank holds 1/{sequence_parallel_size} of each row,"
+        " so a loss of its logits only (e.g. cross_entropy(logits[:, :-1], batch['labels'][:, 1:])) loses the"
+        " targets at shard boundaries and averages per shard. Return model(**batch).loss, or"
+        " self.trainer.strategy.loss_function(logits, batch['labels']) (labels as the batch holds them,"
+        " unshifted); for a per-token loss of your own, sum it over this rank's tokens and reduce it with"
+        " loss_fn.reduce_token_loss_sum(token_loss_sum, loss_fn.targets(batch['labels'])), where loss_fn ="
+        " self.trainer.strategy.loss_function.")
 
 
 class SequenceParallelCausalLMLoss:

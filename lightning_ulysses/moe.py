@@ -9,7 +9,7 @@ shard's tokens, so the unchanged function returns a different loss on every rank
 `SequenceParallelRouterLoss` computes the same two means from sums over the SP group: the token counts and the
 number of tokens are all-reduced as constants (the top-k choice has no gradient), the router probability sums through
 `loss._SumOverGroup`, so every rank returns the whole sequence's value while its backward carries only its own
-tokens' share, scaled for ZeRO like the main loss (`loss.gradient_scale_for`). DeepSpeed's sum over the SP ranks
+tokens' share, scaled for ZeRO like the main loss (`RunSpec.loss_gradient_scale`). DeepSpeed's sum over the SP ranks
 then gives the unsharded model's gradient.
 
 The modeling code looks the function up by name in its module's globals when it runs, so that is where it is
@@ -45,7 +45,7 @@ _ACTIVE: contextvars.ContextVar[Optional[Callable]] = contextvars.ContextVar("li
 class SequenceParallelRouterLoss:
     """`load_balancing_loss_func(gate_logits, num_experts, top_k, attention_mask)` of the whole sharded sequence.
 
-    `group`: the SP group; `gradient_scale`: the main loss's (`gradient_scale_for`). `real_tokens(local_length)`
+    `group`: the SP group; `gradient_scale`: the main loss's (`RunSpec.loss_gradient_scale`). `real_tokens(local_length)`
     returns which of this shard's positions are tokens of the batch as the user made it (False: padding the sharder
     appended to reach a multiple of the SP size, which the unsharded model never sees), or None when all are.
     """

@@ -21,6 +21,8 @@ from typing import Any, Literal, Optional
 
 import torch
 
+from lightning_ulysses.run_spec import RunSpec
+
 _NORM_TYPES = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.RMSNorm, torch.nn.modules.batchnorm._NormBase)
 
 
@@ -92,12 +94,14 @@ class LRSchedule:
 
 
 def optimizer_on_host(trainer: Any) -> bool:
-    """Whether the trainer's strategy runs the optimizer step on the host: a DeepSpeed config with
-    `zero_optimization.offload_optimizer.device: cpu` (set by you, or by `memory="auto"` before
-    `configure_optimizers` runs). `False` without a trainer or a DeepSpeed strategy."""
-    config = getattr(getattr(trainer, "strategy", None), "config", None) or {}
-    offload = (config.get("zero_optimization") or {}).get("offload_optimizer") or {}
-    return offload.get("device") == "cpu"
+    """Whether the trainer's strategy runs the optimizer step on the host: its run offloads the optimizer
+    (`RunSpec.offloads_optimizer`: `zero_optimization.offload_optimizer.device` cpu or nvme, set by you or by
+    `memory="auto"` before `configure_optimizers` runs). A DeepSpeed strategy other than ours is asked through its
+    config; `False` without a trainer or a DeepSpeed strategy."""
+    strategy = getattr(trainer, "strategy", None)
+    if isinstance(getattr(type(strategy), "run_spec", None), property):  # ours: described once, at set-up
+        return strategy.run_spec.offloads_optimizer
+    return RunSpec.of_config(getattr(strategy, "config", None)).offloads_optimizer
 
 
 def adamw(groups: list[dict[str, Any]], lr: float, betas: tuple[float, float], on_host: bool) -> torch.optim.Optimizer:

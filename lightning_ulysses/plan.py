@@ -15,9 +15,11 @@ import argparse
 import dataclasses
 import math
 
-from lightning_ulysses.auto import AutoMemory, Layout, choose, longest_fit
+from lightning_ulysses.auto import AutoMemory, choose, longest_fit
+from lightning_ulysses.layout import ParallelLayout
 from lightning_ulysses.planner import (FEATURES, GIB, MODELS, TrainingSetup, longest_sequence, memory_options, plan_memory,
                                        published_176b_comparison)
+from lightning_ulysses.run_spec import RunSpec
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m lightning_ulysses.plan", description=__doc__,
@@ -68,17 +70,19 @@ def main(argv=None) -> None:
 def _auto(args, shape) -> int:
     pins = {name: True for name in FEATURES.values() if getattr(memory_options(args.features), name)}
     request = AutoMemory(seq_len=args.seq, micro_batch=args.micro_batch, **pins)
-    # a GPU with Triton is assumed; the planner's gated-MLP shapes are Llama-style (RMSNorms), which it fuses
-    layout = Layout(sequence_parallel_size=args.sp, data_parallel_size=args.dp, zero_stage=args.zero,
-                    kernel=args.kernel, fused_elementwise=shape.gated_mlp)
+    # a GPU (bf16) with Triton is assumed; the planner's gated-MLP shapes are Llama-style (RMSNorms), which it fuses
+    run = RunSpec(layout=ParallelLayout(world_size=args.sp * args.dp, sequence_parallel_size=args.sp),
+                  zero_stage=args.zero, precision="bf16-mixed", device="cuda")
+    fused = shape.gated_mlp
     if args.longest:  # the longest length auto can train, then its choice there
-        args.seq, _ = longest_fit(shape, request, layout, (args.gpu_gib * GIB, args.host_gib * GIB))
+        args.seq, _ = longest_fit(shape, request, run, (args.gpu_gib * GIB, args.host_gib * GIB), fused_elementwise=fused)
         print(f'longest sequence memory="auto" fits: {args.seq} tokens')
         if not args.seq:
             return 1
         request = dataclasses.replace(request, seq_len=args.seq)
     try:
-        print(choose(shape, request, layout, (args.gpu_gib * GIB, args.host_gib * GIB)).report())
+        print(choose(shape, request, run, (args.gpu_gib * GIB, args.host_gib * GIB), kernel=args.kernel,
+                     fused_elementwise=fused).report())
     except ValueError as error:
         print(error)
         return 1

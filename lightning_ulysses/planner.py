@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lightning_ulysses.memory import MemoryOptions
+from lightning_ulysses.run_spec import RunSpec
 
 GIB = 2**30
 GB = 10**9
@@ -152,6 +153,18 @@ class TrainingSetup:
                              " (offload_optimizer.ratio) only with ZeRO-3; use zero_stage=3, or offload 0 or 1")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0-3, got {self.zero_stage}")
+
+    @classmethod
+    def of_run(cls, run: RunSpec, seq_len: int, **choices: Any) -> "TrainingSetup":
+        """A step of `run` at `seq_len`, as the planner sees it: the run's layout, ZeRO stage, optimizer share on the
+        host, compute precision, pinning and (where configured) sub-group size; `choices` (memory options, a share or
+        sub-group size being tried, the micro-batch, ...) replace or add to them."""
+        described = dict(sequence_parallel_size=run.sequence_parallel_size, data_parallel_size=run.data_parallel_size,
+                         zero_stage=run.zero_stage, offload_optimizer=run.optimizer_share_on_host,
+                         compute_bytes=run.compute_bytes, offload_pin_memory=run.optimizer_offload_pin_memory)
+        if run.sub_group_size is not None:
+            described["sub_group_size"] = run.sub_group_size
+        return cls(seq_len=seq_len, **{**described, **choices})
 
     @property
     def world_size(self) -> int:

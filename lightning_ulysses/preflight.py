@@ -23,7 +23,9 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_ulysses.layout import ParallelLayout
 from lightning_ulysses.planner import TrainingSetup, optimizer_offload_host_bytes, sub_groups_of
+from lightning_ulysses.run_spec import RunSpec
 
 GIB = 1024**3
 # Bytes per parameter that ZeRO-Offload keeps in host memory, split over all ranks: fp32 master weights, Adam's
@@ -43,48 +45,33 @@ class Finding:
 
 @dataclass(frozen=True)
 class PlannedRun:
-    """What the checks need to know about the run."""
+    """What the checks need to know: the run's description (layout, ZeRO offload, precision), this node's share of
+    it, and the model's size."""
 
-    sequence_parallel_size: int
+    spec: RunSpec
     local_world_size: int  # ranks on this node
-    world_size: int
     local_rank: int = 0
-    num_parameters: Optional[int] = None
-    offload_optimizer: bool = False
-    offload_parameters: bool = False
-    precision: str = "32-true"
-    grad_accum_dtype: Optional[str] = None
     num_nodes: int = 1
-    offload_ratio: Optional[float] = None  # zero_optimization.offload_optimizer.ratio (partial offload)
-    sub_group_size: Optional[int] = None  # zero_optimization.sub_group_size (ZeRO-3)
+    num_parameters: Optional[int] = None
     # With these the host check counts DeepSpeed's own offload buffers (lightning_ulysses.planner) instead of
-    # 16 B per parameter: the trainable parameter tensors' sizes in registration order, the ZeRO stage, and
-    # zero_optimization.offload_optimizer.pin_memory (pinned blocks round up to powers of two).
+    # 16 B per parameter: the trainable parameter tensors' sizes in registration order.
     parameter_numels: Optional[tuple[int, ...]] = None
-    zero_stage: Optional[int] = None
-    offload_pin_memory: bool = True
 
     @classmethod
     def of_strategy(cls, strategy: Any) -> "PlannedRun":
-        """The run a set-up `UlyssesDeepSpeedStrategy` is about to train: its layout, its DeepSpeed config's ZeRO
-        and offload sections, and the LightningModule's parameters (ZeRO-3's full sizes, `ds_numel`, when they are
-        already partitioned)."""
-        zero = strategy.config.get("zero_optimization", {})
-        optimizer_offload = zero.get("offload_optimizer") or {}
-        offloaded = lambda section: section.get("device") in ("cpu", "nvme")  # noqa: E731
+        """The run a set-up `UlyssesDeepSpeedStrategy` is about to train: its description (`run_spec`), and the
+        LightningModule's parameters (ZeRO-3's full sizes, `ds_numel`, when they are already partitioned)."""
         parameters = list(strategy.lightning_module.parameters())
         return cls(
-            sequence_parallel_size=strategy.sequence_parallel_world_size, local_world_size=strategy.num_processes,
-            world_size=strategy.world_size, local_rank=strategy.local_rank, num_nodes=strategy.num_nodes,
-            num_parameters=sum(getattr(p, "ds_numel", p.numel()) for p in parameters),
+            spec=strategy.run_spec, local_world_size=strategy.num_processes, local_rank=strategy.local_rank,
+            num_nodes=strategy.num_nodes, num_parameters=sum(getattr(p, "ds_numel", p.numel()) for p in parameters),
             parameter_numels=tuple(getattr(p, "ds_numel", p.numel()) for p in parameters if p.requires_grad),
-            zero_stage=zero.get("stage"),
-            offload_optimizer=offloaded(optimizer_offload), offload_parameters=offloaded(zero.get("offload_param") or {}),
-            offload_ratio=optimizer_offload.get("ratio"), offload_pin_memory=optimizer_offload.get("pin_memory", True),
-            sub_group_size=zero.get("sub_group_size") if zero.get("stage") == 3 else None,
-            precision=str(strategy.precision_plugin.precision),
-            grad_accum_dtype=strategy.config.get("data_types", {}).get("grad_accum_dtype"),
         )
+
+    @property
+    def sub_group_size(self) -> Optional[int]:
+        """ZeRO-3's configured sub-group size (the unit of a partial offload); None below ZeRO-3 or where unset."""
+        return self.spec.sub_group_size if self.spec.zero3 else None
 
 
 def check(run: PlannedRun, environ: Mapping[str, str] = os.environ) -> list[Finding]:
@@ -134,7 +121,7 @@ def _interconnect(run: PlannedRun) -> list[Finding]:
     if not torch.cuda.is_available():
         return [Finding("interconnect", "ok", "no CUDA devices: nothing to check (CPU/gloo run)")]
     # SP groups are blocks of consecutive ranks; local ranks map to local devices.
-    size = min(run.sequence_parallel_size, run.local_world_size)
+    size = min(run.spec.sequence_parallel_size, run.local_world_size)
     first = (run.local_rank // size) * size
     devices = list(range(first, first + size))
     if len(devices) < 2:
@@ -258,10 +245,10 @@ def _host_resources(run: PlannedRun) -> list[Finding]:
     per_rank_gib = available / GIB / max(1, run.local_world_size) if available else None
     ram = f"{per_rank_gib:.1f} GiB free RAM per rank" if per_rank_gib is not None else "free RAM unknown"
     detail = f"{cores_per_rank:.3g} CPU cores and {ram} ({run.local_world_size} ranks on this node)"
-    if not (run.offload_optimizer or run.offload_parameters):
+    if not (run.spec.offloads_optimizer or run.spec.offloads_parameters):
         return [Finding("host", "ok", detail + "; no offload")]
     findings.append(Finding("host", "ok", detail))
-    if run.offload_optimizer and cores_per_rank < MIN_CORES_PER_RANK_FOR_CPU_ADAM:
+    if run.spec.offloads_optimizer and cores_per_rank < MIN_CORES_PER_RANK_FOR_CPU_ADAM:
         findings.append(Finding(
             "host", "warning", f"optimizer offload with {cores_per_rank:.3g} cores per rank",
             f"DeepSpeed's CPU Adam runs on the rank's cores; below {MIN_CORES_PER_RANK_FOR_CPU_ADAM} per rank its step"
@@ -282,49 +269,46 @@ def _host_resources(run: PlannedRun) -> list[Finding]:
 
 def _offload_host_bytes(run: PlannedRun) -> tuple[float, str]:
     """Host bytes per rank that the offload will hold, and how they were counted."""
-    parameters = PARAMETER_OFFLOAD_BYTES_PER_PARAMETER * run.num_parameters / run.world_size if (
-        run.offload_parameters) else 0.0
-    if not run.offload_optimizer:
-        return parameters, f"16-bit parameters: {run.num_parameters / 1e9:.2f}B × 2 B / {run.world_size} ranks"
-    if run.parameter_numels is None or run.zero_stage not in (1, 2, 3):
+    parameters = PARAMETER_OFFLOAD_BYTES_PER_PARAMETER * run.num_parameters / run.spec.world_size if (
+        run.spec.offloads_parameters) else 0.0
+    if not run.spec.offloads_optimizer:
+        return parameters, f"16-bit parameters: {run.num_parameters / 1e9:.2f}B × 2 B / {run.spec.world_size} ranks"
+    if run.parameter_numels is None or run.spec.zero_stage == 0:
         per_parameter = OPTIMIZER_OFFLOAD_BYTES_PER_PARAMETER + (
-            PARAMETER_OFFLOAD_BYTES_PER_PARAMETER if run.offload_parameters else 0)
-        return (run.num_parameters * per_parameter / run.world_size,
-                f"{run.num_parameters / 1e9:.2f}B parameters × {per_parameter} B / {run.world_size} ranks")
+            PARAMETER_OFFLOAD_BYTES_PER_PARAMETER if run.spec.offloads_parameters else 0)
+        return (run.num_parameters * per_parameter / run.spec.world_size,
+                f"{run.num_parameters / 1e9:.2f}B parameters × {per_parameter} B / {run.spec.world_size} ranks")
     # ZeRO-1/2 offload the optimizer whole; a ratio splits ZeRO-3's sub-groups (see _partial_offload).
-    ratio = run.offload_ratio if run.zero_stage == 3 and run.offload_ratio is not None else 1.0
-    optimizer = sum(optimizer_offload_host_bytes(run.parameter_numels, _training_setup(run, ratio)).values())
+    share = run.spec.optimizer_share_on_host
+    optimizer = sum(optimizer_offload_host_bytes(run.parameter_numels, _training_setup(run, share)).values())
     basis = ("DeepSpeed's offload buffers: fp32 master + Adam m, v and fp32 gradients of the host sub-groups"
-             + (", 16-bit gradients of all parameters" if run.zero_stage == 3 else "")
-             + (", pinned blocks rounded up to powers of two" if run.offload_pin_memory else "")
-             + (", 16-bit parameters" if run.offload_parameters else ""))
+             + (", 16-bit gradients of all parameters" if run.spec.zero3 else "")
+             + (", pinned blocks rounded up to powers of two" if run.spec.optimizer_offload_pin_memory else "")
+             + (", 16-bit parameters" if run.spec.offloads_parameters else ""))
     return optimizer + parameters, basis
 
 
 def _training_setup(run: PlannedRun, offload_ratio: float) -> TrainingSetup:
     """The planner's view of the run's model states (lengths do not matter for them)."""
-    return TrainingSetup(
-        seq_len=1, sequence_parallel_size=run.sequence_parallel_size,
-        data_parallel_size=run.world_size // run.sequence_parallel_size, zero_stage=run.zero_stage or 3,
-        offload_optimizer=offload_ratio, compute_bytes=2 if run.precision.startswith(("bf16", "16")) else 4,
-        sub_group_size=run.sub_group_size or TrainingSetup.sub_group_size, offload_pin_memory=run.offload_pin_memory,
-    )
+    return TrainingSetup.of_run(run.spec, 1, offload_optimizer=offload_ratio,
+                                sub_group_size=run.sub_group_size or TrainingSetup.sub_group_size)
 
 
 def _partial_offload(run: PlannedRun) -> list[Finding]:
     """DeepSpeed (ZeRO-3) splits the optimizer by *count* of sub-groups: sub-groups `i >= int((1 - ratio) · n)` go to
     the host (`runtime/zero/stage3.py`). With one sub-group (Lightning's `sub_group_size` is 1e12) any ratio > 0
     offloads all of it, so a partial offload silently becomes a full one (the planner counts the same way)."""
-    if not (run.offload_optimizer and run.offload_ratio is not None and run.offload_ratio < 1
-            and run.num_parameters and run.sub_group_size):
+    ratio = run.spec.optimizer_offload_ratio
+    if not (run.spec.offloads_optimizer and ratio is not None and ratio < 1 and run.num_parameters
+            and run.sub_group_size):
         return []
-    local = math.ceil(run.num_parameters / run.world_size)
+    local = math.ceil(run.num_parameters / run.spec.world_size)
     if run.parameter_numels is not None:  # exact: a sub-group closes at the first parameter tensor that fills it
-        groups = len(sub_groups_of(run.parameter_numels, _training_setup(run, run.offload_ratio)))
+        groups = len(sub_groups_of(run.parameter_numels, _training_setup(run, ratio)))
     else:  # from a parameter count alone: about
         groups = math.ceil(local / run.sub_group_size)
-    on_host = groups - int((1 - run.offload_ratio) * groups)
-    summary = (f"offload_optimizer.ratio={run.offload_ratio:g}: {on_host} of {groups} optimizer sub-group(s) on the"
+    on_host = groups - int((1 - ratio) * groups)
+    summary = (f"offload_optimizer.ratio={ratio:g}: {on_host} of {groups} optimizer sub-group(s) on the"
                f" host (sub_group_size={run.sub_group_size:.3g}, {local / 1e9:.2f}B parameters per rank)")
     if on_host < groups:
         return [Finding("offload", "ok", summary)]
@@ -345,12 +329,12 @@ def _memory_available() -> Optional[int]:
 
 
 def _accumulation_precision(run: PlannedRun) -> Finding:
-    if not run.precision.startswith(("bf16", "16")):
-        return Finding("precision", "ok", f"precision {run.precision}: gradients accumulate in fp32")
-    if (run.grad_accum_dtype or "").lower() in ("fp32", "float32"):
-        return Finding("precision", "ok", f"precision {run.precision} with fp32 gradient accumulation")
+    if run.spec.compute_bytes == 4:
+        return Finding("precision", "ok", f"precision {run.spec.precision}: gradients accumulate in fp32")
+    if (run.spec.grad_accum_dtype or "").lower() in ("fp32", "float32"):
+        return Finding("precision", "ok", f"precision {run.spec.precision} with fp32 gradient accumulation")
     return Finding(
-        "precision", "advice", f"precision {run.precision}: gradients accumulate and reduce in 16 bits",
+        "precision", "advice", f"precision {run.spec.precision}: gradients accumulate and reduce in 16 bits",
         "long runs (many micro-batches, many ranks) lose gradient bits and can blow up; accumulate in fp32 with"
         " config_overrides={'data_types': {'grad_accum_dtype': 'fp32'}} (the published 176B long-sequence setup).",
     )
@@ -370,12 +354,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--grad-accum-dtype", default=None)
     args = parser.parse_args(argv)
     devices = args.devices or max(1, torch.cuda.device_count())
-    run = PlannedRun(
-        sequence_parallel_size=args.sequence_parallel_size or devices, local_world_size=devices,
-        world_size=devices * args.num_nodes, num_nodes=args.num_nodes,
-        num_parameters=int(args.parameters) if args.parameters else None, offload_optimizer=args.offload_optimizer,
-        offload_parameters=args.offload_parameters, precision=args.precision, grad_accum_dtype=args.grad_accum_dtype,
-    )
+    spec = RunSpec(
+        layout=ParallelLayout(world_size=devices * args.num_nodes,
+                              sequence_parallel_size=args.sequence_parallel_size or devices),
+        optimizer_offload_device="cpu" if args.offload_optimizer else None,
+        parameter_offload_device="cpu" if args.offload_parameters else None, precision=args.precision,
+        grad_accum_dtype=args.grad_accum_dtype, device="cuda" if torch.cuda.is_available() else "cpu")
+    run = PlannedRun(spec, local_world_size=devices, num_nodes=args.num_nodes,
+                     num_parameters=int(args.parameters) if args.parameters else None)
     print(format_report(check(run)))
     return 0
 

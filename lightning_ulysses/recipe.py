@@ -29,7 +29,7 @@ from lightning_ulysses.layout import ParallelLayout
 from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.pretrained import check_pretrained_folder
 from lightning_ulysses.planner import ModelShape, TrainingSetup, plan_memory
-from lightning_ulysses.deepspeed_config import split_ulysses_block
+from lightning_ulysses.run_spec import LIGHTNING_SUB_GROUP_SIZE, RunSpec, split_ulysses_block
 from lightning_ulysses.export import ExportPretrained
 from lightning_ulysses.faults import EXIT_PREEMPTED
 
@@ -240,21 +240,19 @@ def _shape(spec: Any) -> ModelShape:
     return planner_shape() if callable(planner_shape) else ModelShape.from_hf_config(spec.config)
 
 
-@dataclasses.dataclass(frozen=True)
-class _OptimizerOffload:
-    """The strategy's optimizer offload as the recipe configures it: the share of the optimizer on the host
-    (DeepSpeed's `offload_optimizer.ratio`, which splits by sub-group count; 0: none) and ZeRO-3's sub-group size
-    (Lightning's default 1e12 makes one sub-group)."""
+# The strategy arguments that describe the run besides its layout (`RunSpec.of_strategy_arguments`).
+_RUN_ARGUMENTS = ("config", "config_overrides", "stage", "offload_optimizer", "offload_optimizer_device",
+                  "offload_parameters", "offload_params_device", "sub_group_size", "pin_memory", "reduce_scatter")
 
-    fraction: float
-    sub_group_size: int
 
-    @classmethod
-    def of(cls, strategy: DictConfig) -> "_OptimizerOffload":
-        overrides = OmegaConf.to_container(strategy.get("config_overrides") or {})
-        ratio = ((overrides.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("ratio")
-        fraction = (1.0 if ratio is None else float(ratio)) if strategy.get("offload_optimizer", False) else 0.0
-        return cls(fraction, int(float(strategy.get("sub_group_size", 10**12))))
+def described_run(cfg: DictConfig, layout: ParallelLayout, on_cuda: bool) -> RunSpec:
+    """The run the recipe's strategy will describe at start-up: its layout, ZeRO stage and optimizer offload (the
+    `strategy` block's arguments, its DeepSpeed `config` and `config_overrides`), precision and device."""
+    arguments = {key: cfg.strategy.get(key) for key in _RUN_ARGUMENTS if cfg.strategy.get(key) is not None}
+    arguments = {key: OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
+                 for key, value in arguments.items()}
+    return RunSpec.of_strategy_arguments(arguments, layout=layout, device="cuda" if on_cuda else "cpu",
+                                         precision=str(cfg.trainer.get("precision", "32-true")))
 
 
 def plan(cfg: DictConfig) -> str:
@@ -267,21 +265,21 @@ def plan(cfg: DictConfig) -> str:
     micro, accumulate = int(cfg.data.get("batch_size", 1)), int(cfg.trainer.get("accumulate_grad_batches", 1))
     seq_len = int(cfg.data.get("seq_len", 0))
     global_batch = micro * accumulate * layout.data_parallel_size
-    stage = int(cfg.strategy.get("stage", 3))
-    offload = _OptimizerOffload.of(cfg.strategy)
+    run = described_run(cfg, layout, on_cuda=False)  # the device matters to auto only (`auto_choice`)
+    offload, sub_group_size = run.optimizer_share_on_host, run.sub_group_size or LIGHTNING_SUB_GROUP_SIZE
     requested = strategy_memory(cfg)
     choice = None
     if isinstance(requested, dict) and requested.get("auto"):
         choice, free_from = auto_choice(cfg, spec, layout)
         memory = choice.memory
-        offload = _OptimizerOffload(choice.offload_optimizer, choice.sub_group_size)
+        offload, sub_group_size = choice.offload_optimizer, choice.sub_group_size
     else:
         memory = MemoryOptions.coerce(requested)
     if cfg.model.get("activation_checkpointing") and not memory.activation_checkpointing:
         memory = dataclasses.replace(memory, activation_checkpointing=True)  # the model's own: same bytes
     setup = TrainingSetup(seq_len=seq_len, micro_batch=micro, sequence_parallel_size=layout.sequence_parallel_size,
-                          data_parallel_size=layout.data_parallel_size, zero_stage=stage,
-                          offload_optimizer=offload.fraction, memory=memory, sub_group_size=offload.sub_group_size)
+                          data_parallel_size=layout.data_parallel_size, zero_stage=run.zero_stage,
+                          offload_optimizer=offload, memory=memory, sub_group_size=sub_group_size)
     memory_plan = plan_memory(_shape(spec), setup)
     gib = 2**30
     lines = [
@@ -298,10 +296,10 @@ def plan(cfg: DictConfig) -> str:
     planned = "lightning_ulysses.planner, of auto's choice" if choice is not None else "lightning_ulysses.planner"
     lines += [
         f"memory/GPU:   {memory_plan.gpu_total / gib:.1f} GiB, optimizer states"
-        f" {f'({offload.fraction:.0%} offloaded to CPU)' if offload.fraction else '(on GPU)'}; terms ({planned}):",
+        f" {f'({offload:.0%} offloaded to CPU)' if offload else '(on GPU)'}; terms ({planned}):",
         memory_plan.table(),
     ]
-    if offload.fraction or memory.offload_activations:
+    if offload or memory.offload_activations:
         lines.append(f"CPU/node:     {memory_plan.host_total * devices / gib:.0f} GiB host memory")
     return "\n".join(lines)
 
@@ -338,17 +336,12 @@ def auto_choice(cfg: DictConfig, spec: Any, layout: ParallelLayout) -> tuple[Any
         kernel = "cudnn" if here is None or auto.auto_sdpa_kernel(here) == ("cudnn",) else None  # (the report says)
     else:
         kernel = list(priority)[0] if priority else None
-    shape, offload = _shape(spec), _OptimizerOffload.of(cfg.strategy)
-    auto_layout = auto.Layout(
-        sequence_parallel_size=layout.sequence_parallel_size, data_parallel_size=layout.data_parallel_size,
-        zero_stage=int(cfg.strategy.get("stage", 3)),
-        compute_bytes=4 if "32" in str(cfg.trainer.get("precision", "32-true")) else 2, on_cuda=on_cuda, kernel=kernel,
-        configured_offload=(offload.fraction, offload.sub_group_size) if offload.fraction else None,
-        configured_sub_group_size=offload.sub_group_size,
-        # as `python -m lightning_ulysses.plan --auto`: a GPU with Triton, and Llama-style (gated) MLPs it fuses
-        fused_elementwise=on_cuda and shape.gated_mlp)
+    shape = _shape(spec)
     try:
-        return auto.choose(shape, request, auto_layout, free), free_from
+        # fused_elementwise as `python -m lightning_ulysses.plan --auto`: a GPU with Triton, and Llama-style (gated)
+        # MLPs it fuses
+        return auto.choose(shape, request, described_run(cfg, layout, on_cuda), free, kernel=kernel,
+                           fused_elementwise=on_cuda and shape.gated_mlp), free_from
     except ValueError as error:
         raise RecipeError(str(error)) from error
 

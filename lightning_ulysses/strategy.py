@@ -2,17 +2,17 @@
 
 groups (layout.py) → DP-only sampler → sequence sharding (sharding.py) → Ulysses attention (attention/) →
 SP-aware loss (loss.py) → DeepSpeed with an `mpu`, so ZeRO partitions and reduces over all DP×SP ranks.
-The policies live with their owners: the DeepSpeed config dialect in `deepspeed_config`, the checkpoint
-protocol and resume state in `checkpoint`, signals, requeue and the rank watchdog in `faults`, the start-up
-report in `preflight`; every private Lightning name the strategy needs is reached through `_lightning_private`.
+The policies live with their owners: the run's description (layout, ZeRO options, precision, device; the DeepSpeed
+config and its dialect) in `run_spec`, `memory="auto"` in `auto`, the DeepSpeed engine's start and release in
+`engine`, the checkpoint protocol and resume state in `checkpoint`, signals, requeue and the rank watchdog in
+`faults`, the start-up report in `preflight`; every private Lightning name the strategy needs is reached through
+`_lightning_private`.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
-import importlib.util
 import logging
 from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence, Union
 
@@ -25,9 +25,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_ulysses import _deepspeed_private as deepspeed_private
 from lightning_ulysses import _lightning_private as lightning_private
-from lightning_ulysses import auto, console, faults, preflight, preparation, pretrained
+from lightning_ulysses import auto, console, engine, faults, preflight, preparation, pretrained
 from lightning_ulysses.attention import copy_engine
 from lightning_ulysses.attention.backends import check_sdpa_kernel_priority, sdpa_priority
 from lightning_ulysses.attention.core import check_overlap_head_groups, resolve_ring_size
@@ -35,12 +34,12 @@ from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.batch_check import CheckBatches, SameBatchCheck
 from lightning_ulysses.callbacks import correct_progress_bar
 from lightning_ulysses.checkpoint import StrategyCheckpoints
-from lightning_ulysses.deepspeed_config import deep_merge, inference_config, read_sequence_parallel_size
-from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, check_ring_size, check_sequence_parallel_size
-from lightning_ulysses.memory import MemoryOptions, apply_allocator_settings, fused_elementwise_applies
-from lightning_ulysses.loss import SequenceParallelCausalLMLoss, gradient_scale_for, reduces_over_sequence
+from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
+from lightning_ulysses.memory import MemoryOptions, apply_allocator_settings
+from lightning_ulysses.loss import SequenceParallelCausalLMLoss, refuse_shard_local_loss
 from lightning_ulysses.notebook import configure_launcher
 from lightning_ulysses.rng import SequenceParallelRNG, seed_workers_by_data_parallel_rank
+from lightning_ulysses.run_spec import RunSpec, deep_merge, inference_config, read_sequence_parallel_size
 from lightning_ulysses.sharding import SequencePadding, SequenceSharder
 
 # A child of Lightning's logger, so the start-up report prints wherever Lightning's own messages do.
@@ -61,29 +60,6 @@ def _step_hook(name: str) -> Callable[..., Any]:
 
 def _from_groups(name: str) -> property:
     return property(lambda self: getattr(self.parallel_groups, name), doc=f"`parallel_groups.{name}`")
-
-
-def deepspeed_engine_type() -> type:
-    from deepspeed.runtime.engine import DeepSpeedEngine
-
-    return DeepSpeedEngine
-
-
-def skip_shared_memory_all_reduce_build(quiet: bool = True) -> None:
-    """On CPU, DeepSpeed's backend compiles its shared-memory all-reduce op when the process group starts
-    (`deepspeed/comm/torch.py: build_shm_op`): C++ against torch's headers, ~140 s of CPU on the first run of a
-    machine, with every rank waiting on the build lock, and a compiler required. Only DeepSpeed-inference's
-    `inference_all_reduce` uses it, which training never calls. Marked incompatible, the op is not built and
-    `inference_all_reduce` falls back to torch's all-reduce; the flag is DeepSpeed's own (`__compatible_ops__`,
-    which `build_shm_op` reads). Its first read probes every op by compiling test programs; `quiet`: with their
-    linker errors discarded (`console.quiet_compiler_probes`)."""
-    from deepspeed.accelerator import get_accelerator
-
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is not None:
-        with console.quiet_compiler_probes() if quiet else contextlib.nullcontext():
-            compatible_ops = deepspeed_private.compatible_ops()
-        compatible_ops[builder.NAME] = False
 
 
 class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
@@ -202,11 +178,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         check_overlap_head_groups(overlap_head_groups)
         self._requested_exchange = copy_engine.check_exchange(exchange)
         config, sequence_parallel_size = read_sequence_parallel_size(
-            lightning_private.load_deepspeed_config(self, config), sequence_parallel_size)
-        if sequence_parallel_size is not None:
-            check_sequence_parallel_size(sequence_parallel_size)
-            if ring_size is not None:
-                check_ring_size(ring_size, sequence_parallel_size)
+            lightning_private.load_deepspeed_config(self, config), sequence_parallel_size, ring_size)
         if sequence_padding not in ("pad", "error"):
             raise ValueError(f"sequence_padding must be 'pad' or 'error', got {sequence_padding!r}")
         if heartbeat_timeout is not None and heartbeat_timeout <= 0:
@@ -222,6 +194,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._requested_ring_size = ring_size
         self.sequence_padding = sequence_padding
         self._groups: Optional[SequenceParallelGroups] = None
+        self._run: Optional[RunSpec] = None  # described in `setup_distributed`, from the config and the layout
         self._mpu = None  # the DeepSpeed mpu of our groups that `_initialize_engine` set last
         self._run_failed = False  # a rank raised in this run (`on_exception`): its groups are not released
         self._sharder: Optional[SequenceSharder] = None
@@ -258,7 +231,16 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._hf_model_configs: dict[str, Any] = {}  # module path → the config save_pretrained will need
         self._preflight_reported = False
 
-    # -- the parallel layout ------------------------------------------------------------------------------------
+    # -- the run and its parallel layout -------------------------------------------------------------------------
+    @property
+    def run_spec(self) -> RunSpec:
+        """The run's description (`run_spec.RunSpec`: layout, ZeRO stage and offload, precision, device), made when
+        the Trainer sets up distributed training from the DeepSpeed config; every reader asks it, not the config."""
+        if self._run is None:
+            raise RuntimeError("The run is described (run_spec) when the Trainer sets up distributed training: ask it"
+                               " inside fit/validate/test/predict.")
+        return self._run
+
     @property
     def parallel_groups(self) -> SequenceParallelGroups:
         """The SP/DP groups of this rank; available once the strategy has set up distributed training."""
@@ -300,8 +282,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         `labels`, `batch["input_ids"]`, labels built in the step; see `SequenceParallelCausalLMLoss`."""
         groups = self.parallel_groups
         group = groups.sequence_parallel_group if groups.sequence_parallel_world_size > 1 else None
-        return SequenceParallelCausalLMLoss(group, gradient_scale_for(self.config, groups.sequence_parallel_world_size),
-                                            batch_rows=self._batch_rows, order=groups.shard_order)
+        return SequenceParallelCausalLMLoss(group, self.run_spec.loss_gradient_scale, batch_rows=self._batch_rows,
+                                            order=groups.shard_order)
 
     # -- launch, environment and groups ------------------------------------------------------------------------
     @override
@@ -324,7 +306,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         if isinstance(self.accelerator, CUDAAccelerator):
             lightning_private.validate_device_index_selection(self.parallel_devices)  # CPU devices have no index
         else:
-            skip_shared_memory_all_reduce_build(quiet=self.quiet_third_party)
+            engine.skip_shared_memory_all_reduce_build(quiet=self.quiet_third_party)
         reset_seed()
         self.set_world_ranks()
         lightning_private.init_deepspeed_distributed(self)
@@ -341,7 +323,9 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         # Raises before any collective; the ring size is settled against the model's heads in _prepare_modules.
         layout = ParallelLayout(world_size=self.world_size, sequence_parallel_size=size,
                                 ring_size=self._requested_ring_size or 1).with_ring_size(1)
-        gradient_scale_for(self.config, size)  # refuses a reduction no loss scale makes exact, before any group
+        # Refuses a configuration that cannot train exactly, before any group.
+        self._run = RunSpec.of_config(self.config, layout=layout, precision=str(self.precision_plugin.precision),
+                                      device=self.root_device)
         self._run_failed = False
         # Released at the end of every run (`teardown`), so built again for each; kept only after a failed run.
         if self._groups is not None and self._groups.layout.with_ring_size(1) != layout:
@@ -359,6 +343,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         if ring_size != self._groups.ring_size and ring_size > 1:
             rank_zero_info(f"lightning_ulysses: {self._groups.layout.with_ring_size(ring_size)}")
         self._groups = self._groups.with_ring_size(ring_size)
+        self._run = self._run.with_ring_size(ring_size)
         self._sharder = SequenceSharder(self._groups.sequence_parallel_world_size, self._groups.sequence_parallel_rank,
                                         self.sequence_padding, ring_size=ring_size, batch_rows=self._batch_rows)
 
@@ -439,55 +424,27 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._transport = copy_engine.transport_for(self.exchange)
 
     def _decide_auto(self, found: preparation.ModuleScan) -> None:
-        """`memory="auto"` and `sdpa_kernel_priority="auto"`, once per run, before the memory features are applied
-        and DeepSpeed starts. Every rank reaches the one all-reduce (the scan before it raises alike everywhere) and
-        then computes the same choice from the same inputs: the least free memory over all ranks, the model's shape
-        from its config (also under ZeRO-3, where its parameters are already partitioned), the layout, the ZeRO
-        stage and the precision; a refusal is raised on every rank alike."""
+        """`memory="auto"` and `sdpa_kernel_priority="auto"`, once per run (`auto.decide`); the optimizer offload
+        chosen is written into the DeepSpeed config through the run's description."""
         request = self.memory
-        memory_auto = isinstance(request, auto.AutoMemory)
         kernel_auto = self._requested_sdpa_kernel_priority == "auto"
         cuda = isinstance(self.accelerator, CUDAAccelerator)
-        if not (memory_auto or (kernel_auto and cuda)) or self.memory_choice is not None:
+        if not (isinstance(request, auto.AutoMemory) or (kernel_auto and cuda)) or self.memory_choice is not None:
             return
-        device_free, host_free = request.free_bytes(self.root_device, self.num_processes) if memory_auto else (0, 0)
-        cudnn = float(kernel_auto and auto.auto_sdpa_kernel(self.root_device) == ("cudnn",))
-        agreed = torch.tensor([device_free, host_free, cudnn], dtype=torch.float64, device=self.root_device)
-        if torch.distributed.is_initialized() and self.world_size > 1:
-            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
-        device_free, host_free, cudnn = agreed.tolist()
-        if kernel_auto:
-            self.sdpa_kernel_priority = ("cudnn",) if cudnn else None
-        if not memory_auto:
-            return
-        zero = self.config.get("zero_optimization", {})
-        offload = zero.get("offload_optimizer") or {}
-        configured = None
-        if offload.get("device") == "cpu":  # the user's own optimizer offload stays as configured
-            configured = (float(offload.get("ratio", 1.0)), int(zero.get("sub_group_size", 10**12)))
-        groups = self.parallel_groups
         models = [m for adapter, modules in found.found if isinstance(adapter, preparation.MemoryEngine)
                   for m in modules]
-        # inductor needs Triton for GPU code; the model must have parts `fused_elementwise` recognises
-        fusable = (cuda and importlib.util.find_spec("triton") is not None
-                   and all(map(fused_elementwise_applies, models)))
-        layout = auto.Layout(sequence_parallel_size=groups.sequence_parallel_world_size,
-                             data_parallel_size=groups.data_parallel_world_size, zero_stage=int(zero.get("stage", 0)),
-                             compute_bytes=4 if "32" in str(self.precision_plugin.precision) else 2, on_cuda=cuda,
-                             kernel=(self.sdpa_kernel_priority or (None,))[0] if cuda else None,
-                             configured_offload=configured,
-                             configured_sub_group_size=int(zero.get("sub_group_size", 10**12)),
-                             fused_elementwise=fusable)
-        choice = auto.choose(auto.shape_of(models), request, layout, (device_free, host_free))
+        self.sdpa_kernel_priority, choice = auto.decide(
+            request, self._run, models, kernel_priority=self._requested_sdpa_kernel_priority if kernel_auto
+            else self.sdpa_kernel_priority, local_ranks=self.num_processes,
+            reduce=torch.distributed.is_initialized() and self.world_size > 1)
+        if choice is None:
+            return
         self.memory, self.memory_choice = choice.memory, choice
         if request.confirm_steps:
             self._memory_probe = auto.StepProbe(choice, int(request.confirm_steps),
                                                 self.lightning_module.trainer.accumulate_grad_batches)
-        if cuda and layout.zero_stage == 3:
-            zero["sub_group_size"] = choice.sub_group_size
-        if choice.offload_optimizer and configured is None:
-            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True, "ratio": choice.offload_optimizer}
-        self.config["zero_optimization"] = zero
+        self._run = self._run.with_memory_choice(choice.offload_optimizer, choice.sub_group_size)
+        self.config.update(self._run.written_into(self.config))  # in place: the dict Lightning and DeepSpeed read
         rank_zero_info(choice.report())
 
     def _restore_modules(self) -> None:
@@ -505,26 +462,12 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             self._watchdog = None
         super().teardown()
         try:
-            self._release_engine()
+            # The engine stays `self.model` until the next run replaces it: `trainer.save_checkpoint` after `fit`
+            # still saves through it (it needs no hook).
+            engine.release(self.model)
         except Exception as error:  # DeepSpeed internals this relies on moved: a leak, not a reason to fail the run
             rank_zero_warn(f"lightning_ulysses: the DeepSpeed engine of this run could not be freed ({error!r}); it"
                            " stays in memory until the process ends.")
-
-    def _release_engine(self) -> None:
-        """Let the run's DeepSpeed engine be freed with the Trainer: DeepSpeed's own references keep it alive for
-        the life of the process otherwise (DESIGN-NOTES, 2026-12-02, engines), with its optimizer state and buffers.
-        `engine.destroy()` removes the ZeRO gradient-accumulation hooks (the ZeRO-2 cycle through autograd nodes,
-        which gc does not walk) and the ZeRO-3 module hooks; the engine's own forward hooks on the user's module and
-        ZeRO-3's module stack and `__params_to_release` cache are dropped here. The engine stays `self.model` until
-        the next run replaces it: `trainer.save_checkpoint` after `fit` still saves through it (it needs no hook).
-        Local to each rank, no collective: also after a failed run."""
-        engine = self.model
-        if not isinstance(engine, deepspeed_engine_type()):
-            return
-        engine.destroy()
-        deepspeed_private.remove_engine_hooks(engine)
-        deepspeed_private.forget_forward_module(engine.module)
-        deepspeed_private.clear_params_to_release_cache()
 
     def _release_groups(self) -> None:
         """Destroy the SP/DP groups (and Ulysses/ring sub-groups) this strategy created, at the end of every run
@@ -536,9 +479,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         groups = self._groups
         if groups is None or groups.released or (self._run_failed and self.world_size > 1):
             return
-        registered = deepspeed_private.registered_mpu()
-        if registered is not None and registered is self._mpu:  # set by `_initialize_engine`
-            deepspeed_private.register_mpu(None)
+        engine.forget_mpu(self._mpu)  # set by `_initialize_engine`
         self._mpu = None
         if self.world_size > 1:
             self.barrier("lightning_ulysses.release_groups")
@@ -569,21 +510,12 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def _setup_model_and_optimizer(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
                                    lr_scheduler: Optional[Any] = None) -> tuple[Any, Any]:
-        choice = self.memory_choice
-        if choice is not None and choice.offload_optimizer and optimizer is not None:
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-            if not isinstance(optimizer, DeepSpeedCPUAdam):  # DeepSpeed's offload runs CPU Adam on the host share
-                raise ValueError(
-                    f'memory="auto" moves {choice.offload_optimizer:.0%} of the optimizer to the host, where DeepSpeed'
-                    f" needs deepspeed.ops.adam.DeepSpeedCPUAdam, but configure_optimizers returned"
-                    f" {type(optimizer).__name__}. Return DeepSpeedCPUAdam, or keep the optimizer on the device:"
-                    ' memory={"auto": True, "offload_optimizer": 0.0, ...}.')
+        auto.check_optimizer(self.memory_choice, optimizer)
         with console.verified_optimizer(optimizer) if self.quiet_third_party else contextlib.nullcontext():
-            engine, deepspeed_optimizer, _, _ = self._initialize_engine(
+            started, deepspeed_optimizer, _, _ = self._initialize_engine(
                 config=self.config, model=model, model_parameters=filter(lambda p: p.requires_grad, model.parameters()),
                 optimizer=optimizer, lr_scheduler=lr_scheduler)
-        return engine, deepspeed_optimizer
+        return started, deepspeed_optimizer
 
     @override
     def _initialize_deepspeed_inference(self, model: torch.nn.Module) -> None:
@@ -593,17 +525,9 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             model_parameters=[])
 
     def _initialize_engine(self, **kwargs: Any) -> tuple[Any, ...]:
-        import deepspeed
-
-        groups = self.parallel_groups
-        mpu = groups.deepspeed_mpu() if groups.sequence_parallel_world_size > 1 else None
-        # DeepSpeed keeps the last engine's mpu in a module global and only overwrites it with a non-None one:
-        # clear it so an SP-1 engine after an SP-2 engine in one process does not reduce over stale groups.
-        deepspeed_private.register_mpu(mpu)
-        self._mpu = mpu
         device_rank = self.root_device.index if self.root_device.index is not None else self.local_rank
-        return deepspeed.initialize(args=argparse.Namespace(device_rank=device_rank), mpu=mpu,
-                                    dist_init_required=False, **kwargs)
+        started, self._mpu = engine.initialize(self.parallel_groups, device_rank, **kwargs)
+        return started
 
     # -- checkpoints (`checkpoint.StrategyCheckpoints`) -------------------------------------------------------------
     @override
@@ -680,30 +604,12 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         # that gradient clipping compares) k times too small. DeepSpeed still counts the micro-steps, so its step
         # boundary stays where it was; its loss scaler (fp16) is applied either way. Manual optimization has k = 1.
         kwargs.setdefault("scale_wrt_gas", False)
-        if self.batches_are_sharded and self.sequence_parallel_world_size > 1:
-            self._refuse_shard_local_loss(args[0] if args else kwargs["closure_loss"])
+        if self.batches_are_sharded:  # a loss of this rank's shard alone is refused at SP > 1
+            refuse_shard_local_loss(args[0] if args else kwargs["closure_loss"], self.sequence_parallel_world_size)
         if self.lightning_module is not None and self.lightning_module.automatic_optimization:
             self._mark_accumulation_boundary()
         with sdpa_priority(self.sdpa_kernel_priority), self._step_random_stream():
             return super().backward(*args, **kwargs)
-
-    def _refuse_shard_local_loss(self, loss: torch.Tensor) -> None:
-        """At SP > 1 each rank holds `seq/P` tokens of every row: a loss computed from this rank's logits alone (the
-        hand-written `cross_entropy(logits[:, :-1], batch["labels"][:, 1:])`) drops the targets at shard boundaries,
-        averages per shard, and is then summed over the SP group by ZeRO — it trains, silently wrong. Every
-        whole-sequence loss of ours ends in a reduction over the group (`reduces_over_sequence`); one that does not is
-        refused at its first backward, before any optimizer step, on every rank alike (each runs the same step)."""
-        if reduces_over_sequence(loss):
-            return
-        raise RuntimeError(
-            f"The loss of this training step was computed from this rank's shard alone: at sequence_parallel_size="
-            f"{self.sequence_parallel_world_size} every rank holds 1/{self.sequence_parallel_world_size} of each row,"
-            " so a loss of its logits only (e.g. cross_entropy(logits[:, :-1], batch['labels'][:, 1:])) loses the"
-            " targets at shard boundaries and averages per shard. Return model(**batch).loss, or"
-            " self.trainer.strategy.loss_function(logits, batch['labels']) (labels as the batch holds them,"
-            " unshifted); for a per-token loss of your own, sum it over this rank's tokens and reduce it with"
-            " loss_fn.reduce_token_loss_sum(token_loss_sum, loss_fn.targets(batch['labels'])), where loss_fn ="
-            " self.trainer.strategy.loss_function.")
 
     @property
     @override

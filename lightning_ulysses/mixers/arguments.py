@@ -72,3 +72,35 @@ def whole_padding_mask(value: Any, hidden: torch.Tensor, gather: Callable[[torch
     shard = torch.ones(batch, length, dtype=torch.long, device=hidden.device) if value is None else value
     rows = gather(shard)
     return None if bool(rows.bool().all()) else rows
+
+
+class PackedDocuments:
+    """The packed documents of a model's current forward, for all its mixers: per row, the `(start, end)` of each
+    document of the whole rows, read from the model's `position_ids` (documents restart them, as the attention reads
+    them: attention/documents.py); None when every row is one sequence or the model was given no positions.
+
+    `positions()` is the shard of the latest forward's positions; `gather` makes a shard whole (so every rank of the
+    group gets the same answer and takes the same path). Read once per forward (one host sync), not once per mixer:
+    the answer is kept for the positions tensor it was read from."""
+
+    def __init__(self, positions: Callable[[], Any], gather: Callable[[torch.Tensor], torch.Tensor]):
+        self.positions, self.gather = positions, gather
+        self._read: tuple[Any, list[list[tuple[int, int]]] | None] = (None, None)
+
+    def spans(self, batch: int, length: int) -> list[list[tuple[int, int]]] | None:
+        positions = self.positions()
+        if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or positions.size(-1) != length:
+            return None
+        if self._read[0] is not positions:
+            self._read = (positions, self._spans(positions, batch))
+        return self._read[1]
+
+    def _spans(self, positions: torch.Tensor, batch: int) -> list[list[tuple[int, int]]] | None:
+        starts = self.gather(positions.expand(batch, -1).contiguous()).diff(dim=1) != 1
+        if not bool(starts.any()):
+            return None
+        documents = []
+        for row in starts.tolist():
+            cuts = [0] + [index + 1 for index, start in enumerate(row) if start] + [len(row) + 1]
+            documents.append(list(zip(cuts[:-1], cuts[1:])))
+        return documents

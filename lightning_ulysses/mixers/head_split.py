@@ -11,14 +11,6 @@ heads, exactly as attention does; so the same trick applies. With the hidden sta
    flash-linear-attention and causal-conv1d ones where installed, transformers' PyTorch fallbacks elsewhere);
 4. before its output projection, a second all-to-all returns every channel of this rank's tokens.
 
-A projection from every unit's channels to channels that every unit reads (Mamba's `x_proj`: all channels → the
-step, B and C every channel's recurrence shares) is *reduced*: each rank multiplies its units' slice of the weight
-(its input channels) on its whole rows, and an all-reduce over the SP group sums the partial products (a
-row-parallel linear: forward sum, and backward sum of the gradients, since every rank's units read the result).
-It then runs on every token but `1/P` of its input channels, so its work is `1/P` of the whole layer's too.
-Likewise a norm over every unit's channels (MiniMax's output norm) becomes a *norm over ranks*: each rank
-normalises its channels by the root mean square of all of them, whose sum of squares is summed over the SP group.
-
 Every projection, convolution, recurrence and activation of the layer is then `1/P` of the whole layer's, per rank.
 
 How it is done without copying a family's forward: for each call, a *local view* of the module is made (a shallow
@@ -30,8 +22,21 @@ the whole rows' shape `[batch, seq, 0]` in place of the hidden states: the famil
 masks it, then hands it to a projection stand-in, which ignores it and projects the real shard.
 
 Per family, all of this is a declaration (`MixerSplit`), kept in one small file per family (gated_deltanet.py,
-short_conv.py, ...); a mixer without one, or whose units do not divide by the SP size, or on a ring, runs on whole
-rows (whole_rows.py) with a warning that names the cost.
+short_conv.py, mamba2.py, ...); a mixer without one, or whose units do not divide by the SP size, or on a ring, runs
+on whole rows (whole_rows.py) with a warning that names the cost.
+
+A submodule whose computation spans units on different ranks (Mamba2's gated RMSNorm when a norm group holds the
+heads of several ranks) is replaced in the view by a stand-in its family makes (`MixerSplit.replaced`); such a
+stand-in combines per-rank partial statistics with `sum_over_ranks`, whose backward sums the gradients alike.
+A projection from every unit's channels to channels every unit reads (Mamba's `x_proj`: all channels → the step,
+B and C that every channel's recurrence shares) is replaced by `SumOfPartialProducts`: with its weight's input
+channels sliced to this rank's units, each rank multiplies its own on its whole rows, and the partial products are
+summed over the SP group (a row-parallel linear): `1/P` of its work on every rank too.
+
+The stand-ins of the projections are modules of their own, not the projections: code that reads a projection's
+weight instead of calling it (a fused kernel that projects inside) would bypass the exchanges, so reading `weight`
+or `bias` of a stand-in is refused with an error; a family whose mixer has such a fused path declares how its view
+takes the path that calls the modules (mamba2.py).
 """
 
 from __future__ import annotations
@@ -47,8 +52,8 @@ import torch.distributed as dist
 
 from lightning_ulysses._deepspeed_private import Z3_LEAF_ATTRIBUTE, mark_z3_leaf
 from lightning_ulysses.attention.all_to_all import all_gather_sequence
-from lightning_ulysses.mixers.arguments import shard_padding_mask, whole_row_argument
-from lightning_ulysses.mixers.channels import ChannelExchange, ChannelLayout, Replicated
+from lightning_ulysses.mixers.arguments import CACHE_ARGUMENTS, PackedDocuments, shard_padding_mask, whole_row_argument
+from lightning_ulysses.mixers.channels import ChannelExchange, ChannelLayout, Replicated, Shared
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
                "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
@@ -64,11 +69,11 @@ class MixerSplit:
     `parameters`: parameter (or buffer) path → (dimension, layout): this rank's slice along that dimension.
     `attributes`: attribute path → its value for this rank's units (head counts, widths, a convolution's groups).
     `masks_input`: the mixer zeroes padded tokens' hidden states before projecting them (done on the shard).
-    `reduced`: submodule path (a linear) → the layout of its input channels; run on this rank's channels of the
-    whole rows, its partial products summed over the SP group (module docstring).
-    `norms`: submodule path (an RMS norm over every unit's channels: `weight * x / sqrt(mean(x²) + eps)` in float32,
-    cast back before the weight, as transformers' RMSNorms compute it; its epsilon `variance_epsilon` or `eps`) →
-    the layout of its channels; this rank's channels normalised over every rank's (module docstring).
+    `input_multiplier`: the attribute by which the mixer multiplies its hidden states before projecting them
+    (Falcon-H1's `ssm_in_multiplier`); done on the shard, after the mask.
+    `replaced`: submodule path → a factory `(submodule, group) -> stand-in`: called for each local view with the
+    view's copy of the submodule (its parameters already sliced, its attributes set) and the SP group; for a
+    computation that spans units on different ranks (module docstring).
     """
 
     units: int
@@ -77,24 +82,46 @@ class MixerSplit:
     parameters: Mapping[str, tuple[int, ChannelLayout]] = field(default_factory=dict)
     attributes: Mapping[str, Any] = field(default_factory=dict)
     masks_input: bool = True
-    reduced: Mapping[str, ChannelLayout] = field(default_factory=dict)
-    norms: Mapping[str, ChannelLayout] = field(default_factory=dict)
+    input_multiplier: str | None = None
+    replaced: Mapping[str, Callable[[torch.nn.Module, Any], torch.nn.Module]] = field(default_factory=dict)
+
+
+class _SumOverRanks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        total = tensor.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # every rank's output is the same sum: each rank's input reaches every rank's loss
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def sum_over_ranks(tensor: torch.Tensor, group) -> torch.Tensor:
+    """The sum of `tensor` over the ranks of `group`, on every rank; differentiable (its backward sums the
+    gradients over the group the same way). For statistics that span units on different ranks. `group` None: one
+    rank (SP 1), the tensor itself."""
+    return tensor if group is None else _SumOverRanks.apply(tensor, group)
 
 
 class _StandIn(torch.nn.Module):
-    """A projection's (or norm's) stand-in in a local view. The family's code must call it: code that reads the
-    layer's weights instead (a fused kernel) would skip the split, so reading them is an error that says so."""
+    """A projection's stand-in in a local view: reading the projection's weight through it is refused (module
+    docstring): a fused kernel that projects by itself would skip the exchange, so its result would be wrong."""
 
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name not in ("weight", "bias"):
-                raise
-        raise AttributeError(
-            f"A token mixer split by heads read the {name} of a layer it calls (a projection or norm) instead of calling"
-            " it (a fused kernel, which would skip the split): its family's declaration (lightning_ulysses/mixers/)"
-            " must lead it to a path that calls that layer; until then train it with sequence_parallel_size=1.")
+    @property
+    def weight(self):
+        raise NotImplementedError(
+            f"a token mixer split by heads read a projection's weight itself (through its {type(self).__name__}):"
+            " a fused kernel path would bypass the split. Its family's declaration in lightning_ulysses/mixers/"
+            " must make the local view take the path that calls the projection; until then train this model with"
+            " sequence_parallel_size=1.")
+
+    bias = weight
 
 
 class _ProjectShard(_StandIn):
@@ -120,56 +147,47 @@ class _ProjectFromHeadRows(_StandIn):
         return self.projection(self.exchange.to_shard(rows))
 
 
-class _SumOverRanks(torch.autograd.Function):
-    """All-reduce (sum) over the SP group; backward too: every rank's units read the sum, so the gradient of each
-    partial product is the sum of every rank's gradient of it."""
+class _GivenRows(_StandIn):
+    """Stands in for an input projection when its head rows were computed beforehand (one document of a row)."""
 
-    @staticmethod
-    def forward(ctx, partial: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        total = partial.contiguous().clone()
-        dist.all_reduce(total, group=group)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ProjectSummedOverRanks(_StandIn):
-    """Stands in for a reduced projection in a local view: this rank's input channels, summed over the SP group."""
-
-    def __init__(self, projection: torch.nn.Linear, channels: torch.Tensor, group, adds_bias: bool):
+    def __init__(self, rows: torch.Tensor):
         super().__init__()
-        self.projection, self.group, self.adds_bias = projection, group, adds_bias
-        self.channels = channels
+        self.rows = rows
+
+    def forward(self, _placeholder: torch.Tensor) -> torch.Tensor:
+        return self.rows
+
+
+class _KeepRows(_StandIn):
+    """Stands in for the output projection when documents run one by one: keeps what it is handed (projected once
+    all documents have run)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows: torch.Tensor | None = None
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        weight = self.projection.weight
-        bias = self.projection.bias if self.adds_bias else None  # added once, by the group's first rank
-        partial = torch.nn.functional.linear(rows, weight.index_select(1, self.channels.to(weight.device)), bias)
-        # summed in float32, as one matmul over every channel accumulates (a few shared channels: cheap to send)
-        return _SumOverRanks.apply(partial.float(), self.group).to(partial.dtype)
+        self.rows = rows
+        return rows
 
 
-class _NormOverRanks(_StandIn):
-    """Stands in for an RMS norm over every unit's channels in a local view (`MixerSplit.norms`)."""
+class SumOfPartialProducts(_StandIn):
+    """A linear whose input channels are per unit and whose output every unit reads, in a local view
+    (`MixerSplit.replaced` with its weight's input channels sliced in `MixerSplit.parameters`): this rank's partial
+    product, summed over the SP group in float32 (as one matmul over every channel accumulates; a few channels); its
+    bias added once, by the group's first rank."""
 
-    def __init__(self, norm: torch.nn.Module, channels: torch.Tensor, whole_channels: int, group):
+    def __init__(self, linear: torch.nn.Linear, group):
         super().__init__()
-        self.norm, self.group, self.whole_channels = norm, group, whole_channels
-        self.channels = channels
-        self.eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+        if not isinstance(linear, torch.nn.Linear):
+            raise TypeError(f"SumOfPartialProducts stands in for a torch.nn.Linear, not {type(linear).__name__}")
+        # (kept under other names than `weight` and `bias`: code that reads those would read a part as if it were all)
+        self.weight_part, self.group = linear.weight, group
+        self.bias_once = linear.bias if group is None or dist.get_rank(group) == 0 else None
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        dtype = rows.dtype
-        rows = rows.to(torch.float32)
-        squares = _SumOverRanks.apply(rows.pow(2).sum(-1, keepdim=True), self.group)
-        rows = rows * torch.rsqrt(squares / self.whole_channels + self.eps)
-        weight = self.norm.weight
-        return weight.index_select(0, self.channels.to(weight.device)) * rows.to(dtype)
+        partial = torch.nn.functional.linear(rows, self.weight_part, self.bias_once)
+        return sum_over_ranks(partial.float(), self.group).to(partial.dtype)
 
 
 def _bare_copy(module: torch.nn.Module) -> torch.nn.Module:
@@ -179,8 +197,8 @@ def _bare_copy(module: torch.nn.Module) -> torch.nn.Module:
     copy.__dict__.update(module.__dict__)
     copy.__dict__.pop("forward", None)  # the split forward installed on the module itself
     copy.__dict__["_parameters"] = dict(module._parameters)
-    copy.__dict__["_buffers"] = dict(module._buffers)
     copy.__dict__["_modules"] = dict(module._modules)
+    copy.__dict__["_buffers"] = dict(module._buffers)
     for name in _HOOK_DICTS:
         if name in copy.__dict__:
             copy.__dict__[name] = collections.OrderedDict()
@@ -191,30 +209,20 @@ class HeadSplitMixer:
     """Runs one token mixer split by units over the SP group (module docstring); `install` puts it in place."""
 
     def __init__(self, module: torch.nn.Module, path: str, split: MixerSplit, group,
-                 decoding: Callable[[], bool] = lambda: False, transport=None):
+                 decoding: Callable[[], bool] = lambda: False, transport=None,
+                 documents: PackedDocuments | None = None):
         self.path, self.name, self.split, self.group = path, type(module).__name__, split, group
-        self.parts, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.decoding = decoding
+        self.parts, self.rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+        self.decoding = decoding  # whether `inference.generate` is decoding with the model (a cache is then refused)
+        self.documents = documents  # the packed documents of the model's forward (None: the model packs none)
         self.inputs = {name: ChannelExchange(layout, group, self.parts, transport)
                        for name, layout in split.inputs.items()}
         output, layout = split.output
-        if any(isinstance(segment, Replicated) for segment in layout.segments):
-            raise ValueError(f"{path}: an output projection's channels cannot be replicated")
+        if any(isinstance(segment, (Replicated, Shared)) for segment in layout.segments):
+            raise ValueError(f"{path}: an output projection's channels cannot be replicated or shared")
         self.output = (output, ChannelExchange(layout, group, self.parts, transport))
         self.slices = {name: (dim, layout.local_channels(self.rank, self.parts))
                        for name, (dim, layout) in split.parameters.items()}
-        self.reduced = {name: layout.local_channels(self.rank, self.parts) for name, layout in split.reduced.items()}
-        for name in self.reduced:
-            if not isinstance(module.get_submodule(name), torch.nn.Linear):
-                raise TypeError(f"{path}: {name} is declared reduced over the SP group but is no torch.nn.Linear")
-        self.norms = {name: (layout.local_channels(self.rank, self.parts), layout.channels)
-                      for name, layout in split.norms.items()}
-        for name, (_, channels) in self.norms.items():
-            norm = module.get_submodule(name)
-            weight = getattr(norm, "weight", None)
-            if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or getattr(
-                    norm, "variance_epsilon", getattr(norm, "eps", None)) is None:
-                raise TypeError(f"{path}: {name} is declared an RMS norm over ranks but has no weight and epsilon")
         self.signature = inspect.signature(module.forward)
         parameters = list(self.signature.parameters.values())
         self.hidden = parameters[0].name
@@ -241,6 +249,9 @@ class HeadSplitMixer:
         if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
             raise TypeError(f"{where} was called without hidden states [batch, seq, hidden] first.")
         batch, length, _ = hidden.shape
+        documents = None if self.documents is None else self.documents.spans(batch, length)
+        if self.parts == 1 and documents is None:
+            return type(module).forward(module, *args, **kwargs)  # one rank, one document per row: the module itself
         whole = length * self.parts
         mask = shard_padding_mask(arguments.get("attention_mask"), hidden, where)
         decoding = self.decoding()
@@ -248,19 +259,64 @@ class HeadSplitMixer:
         def whole_rows(name: str, value: Any) -> Any:
             return whole_row_argument(name, value, hidden, self.gather, whole, where, decoding)
 
-        for name, value in list(arguments.items()):
+        # At SP 1 the arguments are the whole rows' already (a cache included: decoding then runs as unprepared).
+        for name, value in list(arguments.items()) if self.parts > 1 else ():
             if name == self.variadic:
                 arguments[name] = {key: whole_rows(key, item) for key, item in value.items()}
             elif name != self.hidden:
                 arguments[name] = whole_rows(name, value)
         if mask is not None and self.split.masks_input:
             hidden = (hidden * mask[:, :, None]).to(hidden.dtype)  # what the mixer does to its input, on the shard
+        if self.split.input_multiplier is not None:
+            hidden = hidden * getattr(module, self.split.input_multiplier)
+        if documents is not None:
+            return self._per_document(module, arguments, hidden, documents, where)
         arguments[self.hidden] = hidden.new_empty(batch, whole, 0)
-        view = self._local_view(module, hidden)
+        view = self._local_view(module, lambda path, projection: _ProjectShard(projection, hidden, self.inputs[path]),
+                                lambda projection: _ProjectFromHeadRows(projection, self.output[1]))
         bound = inspect.BoundArguments(self.signature, arguments)
         return view.forward(*bound.args, **bound.kwargs)
 
-    def _local_view(self, module: torch.nn.Module, shard: torch.Tensor) -> torch.nn.Module:
+    def _per_document(self, module: torch.nn.Module, arguments: dict, shard: torch.Tensor,
+                      documents: list[list[tuple[int, int]]], where: str) -> torch.Tensor:
+        """Packed rows: the mixer's own forward runs once per document of each row, so its convolution and its
+        recurrence restart at every document, as the attention's masks restart (whatever kernels are installed:
+        transformers' PyTorch fallbacks take no document boundaries). The projections and both exchanges still run
+        once for the whole batch."""
+        head_rows = {path: exchange.to_head_rows(module.get_submodule(path)(shard))
+                     for path, exchange in self.inputs.items()}
+        whole = shard.size(1) * self.parts
+        rows = []
+        for row, spans in enumerate(documents):
+            pieces = []
+            for start, end in spans:
+                given = {path: value[row:row + 1, start:end] for path, value in head_rows.items()}
+                kept = _KeepRows()
+                view = self._local_view(module, lambda path, projection: _GivenRows(given[path]), lambda _: kept)
+                cut = {name: _document_of(name, value, row, start, end, whole) for name, value in arguments.items()}
+                if self.variadic in cut:
+                    cut[self.variadic] = {key: _document_of(key, item, row, start, end, whole)
+                                          for key, item in arguments[self.variadic].items()}
+                cut[self.hidden] = shard.new_empty(1, end - start, 0)
+                bound = inspect.BoundArguments(self.signature, cut)
+                output = view.forward(*bound.args, **bound.kwargs)
+                # (a mixer may return its recurrent state beside its output, MiniMax's: a document's state, which no
+                # caller of a packed row reads, is dropped)
+                extra = len(output) - 1 if isinstance(output, tuple) and output and output[0] is kept.rows else None
+                output = output[0] if extra is not None else output
+                if kept.rows is None or output is not kept.rows:
+                    raise NotImplementedError(
+                        f"{where} computes more after its output projection, so its packed documents cannot run one"
+                        " by one: train it on unpacked rows (one document per row) under sequence parallelism.")
+                pieces.append(output)
+            rows.append(torch.cat(pieces, dim=1))
+        path, exchange = self.output
+        projected = module.get_submodule(path)(exchange.to_shard(torch.cat(rows, dim=0)))
+        return projected if extra is None else (projected, *(None,) * extra)
+
+    def _local_view(self, module: torch.nn.Module, input_stand_in: Callable, output_stand_in: Callable) -> torch.nn.Module:
+        """A view of `module` for this rank's units; `input_stand_in(path, projection)` and
+        `output_stand_in(projection)` make the modules that take the projections' places."""
         copies = {"": _bare_copy(module)}
 
         def holder(path: str) -> tuple[torch.nn.Module, str]:
@@ -272,18 +328,11 @@ class HeadSplitMixer:
                 owner._modules[child] = copies[parent]
             return copies[parent], name
 
-        for path, exchange in self.inputs.items():
+        for path in self.inputs:
             owner, name = holder(path)
-            owner._modules[name] = _ProjectShard(owner._modules[name], shard, exchange)
-        path, exchange = self.output
-        owner, name = holder(path)
-        owner._modules[name] = _ProjectFromHeadRows(owner._modules[name], exchange)
-        for path, channels in self.reduced.items():
-            owner, name = holder(path)
-            owner._modules[name] = _ProjectSummedOverRanks(owner._modules[name], channels, self.group, self.rank == 0)
-        for path, (channels, whole_channels) in self.norms.items():
-            owner, name = holder(path)
-            owner._modules[name] = _NormOverRanks(owner._modules[name], channels, whole_channels, self.group)
+            owner._modules[name] = input_stand_in(path, owner._modules[name])
+        owner, name = holder(self.output[0])
+        owner._modules[name] = output_stand_in(owner._modules[name])
         for path, (dim, channels) in self.slices.items():
             owner, name = holder(path)
             table = owner._parameters if name in owner._parameters else owner._buffers
@@ -291,7 +340,21 @@ class HeadSplitMixer:
         for path, value in self.split.attributes.items():
             owner, name = holder(path)
             owner.__dict__[name] = value
+        for path, make in self.split.replaced.items():
+            owner, name = holder(path)
+            view = owner._modules[name]
+            owner._modules[name] = make(view if path in copies else _bare_copy(view), self.group)
         return copies[""]
+
+
+def _document_of(name: str, value: Any, row: int, start: int, end: int, whole: int) -> Any:
+    """A whole-row argument cut to one document of one row; no cache (each document starts from no state, and a
+    packed row is never decoded from); other arguments as they are."""
+    if name in CACHE_ARGUMENTS:
+        return None
+    if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.size(1) == whole:
+        return value[row:row + 1, start:end] if value.size(0) > 1 else value[:, start:end]
+    return value
 
 
 class _Installed:

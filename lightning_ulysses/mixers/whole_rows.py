@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from lightning_ulysses.attention.all_to_all import all_gather_sequence
 from lightning_ulysses.layout import ShardOrder
-from lightning_ulysses.mixers.arguments import whole_row_argument
+from lightning_ulysses.mixers.arguments import PackedDocuments, whole_row_argument
 
 
 
@@ -59,9 +59,10 @@ class WholeRowsMixer:
     """Forward pre-hook + forward hook that run one token-mixing layer on whole rows (see the module docstring)."""
 
     def __init__(self, module: torch.nn.Module, path: str, group, ring_group=None,
-                 decoding: Callable[[], bool] = lambda: False):
+                 decoding: Callable[[], bool] = lambda: False, documents: PackedDocuments | None = None):
         self.path, self.name = path, type(module).__name__
         self.decoding = decoding  # whether `inference.generate` is decoding with the model (a cache is then refused)
+        self.documents = documents  # the packed documents of the model's forward (None: the model packs none)
         self.group = group if group is not None and dist.get_world_size(group) > 1 else None
         self.ring = ring_group if ring_group is not None and dist.get_world_size(ring_group) > 1 else None
         self.order, self.rank = ShardOrder.of_groups(self.group, self.ring)
@@ -86,6 +87,11 @@ class WholeRowsMixer:
         if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
             raise TypeError(f"{self.path} ({self.name}) was called without hidden states [batch, seq, ...] first.")
         self._shard_length = hidden.size(1)
+        if self.documents is not None and self.documents.spans(hidden.size(0), hidden.size(1)) is not None:
+            raise NotImplementedError(
+                f"{self.path} ({self.name}) runs on whole rows, where its convolution and recurrence would carry state"
+                " from one packed document into the next (the attention keeps them apart). Train this model on"
+                " unpacked rows (one document per row), or with sequence_parallel_size=1.")
         for name, value in list(arguments.items()):
             if name == self.variadic:
                 arguments[name] = {key: self._whole(key, item, hidden) for key, item in value.items()}

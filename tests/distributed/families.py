@@ -53,7 +53,11 @@ FAMILIES = {
     # hybrid and recurrent token mixers: run on whole rows
     "qwen3_next": {}, "qwen3_5_text": {}, "qwen3_5_moe_text": {},
     "lfm2": {"layer_types": ["conv", "full_attention"]},
-    "falcon_h1": {}, "granitemoehybrid": {"mamba_n_heads": 8, "layer_types": ["mamba", "attention"]}, "nemotron_h": {}, "jamba": {"attn_layer_period": 2,
+    # Falcon-H1 with its gated norm over 2 groups (split with the heads at SP 2, across ranks at SP 4) and muP
+    # multipliers that differ per part of the projection
+    "falcon_h1": {"mamba_rms_norm": True, "mamba_n_groups": 2, "ssm_in_multiplier": 0.5,
+                  "ssm_multipliers": [0.5, 1.5, 0.75, 1.25, 2.0]},
+    "granitemoehybrid": {"mamba_n_heads": 8, "layer_types": ["mamba", "attention"]}, "nemotron_h": {}, "jamba": {"attn_layer_period": 2,
     "attn_layer_offset": 1}, "bamba": {"mamba_n_heads": 8, "attn_layer_indices": [1]}, "minimax": {}, "zamba2": {"layers_block_type": ["mamba", "hybrid"], "mamba_headdim": 8, "n_mamba_heads": 8}, "olmo_hybrid": {},
     "mamba": {}, "falcon_mamba": {}, "mamba2": {"num_heads": 8, "n_groups": 1}, "recurrent_gemma": {"block_types": ["recurrent", "attention"]}, "rwkv": {},
     "llama4_text": {"no_rope_layers": [1, 0]},  # layer 1 without RoPE: the NoPE temperature tuning is active

@@ -62,8 +62,9 @@ def outcome(tmp_path_factory):
 
 # Left-padded rows too: positions numbered from the mask (OPT), counted from RoPE's arange (Llama), chunks from the
 # first real token (Llama 4), windows (Mistral), ALiBi over real tokens (BLOOM), inline rotary attention (Falcon), a
-# hybrid's mixers on whole rows (Qwen3-Next), sinks in eager attention (GPT-OSS).
-LEFT_PADDED = ("opt", "llama", "llama4_text", "mistral", "bloom", "falcon", "qwen3_next", "gpt_oss")
+# hybrid's mixers (Qwen3-Next), sinks in eager attention (GPT-OSS), a Mamba2 mixer split by heads (its mask applied
+# to the shard, then to the convolution's output on whole rows).
+LEFT_PADDED = ("opt", "llama", "llama4_text", "mistral", "bloom", "falcon", "qwen3_next", "gpt_oss", "mamba2")
 
 # Learned positions, plain GQA, MoE; a Gated-DeltaNet hybrid; sinks + sliding windows in eager attention; ALiBi inline.
 TRAINED = ("opt", "gpt2", "qwen3_moe", "qwen3_next", "gpt_oss", "bloom")
@@ -73,8 +74,8 @@ MEMORY = {"activation_checkpointing": True, "offload_activations": True, "tiled_
 
 # Families whose mixers run split by heads (lightning_ulysses/mixers/: a declaration per family); the others' run
 # on whole rows.
-SPLIT_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "mamba", "falcon_mamba", "jamba",
-                  "kimi_linear", "minimax")
+SPLIT_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lfm2", "mamba2", "bamba", "nemotron_h",
+                  "falcon_h1", "granitemoehybrid", "zamba2", "mamba", "falcon_mamba", "jamba", "kimi_linear", "minimax")
 
 # Families whose token mixers that are not attention are also checked layer by layer (`mixer_errors`): one layer of
 # each kind on its shard against the same layer on the whole rows, output and input gradient.
@@ -114,25 +115,53 @@ def test_declared_mixers_run_split_by_heads(outcome):
             assert set(ran.values()) == {expected}, (family, sp, ran)
 
 
+def test_packed_documents_restart_split_mixers_and_are_refused_on_whole_rows(outcome):
+    # Split mixers run each packed document on its own: the matrix compares their packed rows with every document
+    # run alone (workers/families.py `document_by_document_loss`). A mixer left on whole rows would carry state from
+    # one document into the next: refused, naming the fix.
+    for family in SPLIT_FAMILIES:
+        if family not in ("mamba2", "mamba", "falcon_mamba"):  # these models take no position_ids: no documents
+            assert "packed" in outcome[0]["families"][family][SIZES[0]]["batches"], family
+    for family in MIXER_FAMILIES:
+        for sp in SIZES:
+            for path, layer in outcome[0]["mixers"][family][sp].items():
+                if layer["ran"] == "whole rows":
+                    assert "unpacked rows" in layer["packed_refusal"], (family, sp, path)
+
+
+# Mamba2 mixers and their `n_groups` groups of B and C (mixers/mamba2.py): where the groups do not divide by the SP
+# size, each rank takes the one group its heads read whole, and convolves it: 32 of the convolution's 96 channels
+# in these tiny layers (in real ones a few %: Mamba2-2.7B's B and C are 256 of 5376 channels).
+SHARED_GROUPS = {"mamba2": 1, "bamba": 1, "granitemoehybrid": 1, "zamba2": 1, "falcon_h1": 2, "nemotron_h": 8}
+
+
 def test_a_split_mixer_does_one_sp_th_of_the_work_on_every_rank(outcome):
     # Scaling is a claim too: the FLOPs of forward and backward are exactly 1/SP of the whole layer's, its input and
     # output projections see seq/SP rows, and the activations it saves for backward are 1/SP of the whole layer's, up
     # to the channel indices and narrowed weights a split keeps (a fixed ~1 KB here, where the layer saves ~11 KB per
     # rank) and the shared channels every rank holds whole (Mamba's step, B and C after x_proj's sum over the group:
-    # Jamba saves 1.105/SP of its whole layer's at SP 4). A reduced projection (Mamba's x_proj, head_split.py) sees
-    # every row of 1/SP of its input channels, the second half of a low-rank pair (Kimi's f_b_proj and g_b_proj)
-    # every row of 1/SP of its output channels: their FLOPs are in the first claim.
+    # Jamba saves 1.105/SP of its whole layer's at SP 4). A projection whose partial products are summed over the SP
+    # group (Mamba's x_proj) sees every row of 1/SP of its input channels, the second half of a low-rank pair (Kimi's
+    # f_b_proj and g_b_proj) every row of 1/SP of its output channels: their FLOPs are in the first claim.
+    # Where Mamba2's groups of B and C do not divide by SP, their convolution, its saved activations and the norm's
+    # sums over the SP group come on top; measured here: 1.2% more FLOPs than 1/SP and 13% more saved bytes at SP 2,
+    # 3.6% and 24% at SP 4 (n_groups 1), 2.2% and 18% for Falcon-H1's 2 groups at SP 4.
     for family in SPLIT_FAMILIES:
         for sp in SIZES:
+            shared = SHARED_GROUPS.get(family, sp) % sp != 0
             for rank in outcome:
                 for path, layer in rank["mixers"][family][sp].items():
                     work, whole = layer["work"], layer["whole_work"]
-                    assert work["flops"] * sp == whole["flops"], (family, sp, path, work, whole)
+                    if shared:
+                        assert whole["flops"] < work["flops"] * sp <= 1.04 * whole["flops"], (family, sp, work, whole)
+                        assert work["saved_bytes"] * sp <= 1.25 * whole["saved_bytes"], (family, sp, path, work, whole)
+                    else:
+                        assert work["flops"] * sp == whole["flops"], (family, sp, path, work, whole)
+                        assert work["saved_bytes"] * sp <= 1.15 * whole["saved_bytes"], (family, sp, path, work, whole)
                     assert layer["projections"], (family, sp, path)
                     for projection in layer["projections"]:
                         rows = work["rows"][projection], whole["rows"][projection]
                         assert rows[0] * sp == rows[1] == SEQ_LEN, (family, sp, path, projection, rows)
-                    assert work["saved_bytes"] * sp <= 1.15 * whole["saved_bytes"], (family, sp, path, work, whole)
 
 
 def classify(ranks: list[dict], family: str, sp: int) -> tuple[str, str]:

@@ -42,3 +42,17 @@ def test_greedy_generation_matches_unsharded(results, sp, kv_heads):
 @pytest.mark.parametrize("sp", [2, 4])
 def test_restore_releases_the_groups_prepare_created(results, sp, kv_heads):
     assert all(rank[("released", sp, kv_heads)] for rank in results)
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_a_hybrid_model_is_refused_decoding_from_an_sp_prefill_naming_the_fix(results, sp):
+    messages = {rank[("hybrid", sp)] for rank in results}
+    assert len(messages) == 1  # on every rank alike
+    assert "Generate with sequence_parallel_size=1" in messages.pop()
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_decoding_by_hand_from_a_sharded_cache_is_refused_naming_the_fix(results, sp):
+    messages = {rank[("own decoding", sp)] for rank in results}
+    assert len(messages) == 1
+    assert "lightning_ulysses.inference.generate" in messages.pop()

@@ -47,7 +47,7 @@ def _matrix():
         # A length that SP 2 does not divide: padded at the end with ignored labels.
         _case(2, 2, 3, "mqa", seq_len=15, suffix="-len15"),
         # ZeRO-3 without reduce-scatter divides small buckets by DP and oversized ones by DP × SP (refused at SP > 1,
-        # see loss.gradient_scale_for); at SP 1 both are DP. Tiny buckets: every matrix is larger than one.
+        # see RunSpec.loss_gradient_scale); at SP 1 both are DP. Tiny buckets: every matrix is larger than one.
         _case(4, 1, 3, "mha", suffix="-no-reduce-scatter-small-buckets",
               strategy_kwargs={"reduce_scatter": False, "reduce_bucket_size": SMALL_BUCKET}),
         # Parameters larger than reduce_bucket_size (and gradients not contiguous): ZeRO-2 divides every bucket the

@@ -7,18 +7,21 @@ import dataclasses
 
 import pytest
 
-from lightning_ulysses.auto import AutoMemory, Confirmation, Layout, StepProbe, choose, coerce_memory, longest_fit
+from lightning_ulysses.auto import AutoMemory, Confirmation, StepProbe, choose, coerce_memory, longest_fit
 from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.planner import GIB, MODELS, TrainingSetup, plan_memory
+from lightning_ulysses.run_spec import RunSpec
 from lightning_ulysses.step_time import (AUTO_VS_HAND_PAIRS, CALIBRATION, DEFERRED_MLP_PAIRS, FUSED_PAIRS,
                                          OVERLAP_PAIRS, predict_step_time, predicted)
 
 LLAMA_1B, LLAMA_8B = MODELS["llama3.2-1b"], MODELS["llama3-8b"]
+# The runs these cases plan: one rank, ZeRO-3, bf16; on a GPU (attention with cuDNN, the Hopper rule) or the CPU.
+GPU, CPU = RunSpec(precision="bf16-mixed", device="cuda"), RunSpec(precision="bf16-mixed", device="cpu")
 
 
 def _choice(shape, seq, device_gib, host_gib=100.0, **request):
-    return choose(shape, AutoMemory(seq_len=seq, device_margin=0, host_margin=0, **request), Layout(),
-                  (device_gib * GIB, host_gib * GIB))
+    return choose(shape, AutoMemory(seq_len=seq, device_margin=0, host_margin=0, **request), GPU,
+                  (device_gib * GIB, host_gib * GIB), kernel="cudnn")
 
 
 def _on(choice) -> set:
@@ -45,12 +48,12 @@ def test_the_default_device_margin_admits_what_the_h200_ran_without_checkpointin
     (benchmarks/results/2026-12-02-h200-auto-vs-hand/): the default margin must leave room for it; a 3% margin
     did not."""
     free = (138.65 * GIB, 125 * GIB)
-    layout = Layout(kernel="cudnn", fused_elementwise=True)
-    default = choose(LLAMA_8B, AutoMemory(seq_len=4096), layout, free)
+    allowed = {"kernel": "cudnn", "fused_elementwise": True}
+    default = choose(LLAMA_8B, AutoMemory(seq_len=4096), GPU, free, **allowed)
     assert _on(default) == {"tiled_mlp"} and default.memory.fused_elementwise
     assert default.best.plan.gpu_total <= free[0] * (1 - AutoMemory.device_margin)
-    assert "activation_checkpointing" in _on(choose(LLAMA_8B, AutoMemory(seq_len=4096, device_margin=0.03), layout,
-                                                    free))
+    assert "activation_checkpointing" in _on(choose(LLAMA_8B, AutoMemory(seq_len=4096, device_margin=0.03), GPU,
+                                                    free, **allowed))
 
 
 # Tighter and tighter (1B at 32K): the free features first, by bytes saved (low-memory norms: 8 GiB of fp32 norm
@@ -107,12 +110,12 @@ def test_pinned_fields_are_kept_and_reported():
 
 def test_longest_fit_is_where_the_chooser_stops():
     free = (139 * GIB, 118 * GIB)
-    longest, setup = longest_fit(LLAMA_8B, AutoMemory(), Layout(), free)
+    longest, setup = longest_fit(LLAMA_8B, AutoMemory(), GPU, free)
     assert longest % 64 == 0 and longest > 131072 and setup.seq_len == longest
-    assert choose(LLAMA_8B, AutoMemory(seq_len=longest), Layout(), free).best.setup.seq_len == longest
+    assert choose(LLAMA_8B, AutoMemory(seq_len=longest), GPU, free, kernel="cudnn").best.setup.seq_len == longest
     with pytest.raises(ValueError, match=f"The longest length that fits is {longest} tokens"):
-        choose(LLAMA_8B, AutoMemory(seq_len=longest + 64), Layout(), free)
-    assert longest_fit(LLAMA_8B, AutoMemory(), Layout(), (GIB, GIB)) == (0, None)
+        choose(LLAMA_8B, AutoMemory(seq_len=longest + 64), GPU, free, kernel="cudnn")
+    assert longest_fit(LLAMA_8B, AutoMemory(), GPU, (GIB, GIB)) == (0, None)
 
 
 def test_expandable_segments_are_on_unless_switched_off():
@@ -123,15 +126,15 @@ def test_expandable_segments_are_on_unless_switched_off():
 
 def test_fused_elementwise_is_on_where_the_layout_allows_it():
     free = (139 * GIB, 118 * GIB)
-    allowed = Layout(fused_elementwise=True)
-    fused = choose(LLAMA_8B, AutoMemory(seq_len=32768), allowed, free)
+    allowed = {"kernel": "cudnn", "fused_elementwise": True}
+    fused = choose(LLAMA_8B, AutoMemory(seq_len=32768), GPU, free, **allowed)
     assert fused.memory.fused_elementwise and "fused_elementwise=False: +0." in fused.reasons["fused_elementwise"]
-    plain = choose(LLAMA_8B, AutoMemory(seq_len=32768), Layout(), free)
+    plain = choose(LLAMA_8B, AutoMemory(seq_len=32768), GPU, free, kernel="cudnn")
     assert not plain.memory.fused_elementwise and "needs CUDA with Triton" in plain.reasons["fused_elementwise"]
     # the same features otherwise (it costs no memory), a shorter predicted step
     assert dataclasses.replace(fused.memory, fused_elementwise=False) == plain.memory
     assert fused.best.time.total < plain.best.time.total
-    pinned = choose(LLAMA_8B, AutoMemory(seq_len=32768, fused_elementwise=False), allowed, free)
+    pinned = choose(LLAMA_8B, AutoMemory(seq_len=32768, fused_elementwise=False), GPU, free, **allowed)
     assert not pinned.memory.fused_elementwise and pinned.reasons["fused_elementwise"] == "set by you"
 
 
@@ -190,7 +193,7 @@ def test_a_short_step_waits_for_the_host_and_a_long_one_does_not():
 def test_the_confirmation_warns_where_the_device_peak_exceeds_the_plan():
     """The first steps' device peak against the plan: at or under it (or within 1%) a report; more than 1% over
     (the planner under-predicted) a report that names the risk and the fix."""
-    choice = choose(LLAMA_8B, AutoMemory(seq_len=32768), Layout(), (139.8 * GIB, 125 * GIB))
+    choice = choose(LLAMA_8B, AutoMemory(seq_len=32768), GPU, (139.8 * GIB, 125 * GIB), kernel="cudnn")
     planned = choice.best.plan.gpu_total
     fine = Confirmation(3, 5.6, planned - GIB, choice)
     assert not fine.exceeds_plan and fine.over_plan_bytes == 0
@@ -199,7 +202,7 @@ def test_the_confirmation_warns_where_the_device_peak_exceeds_the_plan():
     over = Confirmation(3, 5.6, planned + 2 * GIB, choice)
     assert over.exceeds_plan and over.over_plan_bytes == pytest.approx(2 * GIB)
     assert "2.00 GiB over the plan" in over.report() and "raise device_margin" in over.report()
-    on_cpu = choose(LLAMA_1B, AutoMemory(seq_len=4096), Layout(on_cuda=False, kernel=None), (40 * GIB, 40 * GIB))
+    on_cpu = choose(LLAMA_1B, AutoMemory(seq_len=4096), CPU, (40 * GIB, 40 * GIB))
     assert "no prediction on CPU" in Confirmation(3, 1.0, None, on_cpu).report()
 
 
@@ -212,7 +215,7 @@ def test_the_step_probe_times_the_steps_after_the_first_and_reports_once(monkeyp
 
     clock = iter([10.0, 13.0, 14.0])
     monkeypatch.setattr(auto.time, "perf_counter", lambda: next(clock))
-    choice = choose(LLAMA_1B, AutoMemory(seq_len=4096), Layout(on_cuda=False, kernel=None), (40 * GIB, 40 * GIB))
+    choice = choose(LLAMA_1B, AutoMemory(seq_len=4096), CPU, (40 * GIB, 40 * GIB))
     probe = StepProbe(choice, steps=2, accumulate=2)
     results = [probe.on_batch_start(torch.device("cpu"), reduce=False) for _ in range(9)]
     assert [i for i, result in enumerate(results) if result is not None] == [6]
@@ -220,7 +223,7 @@ def test_the_step_probe_times_the_steps_after_the_first_and_reports_once(monkeyp
 
 
 def test_cpu_layout_never_offloads():
-    choice = choose(LLAMA_1B, AutoMemory(seq_len=32768, device_margin=0), Layout(on_cuda=False, kernel=None),
+    choice = choose(LLAMA_1B, AutoMemory(seq_len=32768, device_margin=0), CPU,
                     (40 * GIB, 40 * GIB))
     assert not choice.memory.offload_activations and choice.offload_optimizer == 0
 
@@ -236,7 +239,7 @@ def test_coerce_memory():
     with pytest.raises(ValueError, match="confirm_steps"):
         AutoMemory(confirm_steps=-1)
     with pytest.raises(ValueError, match="needs the training length"):
-        choose(LLAMA_1B, AutoMemory(), Layout(), (GIB, GIB))
+        choose(LLAMA_1B, AutoMemory(), GPU, (GIB, GIB), kernel="cudnn")
 
 
 @pytest.mark.parametrize("row", CALIBRATION, ids=lambda r: f"{r.model}-{r.seq}-{r.features}-{r.kernel}")
@@ -256,3 +259,34 @@ def test_step_time_model_ranks_what_was_measured():
     assert seconds(kernel="cudnn", shape=LLAMA_8B, seq=131072) < seconds(kernel=None, shape=LLAMA_8B, seq=131072)
     assert seconds("ac+attn", shape=LLAMA_8B, seq=131072) < seconds("ac", shape=LLAMA_8B, seq=131072)
     assert seconds(offload_optimizer=0.5, sub_group_size=10**7) > seconds(offload_optimizer=0.1, sub_group_size=10**7)
+
+
+def test_decide_keeps_a_given_kernel_priority_and_chooses_for_the_run():
+    """`auto.decide` (the strategy's set-up, here on one CPU rank with no process group): a kernel priority given by
+    hand is kept, "auto" is torch's order off Hopper; the memory choice plans the run it is given."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_ulysses.auto import decide
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    request = AutoMemory(seq_len=64, free_memory=(40 * GIB, 40 * GIB))
+    priority, choice = decide(request, CPU, [model], kernel_priority=("math",), local_ranks=1, reduce=False)
+    assert priority == ("math",)
+    assert choice.run is CPU and choice.kernel is None  # CPU: no SDPA kernel to plan with
+    assert decide(request, CPU, [model], kernel_priority="auto", local_ranks=1, reduce=False)[0] is None
+    assert decide(MemoryOptions(), CPU, [model], kernel_priority="auto", local_ranks=1, reduce=False) == (None, None)
+
+
+def test_an_offloading_choice_needs_deepspeeds_cpu_adam():
+    import torch
+
+    from lightning_ulysses.auto import check_optimizer
+
+    offloading = choose(LLAMA_1B, AutoMemory(seq_len=4096, offload_optimizer=0.5), GPU, (139 * GIB, 125 * GIB),
+                        kernel="cudnn")
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    with pytest.raises(ValueError, match="Return DeepSpeedCPUAdam"):
+        check_optimizer(offloading, sgd)
+    check_optimizer(_choice(LLAMA_1B, 32768, 130), sgd)  # nothing on the host: any optimizer
+    check_optimizer(None, sgd)  # memory not "auto"

@@ -215,7 +215,8 @@ def test_benchmark_syntax_auto_keeps_what_is_set_and_the_step_time_factor():
     model's factor (calibrated: 0.75) is the only term it changes."""
     import dataclasses
 
-    from lightning_ulysses.auto import AutoMemory, Layout, choose
+    from lightning_ulysses.auto import AutoMemory, choose
+    from lightning_ulysses.run_spec import RunSpec
     from lightning_ulysses.plan import memory_options
     from lightning_ulysses.planner import GIB, MODELS, TrainingSetup
     from lightning_ulysses.step_time import H200, predict_step_time
@@ -225,8 +226,9 @@ def test_benchmark_syntax_auto_keeps_what_is_set_and_the_step_time_factor():
     shape = MODELS["llama3.2-1b"]
     for fused, allowed in itertools.product((False, True), (False, True)):
         request = AutoMemory(seq_len=32768, device_margin=0, host_margin=0, fused_elementwise=fused)
-        layout = Layout(fused_elementwise=allowed)
-        assert choose(shape, request, layout, (100 * GIB, 100 * GIB)).memory.fused_elementwise is fused
+        run = RunSpec(precision="bf16-mixed", device="cuda")
+        assert choose(shape, request, run, (100 * GIB, 100 * GIB), kernel="cudnn",
+                      fused_elementwise=allowed).memory.fused_elementwise is fused
 
     setup = TrainingSetup(seq_len=32768, memory=memory_options("ac,attn,norms,fused"))
     plain = predict_step_time(shape, dataclasses.replace(setup, memory=memory_options("ac,attn,norms"))).terms

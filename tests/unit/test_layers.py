@@ -25,7 +25,7 @@ PACKAGE = "lightning_ulysses"
 SOURCE = Path(__file__).resolve().parents[2] / PACKAGE
 
 FENCES = {"_lightning_private", "_deepspeed_private"}
-INTEGRATION = {"__init__", "__main__", "strategy", "preparation", "checkpoint", "export", "faults", "rng", "notebook",
+INTEGRATION = {"__init__", "__main__", "strategy", "engine", "preparation", "checkpoint", "export", "faults", "rng", "notebook",
                "callbacks", "console", "recipe", "plan", "preflight", "example"}
 LAYERS = ("fences", "core", "integration", "models")
 

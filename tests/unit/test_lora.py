@@ -96,7 +96,7 @@ def zero3_init(monkeypatch):
 
     import deepspeed
 
-    from lightning_ulysses.strategy import skip_shared_memory_all_reduce_build
+    from lightning_ulysses.engine import skip_shared_memory_all_reduce_build
 
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))

@@ -1,25 +1,8 @@
 import pytest
 import torch
 
-from lightning_ulysses.loss import gradient_scale_for, sequence_parallel_cross_entropy
+from lightning_ulysses.loss import sequence_parallel_cross_entropy
 from tests.distributed.common import UnevenlyMaskedTokens, collate, tiny_llama
-
-
-@pytest.mark.parametrize(
-    "zero, expected",
-    [({"stage": 0}, 1.0), ({"stage": 2}, 1.0), ({"stage": 2, "reduce_scatter": False}, 1.0), ({"stage": 3}, 4.0),
-     ({"stage": 3, "reduce_scatter": True}, 4.0)],
-)
-def test_gradient_scale_per_zero_stage(zero, expected):
-    assert gradient_scale_for({"zero_optimization": zero}, 4) == expected
-
-
-def test_zero3_without_reduce_scatter_is_refused_under_sequence_parallelism():
-    # Its contiguous buckets divide by DP, its oversized ones by DP × SP: no one scale is exact.
-    zero = {"stage": 3, "reduce_scatter": False}
-    with pytest.raises(ValueError, match="Leave reduce_scatter on"):
-        gradient_scale_for({"zero_optimization": zero}, 2)
-    assert gradient_scale_for({"zero_optimization": zero}, 1) == 1.0  # DP × SP = DP: both paths agree
 
 
 def test_matches_hugging_face_loss_on_labels_and_on_pre_shifted_labels():

@@ -1,66 +1,133 @@
-"""Token mixers split by heads (lightning_ulysses/mixers/), in one process: a group of one rank runs the same local
-view as every rank of a larger group (the split's exactness and scaling are checked over 2 and 4 ranks in
-tests/distributed/test_families.py)."""
+"""Token mixers split by heads (lightning_ulysses/mixers/), what the 4-rank family matrix cannot show on CPU: the
+path a split Mamba2 mixer takes where mamba_ssm's fused kernel is installed (GPU), and where its groups cannot split.
+
+One process at SP 1, where a declared split is installed too: a row of one document runs through the mixer itself
+(its fused kernel kept), packed rows through the local view and its stand-ins, one document at a time, as at any SP
+size; exactness over several ranks is the matrix's (tests/distributed/test_families.py).
+"""
 
 from __future__ import annotations
 
-import dataclasses
+import sys
 
 import pytest
 import torch
-import torch.distributed as dist
-from transformers import MambaConfig
-from transformers.models.mamba import modeling_mamba
 
-from lightning_ulysses.mixers import install_mixers, mamba
+from lightning_ulysses.attention.hf import token_mixer_modules
+from lightning_ulysses.mixers import install_mixers, mamba2
+from tests.distributed.families import family_model, tiny_model
 
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    if dist.is_initialized():
-        pytest.fail("a process group is already set up in this process")
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
+MAMBA2_FAMILIES = ("mamba2", "bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2")
+# Rows of 8 tokens packing two documents of 4: the model's positions restart (what routes a mixer through its view).
+PACKED = torch.cat([torch.arange(4), torch.arange(4)])[None].expand(2, -1)
+FUSED = "mamba2_split_conv1d_scan_combined"  # the module-level name these mixers call their fused kernel by
 
 
-def _mamba_mixer() -> torch.nn.Module:
-    config = MambaConfig(hidden_size=16, intermediate_size=32, state_size=4, num_hidden_layers=1, vocab_size=8)
-    torch.manual_seed(0)
-    return modeling_mamba.MambaMixer(config, layer_idx=0).train()
+def _mixer(family: str):
+    path, module = token_mixer_modules(family_model(family))[0]
+    return path, module.train()
 
 
-def _fused_kernel(*args, **kwargs):
-    raise AssertionError("the fused kernel was called")
+def _fused_kernel(monkeypatch, module: torch.nn.Module) -> list:
+    """Stand in for mamba_ssm's fused kernel as installed (it answers for every call, from the weights it is handed)
+    in `module`'s modeling file; returns the list of its calls."""
+    calls = []
+
+    def fused(projected_states, *args, outproj_weight=None, **kwargs):
+        calls.append(outproj_weight)
+        return projected_states.new_zeros(*projected_states.shape[:-1], outproj_weight.shape[0])
+
+    monkeypatch.setattr(sys.modules[type(module).__module__], FUSED, fused)
+    return calls
 
 
-def test_a_split_mamba_mixer_avoids_the_fused_kernel_that_reads_its_weights(one_rank_group, monkeypatch):
-    # In training Mamba calls mamba_inner_fn (mamba-ssm's fused kernel where installed), which reads x_proj's and
-    # out_proj's weights instead of calling them: the split must take the path through its stand-ins instead.
-    mixer = _mamba_mixer()
-    hidden = torch.randn(2, 6, 16)
-    with torch.no_grad():
-        expected = mixer.eval()(hidden)  # the unfused path
+@pytest.mark.parametrize("family", MAMBA2_FAMILIES)
+def test_a_split_mamba2_mixer_never_takes_the_fused_kernel_path(family, monkeypatch):
+    # Where mamba_ssm is installed (GPU), these mixers in training hand their projected states to its fused kernel,
+    # which normalises and projects out by itself from `out_proj.weight`: around the split's exchanges.
+    path, mixer = _mixer(family)
+    calls = _fused_kernel(monkeypatch, mixer)
+    hidden = torch.randn(2, 8, mixer.hidden_size, generator=torch.Generator().manual_seed(0))
+    mixer(hidden)
+    assert len(calls) == 1  # the unprepared mixer takes it: the stand-in kernel is where the mixer looks
+    with torch.no_grad():  # the path that calls the modules (the fused one is taken in training only), by document
+        unfused = torch.cat([mixer.eval()(hidden[:, :4]), mixer(hidden[:, 4:])], dim=1)
     mixer.train()
-    monkeypatch.setattr(modeling_mamba, "mamba_inner_fn", _fused_kernel)  # as if mamba-ssm were installed
-    with pytest.raises(AssertionError, match="fused kernel"):
+    positions = PACKED
+    handles, whole_rows = install_mixers([(path, mixer)], None, positions=lambda: positions)
+    assert handles and not whole_rows
+    try:
+        output = mixer(hidden)
+        assert len(calls) == 1, family  # the split view does not take it
+        positions = PACKED[:, :4].repeat(1, 2) + torch.tensor([0, 0, 0, 0, 4, 4, 4, 4])  # one document per row
         mixer(hidden)
-    handles, whole_rows = install_mixers([("mixer", mixer)], one_rank_group)
-    assert not whole_rows
-    torch.testing.assert_close(mixer(hidden), expected)
-    for handle in handles:
-        handle.remove()
+        assert len(calls) == 2, family  # a row of one document at SP 1: the mixer itself, its fused kernel kept
+    finally:
+        for handle in handles:
+            handle.remove()
+    torch.testing.assert_close(output, unfused)
 
 
-def test_a_split_mixer_that_reads_a_projection_s_weight_is_stopped_with_the_fix(one_rank_group, monkeypatch):
-    # A family whose declaration does not lead it away from such a kernel: reading the weight of a stand-in says so.
-    split = mamba.split
-    monkeypatch.setattr(mamba, "split", lambda module, parts: dataclasses.replace(split(module, parts), attributes={
-        name: value for name, value in split(module, parts).attributes.items() if name != "training"}))
-    monkeypatch.setattr(modeling_mamba, "mamba_inner_fn", lambda xz, conv, bias, x_proj_weight, *rest, **kw: None)
-    mixer = _mamba_mixer()
-    handles, _ = install_mixers([("mixer", mixer)], one_rank_group)
-    with pytest.raises(AttributeError, match="read the weight of a layer it calls.*sequence_parallel_size=1"):
-        mixer(torch.randn(2, 6, 16))
-    for handle in handles:
-        handle.remove()
+def test_a_split_view_that_would_take_a_fused_path_is_refused(monkeypatch):
+    # Were a declaration to leave the view in training, the fused kernel would read the output projection's weight
+    # through its stand-in: refused, naming the fix, rather than projecting this rank's head rows.
+    path, mixer = _mixer("mamba2")
+    _fused_kernel(monkeypatch, mixer)
+    declared = mamba2.split
+
+    def in_training(module, parts):
+        split = declared(module, parts)
+        return type(split)(**{**split.__dict__, "attributes": {
+            name: value for name, value in split.attributes.items() if name != "training"}})
+
+    monkeypatch.setattr(mamba2, "split", in_training)
+    handles, _ = install_mixers([(path, mixer)], None, positions=lambda: PACKED)
+    try:
+        with pytest.raises(NotImplementedError, match="sequence_parallel_size=1"):
+            mixer(torch.randn(2, 8, mixer.hidden_size))
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def test_mamba2_groups_split_with_the_heads_or_are_shared_or_the_mixer_runs_on_whole_rows():
+    mixer = token_mixer_modules(tiny_model("mamba2", "eager", num_heads=12, n_groups=3, expand=3))[0][1]
+    # 3 groups of 4 heads: over 3 ranks, one each; over 6, two ranks read each group; over 2 or 4 a rank's heads
+    # would read parts of two groups, unlike its neighbour's: whole rows
+    assert mamba2.split(mixer, 3).attributes["n_groups"] == 1
+    assert mamba2.split(mixer, 6).attributes["n_groups"] == 1
+    assert mamba2.split(mixer, 2) is None and mamba2.split(mixer, 4) is None
+    conv = mamba2.split(mixer, 6).parameters["conv1d.weight"][1]
+    state, inner = mixer.ssm_state_size, mixer.intermediate_size
+    x = 2 * mixer.head_dim  # the rank's 2 heads' channels of x, then its group's of B
+    b_of_rank = [conv.local_channels(rank, 6)[x:x + state] for rank in range(6)]
+    assert [int(channels[0]) - inner for channels in b_of_rank] == [0, 0, state, state, 2 * state, 2 * state]
+
+
+@pytest.mark.parametrize("family", ("mamba", "falcon_mamba"))
+def test_a_split_mamba_mixer_never_takes_the_fused_kernel_path(family, monkeypatch):
+    # Mamba1 in training hands its projected states to mamba_ssm's fused `mamba_inner_fn` where installed, which
+    # reads x_proj's, dt_proj's and out_proj's weights itself: around the split (mixers/mamba.py).
+    path, mixer = _mixer(family)
+    calls = []
+
+    def fused(xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, out_proj_weight, *args, **kwargs):
+        calls.append(out_proj_weight)
+        return xz.new_zeros(xz.shape[0], xz.shape[2], out_proj_weight.shape[0])
+
+    monkeypatch.setattr(sys.modules[type(mixer).__module__], "mamba_inner_fn", fused)
+    hidden = torch.randn(2, 8, mixer.hidden_size, generator=torch.Generator().manual_seed(0))
+    mixer(hidden)
+    assert len(calls) == 1  # the unprepared mixer takes it
+    with torch.no_grad():
+        unfused = torch.cat([mixer.eval()(hidden[:, :4]), mixer(hidden[:, 4:])], dim=1)
+    mixer.train()
+    handles, whole_rows = install_mixers([(path, mixer)], None, positions=lambda: PACKED)
+    assert handles and not whole_rows
+    try:
+        output = mixer(hidden)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert len(calls) == 1, family  # the split view does not take it
+    torch.testing.assert_close(output, unfused)

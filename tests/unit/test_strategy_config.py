@@ -136,23 +136,33 @@ def test_overlap_head_groups_of_a_module_win_over_the_strategy():
             UlyssesAttention("sdpa", overlap_head_groups=bad)
 
 
-def test_preflight_run_carries_the_offload_layout():
-    """The start-up preflight gets the trainable parameter tensors (registration order), ZeRO stage, ratio, sub-group
-    size and pin_memory from the strategy's DeepSpeed config, so its host check counts DeepSpeed's buffers."""
+def test_preflight_run_carries_the_run_and_the_parameters():
+    """The start-up preflight gets the strategy's run description (its ZeRO stage, ratio, sub-group size and
+    pin_memory: `test_run_spec.py`) and the trainable parameter tensors (registration order), so its host check counts
+    DeepSpeed's buffers."""
     from types import SimpleNamespace
 
     import torch
 
+    from lightning_ulysses.layout import ParallelLayout
     from lightning_ulysses.preflight import PlannedRun
+    from lightning_ulysses.run_spec import RunSpec
 
     module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     module[0].bias.requires_grad_(False)  # frozen: not in the optimizer
     config = {"zero_optimization": {"stage": 3, "sub_group_size": 1000,
                                     "offload_optimizer": {"device": "cpu", "ratio": 0.5, "pin_memory": False}}}
-    stub = SimpleNamespace(config=config, sequence_parallel_world_size=2, num_processes=2, world_size=4, local_rank=0,
-                           num_nodes=2, lightning_module=module,
-                           precision_plugin=SimpleNamespace(precision="bf16-mixed"))
+    spec = RunSpec.of_config(config, layout=ParallelLayout(world_size=4, sequence_parallel_size=2),
+                             precision="bf16-mixed")
+    stub = SimpleNamespace(run_spec=spec, num_processes=2, local_rank=0, num_nodes=2, lightning_module=module)
     run = PlannedRun.of_strategy(stub)
-    assert run.parameter_numels == (12, 6, 2) and run.num_parameters == 23
-    assert (run.zero_stage, run.offload_ratio, run.sub_group_size, run.offload_pin_memory) == (3, 0.5, 1000, False)
-    assert run.offload_optimizer and not run.offload_parameters
+    assert run.spec is spec
+    assert run.parameter_numels == (12, 6, 2)
+    assert run.num_parameters == 23
+    assert (run.local_world_size, run.num_nodes) == (2, 2)
+    assert run.sub_group_size == 1000  # ZeRO-3's, the unit of the partial offload
+
+
+def test_the_run_is_described_at_set_up_not_before():
+    with pytest.raises(RuntimeError, match="when the Trainer sets up distributed training"):
+        UlyssesDeepSpeedStrategy().run_spec

@@ -139,16 +139,19 @@ def prepare_hf_model(
         prepared.hooks.append(model.register_forward_pre_hook(_PositionCheck(model, binding), with_kwargs=True))
     if sharded:
         prepared.hooks.append(model.register_forward_pre_hook(_CacheCheck(model, binding), with_kwargs=True))
-        handles, whole_rows = install_mixers(token_mixer_modules(model), group.group, ring.group,
-                                             decoding=lambda: binding.decode is not None, transport=transport)
-        prepared.hooks += handles
-        if whole_rows:
-            warnings.warn(
-                f"{type(model).__name__}: {len(whole_rows)} token-mixing layers that are not attention run on whole rows"
-                f" on every one of the {group.world_size * ring.world_size} sequence-parallel ranks (exact, but their"
-                " compute and activations do not shrink with the SP size, and each costs an all-gather of the hidden"
-                " states and an all-reduce of their gradient): " + "; ".join(whole_rows[:3])
-                + (f"; and {len(whole_rows) - 3} more" if len(whole_rows) > 3 else ""), stacklevel=2)
+    # Token mixers: split by heads where declared (at SP 1 too, so that packed documents restart them as they
+    # restart the attention), else on whole rows (SP > 1 only).
+    handles, whole_rows = install_mixers(token_mixer_modules(model), group.group, ring.group,
+                                         decoding=lambda: binding.decode is not None, transport=transport,
+                                         positions=lambda: binding.forward_positions)
+    prepared.hooks += handles
+    if whole_rows:
+        warnings.warn(
+            f"{type(model).__name__}: {len(whole_rows)} token-mixing layers that are not attention run on whole rows"
+            f" on every one of the {group.world_size * ring.world_size} sequence-parallel ranks (exact, but their"
+            " compute and activations do not shrink with the SP size, and each costs an all-gather of the hidden"
+            " states and an all-reduce of their gradient): " + "; ".join(whole_rows[:3])
+            + (f"; and {len(whole_rows) - 3} more" if len(whole_rows) > 3 else ""), stacklevel=2)
     return prepared
 
 

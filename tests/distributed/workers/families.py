@@ -84,6 +84,21 @@ def keeps_documents_apart(model, batch: dict) -> bool:
     return torch.allclose(before[0, 10:], after[0, 10:], atol=1e-6)
 
 
+def document_by_document_loss(model, batch: dict) -> torch.Tensor:
+    """The causal-LM loss of packed rows with every document run through `model` on its own (documents restart
+    their position_ids): what keeping the documents apart means, whatever the model's kernels can do."""
+    logits = []
+    for row in range(batch["input_ids"].size(0)):
+        positions = batch["position_ids"][row]
+        cuts = [0] + [t for t in range(1, positions.numel()) if positions[t] != positions[t - 1] + 1] + [positions.numel()]
+        logits.append(torch.cat([model(input_ids=batch["input_ids"][row:row + 1, start:end],
+                                       position_ids=positions[None, start:end]).logits
+                                 for start, end in zip(cuts[:-1], cuts[1:])], dim=1))
+    logits = torch.cat(logits).float()
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(),
+                                             ignore_index=-100)
+
+
 def run_family(family: dict, sp_groups: dict) -> dict:
     """{sp: outcome} for one family: the worst errors over the batches it takes; the model is built once, then copied
     once for the reference and once per SP size."""
@@ -97,10 +112,17 @@ def run_family(family: dict, sp_groups: dict) -> dict:
         del batches["left_padded"]
     if os.environ.get("FAMILY_BATCHES"):  # (debugging: a subset of the batch kinds)
         batches = {kind: batches[kind] for kind in os.environ["FAMILY_BATCHES"].split(",")}
+    by_document = False
     if "packed" in batches and not keeps_documents_apart(pristine, batches["packed"]):
-        # Mamba, RWKV: no positions to pack by; recurrent mixers, and models whose mask ignores the positions, let
-        # packed documents see each other in transformers (the strategy's attention keeps them apart): no reference
-        del batches["packed"]
+        # Recurrent mixers, and models whose mask ignores the positions, let packed documents see each other in
+        # transformers (the strategy's attention keeps them apart). Where every mixer runs split by heads, which
+        # restarts them at every document, the reference runs each document on its own; the others (Mamba, RWKV;
+        # Mamba2, whose mixers split but whose model takes no position_ids: no positions to pack by) have none.
+        mixers = token_mixer_modules(pristine)
+        by_document = ("position_ids" in inspect.signature(pristine.forward).parameters and bool(mixers)
+                       and all(split_of(module, 1) is not None for _, module in mixers))
+        if not by_document:
+            del batches["packed"]
     outcomes = {sp: {"status": "ran", "loss_error": 0.0, "grad_error": 0.0, "batches": []} for sp in sp_groups}
     reference = copy.deepcopy(pristine)
     if family.get("eval"):
@@ -110,7 +132,8 @@ def run_family(family: dict, sp_groups: dict) -> dict:
     prepared = {}
     for kind, batch in batches.items():
         reference.zero_grad(set_to_none=True)
-        reference_loss = reference(**batch).loss
+        reference_loss = (document_by_document_loss(reference, batch) if kind == "packed" and by_document
+                          else reference(**batch).loss)
         reference_loss.backward()
         for sp, groups in sp_groups.items():
             if outcomes[sp]["status"] != "ran":
@@ -177,13 +200,30 @@ def mixer_errors(pristine, sp_groups: dict) -> dict:
                 (output * weights[:, cut, :1]).sum().backward()
             for handle in handles:
                 handle.remove()
+            packed = _packed_refusal(module, path, group, cut, hidden[:, cut]) if whole_rows else ""
             results[sp][path] = {
+                "packed_refusal": packed,
                 "output_error": (output - expected[:, cut]).abs().max().item(),
                 "gradient_error": (shard.grad - whole.grad[:, cut]).abs().max().item(),
                 "ran": "whole rows" if whole_rows else "split", "work": work.totals(), "whole_work": whole_work.totals(),
                 "projections": [] if whole_rows else [*split.inputs, split.output[0]],
             }
     return results
+
+
+def _packed_refusal(module, path: str, group, cut: slice, shard: torch.Tensor) -> str:
+    """What a mixer left on whole rows says when the model's positions hold packed documents ("" if nothing)."""
+    mine = copy.deepcopy(module)
+    positions = torch.cat([torch.arange(10), torch.arange(SEQ_LEN - 10)])[None, cut].expand(shard.size(0), -1)
+    handles, _ = install_mixers([(path, mine)], group, positions=lambda: positions)
+    try:
+        mine(shard, **_call_kwargs(mine, shard, cut))
+    except NotImplementedError as error:
+        return str(error)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return ""
 
 
 def _convolution_flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
