@@ -3,8 +3,8 @@ under sequence parallelism.
 
 Each mixer found in a model (`attention.hf.token_mixer_modules`) runs one of two ways:
 - split by heads (head_split.py), the Ulysses way, when its family declares how (one small file per family:
-  gated_deltanet.py, short_conv.py, mamba2.py) and its heads (or channels) divide by the SP size: its work and
-  activations are `1/SP` of the whole layer's on every rank;
+  gated_deltanet.py, short_conv.py, mamba2.py, mamba.py, kimi_delta.py, lightning_attention.py) and its heads (or
+  channels) divide by the SP size: its work and activations are `1/SP` of the whole layer's on every rank;
 - on whole rows (whole_rows.py), the last resort, otherwise: exact, but the layer's work does not shrink.
 `install_mixers` says which mixers took the last resort and why, so that the caller warns with the cost.
 """
@@ -18,14 +18,14 @@ import torch.distributed as dist
 
 from lightning_ulysses.attention.all_to_all import all_gather_sequence
 from lightning_ulysses.layout import ShardOrder
-from lightning_ulysses.mixers import gated_deltanet, mamba2, short_conv
+from lightning_ulysses.mixers import gated_deltanet, kimi_delta, lightning_attention, mamba, mamba2, short_conv
 from lightning_ulysses.mixers.arguments import PackedDocuments
 from lightning_ulysses.mixers.head_split import HeadSplitMixer, MixerSplit
 from lightning_ulysses.mixers.whole_rows import WholeRowsMixer
 
 # Per family: `matches(module)` recognises its mixer by structure, `split(module, parts)` declares the split (or
 # None where it cannot split over `parts` ranks).
-FAMILIES = (gated_deltanet, short_conv, mamba2)
+FAMILIES = (gated_deltanet, short_conv, mamba2, mamba, kimi_delta, lightning_attention)
 
 
 def split_of(module: torch.nn.Module, parts: int) -> MixerSplit | None:

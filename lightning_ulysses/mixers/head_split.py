@@ -28,6 +28,10 @@ on whole rows (whole_rows.py) with a warning that names the cost.
 A submodule whose computation spans units on different ranks (Mamba2's gated RMSNorm when a norm group holds the
 heads of several ranks) is replaced in the view by a stand-in its family makes (`MixerSplit.replaced`); such a
 stand-in combines per-rank partial statistics with `sum_over_ranks`, whose backward sums the gradients alike.
+A projection from every unit's channels to channels every unit reads (Mamba's `x_proj`: all channels → the step,
+B and C that every channel's recurrence shares) is replaced by `SumOfPartialProducts`: with its weight's input
+channels sliced to this rank's units, each rank multiplies its own on its whole rows, and the partial products are
+summed over the SP group (a row-parallel linear): `1/P` of its work on every rank too.
 
 The stand-ins of the projections are modules of their own, not the projections: code that reads a projection's
 weight instead of calling it (a fused kernel that projects inside) would bypass the exchanges, so reading `weight`
@@ -100,8 +104,9 @@ class _SumOverRanks(torch.autograd.Function):
 
 def sum_over_ranks(tensor: torch.Tensor, group) -> torch.Tensor:
     """The sum of `tensor` over the ranks of `group`, on every rank; differentiable (its backward sums the
-    gradients over the group the same way). For statistics that span units on different ranks."""
-    return _SumOverRanks.apply(tensor, group)
+    gradients over the group the same way). For statistics that span units on different ranks. `group` None: one
+    rank (SP 1), the tensor itself."""
+    return tensor if group is None else _SumOverRanks.apply(tensor, group)
 
 
 class _StandIn(torch.nn.Module):
@@ -164,6 +169,25 @@ class _KeepRows(_StandIn):
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         self.rows = rows
         return rows
+
+
+class SumOfPartialProducts(_StandIn):
+    """A linear whose input channels are per unit and whose output every unit reads, in a local view
+    (`MixerSplit.replaced` with its weight's input channels sliced in `MixerSplit.parameters`): this rank's partial
+    product, summed over the SP group in float32 (as one matmul over every channel accumulates; a few channels); its
+    bias added once, by the group's first rank."""
+
+    def __init__(self, linear: torch.nn.Linear, group):
+        super().__init__()
+        if not isinstance(linear, torch.nn.Linear):
+            raise TypeError(f"SumOfPartialProducts stands in for a torch.nn.Linear, not {type(linear).__name__}")
+        # (kept under other names than `weight` and `bias`: code that reads those would read a part as if it were all)
+        self.weight_part, self.group = linear.weight, group
+        self.bias_once = linear.bias if group is None or dist.get_rank(group) == 0 else None
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        partial = torch.nn.functional.linear(rows, self.weight_part, self.bias_once)
+        return sum_over_ranks(partial.float(), self.group).to(partial.dtype)
 
 
 def _bare_copy(module: torch.nn.Module) -> torch.nn.Module:
@@ -276,6 +300,10 @@ class HeadSplitMixer:
                 cut[self.hidden] = shard.new_empty(1, end - start, 0)
                 bound = inspect.BoundArguments(self.signature, cut)
                 output = view.forward(*bound.args, **bound.kwargs)
+                # (a mixer may return its recurrent state beside its output, MiniMax's: a document's state, which no
+                # caller of a packed row reads, is dropped)
+                extra = len(output) - 1 if isinstance(output, tuple) and output and output[0] is kept.rows else None
+                output = output[0] if extra is not None else output
                 if kept.rows is None or output is not kept.rows:
                     raise NotImplementedError(
                         f"{where} computes more after its output projection, so its packed documents cannot run one"
@@ -283,7 +311,8 @@ class HeadSplitMixer:
                 pieces.append(output)
             rows.append(torch.cat(pieces, dim=1))
         path, exchange = self.output
-        return module.get_submodule(path)(exchange.to_shard(torch.cat(rows, dim=0)))
+        projected = module.get_submodule(path)(exchange.to_shard(torch.cat(rows, dim=0)))
+        return projected if extra is None else (projected, *(None,) * extra)
 
     def _local_view(self, module: torch.nn.Module, input_stand_in: Callable, output_stand_in: Callable) -> torch.nn.Module:
         """A view of `module` for this rank's units; `input_stand_in(path, projection)` and

@@ -72,7 +72,7 @@ def split(module: torch.nn.Module, parts: int) -> MixerSplit | None:
             if hasattr(module.norm, "norm_before_gate"):  # Falcon-H1's norm counts its groups, the others' size them
                 attributes["norm.n_groups"] = local_groups
         else:
-            replaced["norm"] = _norm_over_ranks(module.intermediate_size // groups, groups, local_inner)
+            replaced["norm"] = norm_over_ranks(module.intermediate_size // groups, groups, local_inner)
     return MixerSplit(
         units=heads,
         inputs={"in_proj": projection},
@@ -84,7 +84,10 @@ def split(module: torch.nn.Module, parts: int) -> MixerSplit | None:
     )
 
 
-def _norm_over_ranks(group_size: int, groups: int, local_channels: int):
+def norm_over_ranks(group_size: int, groups: int, local_channels: int):
+    """The `MixerSplit.replaced` factory of an RMS norm over `groups` groups of `group_size` channels whose groups span
+    ranks (each rank holding `local_channels` consecutive channels); also MiniMax's norm over every head (one group)."""
+
     def make(norm: torch.nn.Module, group) -> torch.nn.Module:
         first = dist.get_rank(group) * local_channels  # heads are split contiguously, so are their channels
         return _GatedRMSNormOverRanks(norm, group, torch.arange(first, first + local_channels) // group_size,

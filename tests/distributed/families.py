@@ -59,7 +59,7 @@ FAMILIES = {
                   "ssm_multipliers": [0.5, 1.5, 0.75, 1.25, 2.0]},
     "granitemoehybrid": {"mamba_n_heads": 8, "layer_types": ["mamba", "attention"]}, "nemotron_h": {}, "jamba": {"attn_layer_period": 2,
     "attn_layer_offset": 1}, "bamba": {"mamba_n_heads": 8, "attn_layer_indices": [1]}, "minimax": {}, "zamba2": {"layers_block_type": ["mamba", "hybrid"], "mamba_headdim": 8, "n_mamba_heads": 8}, "olmo_hybrid": {},
-    "mamba": {}, "mamba2": {"num_heads": 8, "n_groups": 1}, "recurrent_gemma": {"block_types": ["recurrent", "attention"]}, "rwkv": {},
+    "mamba": {}, "falcon_mamba": {}, "mamba2": {"num_heads": 8, "n_groups": 1}, "recurrent_gemma": {"block_types": ["recurrent", "attention"]}, "rwkv": {},
     "llama4_text": {"no_rope_layers": [1, 0]},  # layer 1 without RoPE: the NoPE temperature tuning is active
 }
 

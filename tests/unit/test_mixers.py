@@ -102,3 +102,32 @@ def test_mamba2_groups_split_with_the_heads_or_are_shared_or_the_mixer_runs_on_w
     x = 2 * mixer.head_dim  # the rank's 2 heads' channels of x, then its group's of B
     b_of_rank = [conv.local_channels(rank, 6)[x:x + state] for rank in range(6)]
     assert [int(channels[0]) - inner for channels in b_of_rank] == [0, 0, state, state, 2 * state, 2 * state]
+
+
+@pytest.mark.parametrize("family", ("mamba", "falcon_mamba"))
+def test_a_split_mamba_mixer_never_takes_the_fused_kernel_path(family, monkeypatch):
+    # Mamba1 in training hands its projected states to mamba_ssm's fused `mamba_inner_fn` where installed, which
+    # reads x_proj's, dt_proj's and out_proj's weights itself: around the split (mixers/mamba.py).
+    path, mixer = _mixer(family)
+    calls = []
+
+    def fused(xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, out_proj_weight, *args, **kwargs):
+        calls.append(out_proj_weight)
+        return xz.new_zeros(xz.shape[0], xz.shape[2], out_proj_weight.shape[0])
+
+    monkeypatch.setattr(sys.modules[type(mixer).__module__], "mamba_inner_fn", fused)
+    hidden = torch.randn(2, 8, mixer.hidden_size, generator=torch.Generator().manual_seed(0))
+    mixer(hidden)
+    assert len(calls) == 1  # the unprepared mixer takes it
+    with torch.no_grad():
+        unfused = torch.cat([mixer.eval()(hidden[:, :4]), mixer(hidden[:, 4:])], dim=1)
+    mixer.train()
+    handles, whole_rows = install_mixers([(path, mixer)], None, positions=lambda: PACKED)
+    assert handles and not whole_rows
+    try:
+        output = mixer(hidden)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert len(calls) == 1, family  # the split view does not take it
+    torch.testing.assert_close(output, unfused)

@@ -173,7 +173,8 @@ def mixer_errors(pristine, sp_groups: dict) -> dict:
     """{sp: {path: {...}}} for the first token mixer of each kind: one layer run on its shard as the strategy runs it
     (`install_mixers`: split by heads, or on whole rows) against the same layer on the whole rows in one process:
     output and input-gradient errors, how it ran, and the work of each (forward + backward FLOPs, bytes of
-    activations saved for backward, the most rows any of its linear layers saw)."""
+    activations saved for backward, the rows each of its linear layers saw), and which of its linear layers are the
+    input and output projections of its split (none when it runs on whole rows)."""
     kinds, results = {}, {}
     for path, module in token_mixer_modules(pristine):
         kinds.setdefault(type(module).__name__, (path, module))
@@ -191,6 +192,7 @@ def mixer_errors(pristine, sp_groups: dict) -> dict:
                 (expected * weights[..., :1]).sum().backward()
             mine = copy.deepcopy(module)
             handles, whole_rows = install_mixers([(path, mine)], group)
+            split = split_of(mine, sp)
             cut = slice(rank * SEQ_LEN // sp, (rank + 1) * SEQ_LEN // sp)
             shard = hidden[:, cut].clone().requires_grad_(True)
             with _Work(mine) as work:
@@ -204,6 +206,7 @@ def mixer_errors(pristine, sp_groups: dict) -> dict:
                 "output_error": (output - expected[:, cut]).abs().max().item(),
                 "gradient_error": (shard.grad - whole.grad[:, cut]).abs().max().item(),
                 "ran": "whole rows" if whole_rows else "split", "work": work.totals(), "whole_work": whole_work.totals(),
+                "projections": [] if whole_rows else [*split.inputs, split.output[0]],
             }
     return results
 
@@ -238,7 +241,7 @@ def _convolution_backward_flops(grad_out_shape, x_shape, w_shape, *args, output_
 class _Work:
     """What one run of a module costs this rank: FLOPs (torch's counter: matmuls and convolutions, forward and
     backward), bytes of the activations autograd saves for backward (parameters and their slices excluded), and the
-    most rows (tokens) any of its linear layers was handed."""
+    most rows (tokens) each of its linear layers (by path) was handed when called as a module."""
 
     def __init__(self, module: torch.nn.Module):
         from torch.utils.flop_counter import FlopCounterMode
@@ -249,7 +252,7 @@ class _Work:
             aten.convolution: _convolution_flops, aten.convolution_backward: _convolution_backward_flops})
         self.parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
         self.saved: dict[int, int] = {}
-        self.rows = 0
+        self.rows: dict[str, int] = {}
 
     def _pack(self, tensor):
         storage = tensor.untyped_storage()
@@ -257,12 +260,12 @@ class _Work:
             self.saved[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    def _linear_input(self, _module, args):
-        self.rows = max(self.rows, args[0].shape[-2] if args[0].dim() >= 2 else 1)
+    def _linear_input(self, path: str, args) -> None:
+        self.rows[path] = max(self.rows.get(path, 0), args[0].shape[-2] if args[0].dim() >= 2 else 1)
 
     def __enter__(self):
-        self.hooks = [m.register_forward_pre_hook(self._linear_input) for m in self.module.modules()
-                      if isinstance(m, torch.nn.Linear)]
+        self.hooks = [m.register_forward_pre_hook(lambda _module, args, path=path: self._linear_input(path, args))
+                      for path, m in self.module.named_modules() if isinstance(m, torch.nn.Linear)]
         self.saving = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
         self.saving.__enter__()
         self.counter.__enter__()
@@ -279,7 +282,8 @@ class _Work:
 
 
 def _call_kwargs(module, hidden, cut=slice(None)) -> dict:
-    parameters = inspect.signature(module.forward).parameters
+    # the class's forward: a mixer split by heads is called through a forward of `*args, **kwargs` (head_split.py)
+    parameters = inspect.signature(type(module).forward).parameters
     kwargs = {}
     if "position_ids" in parameters:
         kwargs["position_ids"] = torch.arange(SEQ_LEN)[None, cut].expand(hidden.size(0), -1)
