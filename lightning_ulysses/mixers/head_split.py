@@ -8,7 +8,8 @@ heads, exactly as attention does; so the same trick applies. With the hidden sta
    `[batch, seq/P, C]` → `[batch, seq, C/P]` (channels/ChannelExchange);
 3. the mixer's own forward runs unchanged on those whole rows, with its head counts, per-head parameters and
    convolution weights narrowed to this rank's units (so it calls the same kernels as the unprepared model: the
-   flash-linear-attention and causal-conv1d ones where installed, transformers' PyTorch fallbacks elsewhere);
+   flash-linear-attention and causal-conv1d ones where installed, transformers' PyTorch fallbacks elsewhere, or our
+   linear-time one where that fallback is quadratic in length: kernels.py);
 4. before its output projection, a second all-to-all returns every channel of this rank's tokens.
 
 Every projection, convolution, recurrence and activation of the layer is then `1/P` of the whole layer's, per rank.
@@ -54,6 +55,7 @@ from lightning_ulysses._deepspeed_private import Z3_LEAF_ATTRIBUTE, mark_z3_leaf
 from lightning_ulysses.attention.all_to_all import all_gather_sequence
 from lightning_ulysses.mixers.arguments import CACHE_ARGUMENTS, PackedDocuments, shard_padding_mask, whole_row_argument
 from lightning_ulysses.mixers.channels import ChannelExchange, ChannelLayout, Replicated, Shared
+from lightning_ulysses.mixers.kernels import LinearTimeKernels
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
                "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
@@ -224,6 +226,7 @@ class HeadSplitMixer:
         self.slices = {name: (dim, layout.local_channels(self.rank, self.parts))
                        for name, (dim, layout) in split.parameters.items()}
         self.signature = inspect.signature(module.forward)
+        self.kernels = LinearTimeKernels(type(module))  # ours where transformers' fallback is quadratic (kernels.py)
         parameters = list(self.signature.parameters.values())
         self.hidden = parameters[0].name
         self.variadic = next((p.name for p in parameters if p.kind is p.VAR_KEYWORD), None)
@@ -243,6 +246,10 @@ class HeadSplitMixer:
         return all_gather_sequence(shard, self.group, seq_dim=1)
 
     def forward(self, module: torch.nn.Module, *args, **kwargs):
+        with self.kernels.in_place():
+            return self._forward(module, *args, **kwargs)
+
+    def _forward(self, module: torch.nn.Module, *args, **kwargs):
         arguments = self.signature.bind(*args, **kwargs).arguments
         hidden = arguments.get(self.hidden)
         where = f"{self.path} ({self.name})"

@@ -1,0 +1,51 @@
+"""Our linear-time PyTorch kernels in place of transformers' quadratic fallbacks, for the calls of prepared mixers.
+
+A family's mixer calls its recurrence by a module-level name of its modeling file (`torch_chunk_gated_delta_rule`),
+which transformers binds at import: to flash-linear-attention's kernel where fla is installed, else to its own
+PyTorch fallback, whose backward is quadratic in the row's length (delta_rule.py says why). For the duration of a
+prepared mixer's call — and only where the name is still bound to transformers' fallback — the name is bound to
+ours, which computes the same operations in the same order, linear in length. fla's kernels, where installed, are
+never replaced; the model outside our calls (and every other model) sees the module unchanged.
+
+Why a scoped rebinding rather than a copy of the family's forward: the forward is the family's own code, wrapped in
+transformers' decorators, and stays so (mixers/head_split.py: the view runs the family's code).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Callable, Iterator
+
+import torch
+
+from lightning_ulysses.mixers.delta_rule import chunk_gated_delta_rule
+
+# transformers' fallback's name in a modeling file → ours
+LINEAR_TIME: dict[str, Callable] = {"torch_chunk_gated_delta_rule": chunk_gated_delta_rule}
+
+
+def _is_transformers_fallback(bound: object, name: str) -> bool:
+    return getattr(bound, "__name__", None) == name and getattr(bound, "__module__", "").startswith("transformers.")
+
+
+class LinearTimeKernels:
+    """The names of `module_class`'s modeling file that are bound to a quadratic transformers fallback, and
+    `in_place()`, which binds them to ours for the duration of a call."""
+
+    def __init__(self, module_class: type[torch.nn.Module], replacements: dict[str, Callable] = LINEAR_TIME):
+        self.namespace = inspect.unwrap(module_class.forward).__globals__
+        self.replacements = {name: ours for name, ours in replacements.items()
+                             if _is_transformers_fallback(self.namespace.get(name), name)}
+
+    @contextlib.contextmanager
+    def in_place(self) -> Iterator[None]:
+        if not self.replacements:
+            yield
+            return
+        bound = {name: self.namespace[name] for name in self.replacements}
+        self.namespace.update(self.replacements)
+        try:
+            yield
+        finally:
+            self.namespace.update(bound)
