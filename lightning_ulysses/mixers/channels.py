@@ -20,7 +20,7 @@ from functools import cached_property
 
 import torch
 
-from lightning_ulysses.attention.all_to_all import all_to_all
+from lightning_ulysses.mixers.ranks import SequenceRanks
 
 
 @dataclass(frozen=True)
@@ -81,15 +81,16 @@ class ChannelLayout:
 
 
 class ChannelExchange:
-    """The all-to-alls of one layout over one SP group (indices built once, moved to the data's device once)."""
+    """The all-to-alls of one layout over the SP ranks (indices built once, moved to the data's device once)."""
 
-    def __init__(self, layout: ChannelLayout, group, parts: int, transport=None):
+    def __init__(self, layout: ChannelLayout, ranks: SequenceRanks):
+        parts = ranks.size
         if layout.units % parts:
             raise ValueError(f"{layout.units} units cannot be split over {parts} ranks")
         if len({len(layout.local_channels(rank, parts)) for rank in range(parts)}) != 1:
             # (shared groups that neither divide by the ranks nor the ranks by them): the exchange sends equal pieces
             raise ValueError(f"{layout} gives the {parts} ranks unequal numbers of channels")
-        self.layout, self.group, self.parts, self.transport = layout, group, parts, transport
+        self.layout, self.ranks, self.parts = layout, ranks, parts
         self._indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @cached_property
@@ -107,16 +108,12 @@ class ChannelExchange:
         if self._order is not None:
             shard = shard.index_select(-1, self._on(shard.device)[0])
         batch, length, channels = shard.shape
-        pieces = shard.reshape(batch, length, self.parts, channels // self.parts)
-        rows = all_to_all(pieces, self.group, scatter_dim=2, gather_dim=1, transport=self.transport)
-        return rows.reshape(batch, length * self.parts, channels // self.parts)
+        return self.ranks.to_head_rows(shard.reshape(batch, length, self.parts, channels // self.parts))
 
     def to_shard(self, rows: torch.Tensor) -> torch.Tensor:
         """`[batch, seq, C_local]` → `[batch, seq/P, C]` in the whole layout's channel order."""
         batch, length, local = rows.shape
-        pieces = all_to_all(rows.reshape(batch, length, 1, local), self.group, scatter_dim=1, gather_dim=2,
-                            transport=self.transport)
-        shard = pieces.reshape(batch, length // self.parts, self.parts * local)
+        shard = self.ranks.to_shard(rows).reshape(batch, length // self.parts, self.parts * local)
         if self._order is not None:
             shard = shard.index_select(-1, self._on(shard.device)[1])
         return shard

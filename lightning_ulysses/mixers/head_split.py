@@ -23,7 +23,7 @@ the whole rows' shape `[batch, seq, 0]` in place of the hidden states: the famil
 masks it, then hands it to a projection stand-in, which ignores it and projects the real shard.
 
 Per family, all of this is a declaration (`MixerSplit`), kept in one small file per family (gated_deltanet.py,
-short_conv.py, mamba2.py, ...); a mixer without one, or whose units do not divide by the SP size, or on a ring, runs
+short_conv.py, mamba2.py, ...); a mixer without one, or whose units do not divide by the SP size, runs
 on whole rows (whole_rows.py) with a warning that names the cost.
 
 A submodule whose computation spans units on different ranks (Mamba2's gated RMSNorm when a norm group holds the
@@ -49,13 +49,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
-import torch.distributed as dist
 
 from lightning_ulysses._deepspeed_private import Z3_LEAF_ATTRIBUTE, mark_z3_leaf
-from lightning_ulysses.attention.all_to_all import all_gather_sequence
 from lightning_ulysses.mixers.arguments import CACHE_ARGUMENTS, PackedDocuments, shard_padding_mask, whole_row_argument
 from lightning_ulysses.mixers.channels import ChannelExchange, ChannelLayout, Replicated, Shared
 from lightning_ulysses.mixers.kernels import LinearTimeKernels
+from lightning_ulysses.mixers.ranks import SequenceRanks
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
                "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
@@ -73,8 +72,8 @@ class MixerSplit:
     `masks_input`: the mixer zeroes padded tokens' hidden states before projecting them (done on the shard).
     `input_multiplier`: the attribute by which the mixer multiplies its hidden states before projecting them
     (Falcon-H1's `ssm_in_multiplier`); done on the shard, after the mask.
-    `replaced`: submodule path → a factory `(submodule, group) -> stand-in`: called for each local view with the
-    view's copy of the submodule (its parameters already sliced, its attributes set) and the SP group; for a
+    `replaced`: submodule path → a factory `(submodule, ranks) -> stand-in`: called for each local view with the
+    view's copy of the submodule (its parameters already sliced, its attributes set) and the `SequenceRanks`; for a
     computation that spans units on different ranks (module docstring).
     """
 
@@ -85,30 +84,29 @@ class MixerSplit:
     attributes: Mapping[str, Any] = field(default_factory=dict)
     masks_input: bool = True
     input_multiplier: str | None = None
-    replaced: Mapping[str, Callable[[torch.nn.Module, Any], torch.nn.Module]] = field(default_factory=dict)
+    replaced: Mapping[str, Callable[[torch.nn.Module, SequenceRanks], torch.nn.Module]] = field(default_factory=dict)
 
 
 class _SumOverRanks(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx, tensor: torch.Tensor, ranks: SequenceRanks) -> torch.Tensor:
+        ctx.ranks = ranks
         total = tensor.contiguous().clone()
-        dist.all_reduce(total, group=group)
+        ranks.all_reduce(total)
         return total
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         # every rank's output is the same sum: each rank's input reaches every rank's loss
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
+        ctx.ranks.all_reduce(grad)
         return grad, None
 
 
-def sum_over_ranks(tensor: torch.Tensor, group) -> torch.Tensor:
-    """The sum of `tensor` over the ranks of `group`, on every rank; differentiable (its backward sums the
-    gradients over the group the same way). For statistics that span units on different ranks. `group` None: one
-    rank (SP 1), the tensor itself."""
-    return tensor if group is None else _SumOverRanks.apply(tensor, group)
+def sum_over_ranks(tensor: torch.Tensor, ranks: SequenceRanks) -> torch.Tensor:
+    """The sum of `tensor` over the SP ranks, on every rank; differentiable (its backward sums the gradients over
+    the ranks the same way). For statistics that span units on different ranks. At SP 1, the tensor itself."""
+    return tensor if ranks.size == 1 else _SumOverRanks.apply(tensor, ranks)
 
 
 class _StandIn(torch.nn.Module):
@@ -179,17 +177,17 @@ class SumOfPartialProducts(_StandIn):
     product, summed over the SP group in float32 (as one matmul over every channel accumulates; a few channels); its
     bias added once, by the group's first rank."""
 
-    def __init__(self, linear: torch.nn.Linear, group):
+    def __init__(self, linear: torch.nn.Linear, ranks: SequenceRanks):
         super().__init__()
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"SumOfPartialProducts stands in for a torch.nn.Linear, not {type(linear).__name__}")
         # (kept under other names than `weight` and `bias`: code that reads those would read a part as if it were all)
-        self.weight_part, self.group = linear.weight, group
-        self.bias_once = linear.bias if group is None or dist.get_rank(group) == 0 else None
+        self.weight_part, self.ranks = linear.weight, ranks
+        self.bias_once = linear.bias if ranks.rank == 0 else None
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         partial = torch.nn.functional.linear(rows, self.weight_part, self.bias_once)
-        return sum_over_ranks(partial.float(), self.group).to(partial.dtype)
+        return sum_over_ranks(partial.float(), self.ranks).to(partial.dtype)
 
 
 def _bare_copy(module: torch.nn.Module) -> torch.nn.Module:
@@ -210,19 +208,18 @@ def _bare_copy(module: torch.nn.Module) -> torch.nn.Module:
 class HeadSplitMixer:
     """Runs one token mixer split by units over the SP group (module docstring); `install` puts it in place."""
 
-    def __init__(self, module: torch.nn.Module, path: str, split: MixerSplit, group,
-                 decoding: Callable[[], bool] = lambda: False, transport=None,
+    def __init__(self, module: torch.nn.Module, path: str, split: MixerSplit, ranks: SequenceRanks,
+                 decoding: Callable[[], bool] = lambda: False,
                  documents: PackedDocuments | None = None):
-        self.path, self.name, self.split, self.group = path, type(module).__name__, split, group
-        self.parts, self.rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+        self.path, self.name, self.split, self.ranks = path, type(module).__name__, split, ranks
+        self.parts, self.rank = ranks.size, ranks.rank
         self.decoding = decoding  # whether `inference.generate` is decoding with the model (a cache is then refused)
         self.documents = documents  # the packed documents of the model's forward (None: the model packs none)
-        self.inputs = {name: ChannelExchange(layout, group, self.parts, transport)
-                       for name, layout in split.inputs.items()}
+        self.inputs = {name: ChannelExchange(layout, ranks) for name, layout in split.inputs.items()}
         output, layout = split.output
         if any(isinstance(segment, (Replicated, Shared)) for segment in layout.segments):
             raise ValueError(f"{path}: an output projection's channels cannot be replicated or shared")
-        self.output = (output, ChannelExchange(layout, group, self.parts, transport))
+        self.output = (output, ChannelExchange(layout, ranks))
         self.slices = {name: (dim, layout.local_channels(self.rank, self.parts))
                        for name, (dim, layout) in split.parameters.items()}
         self.signature = inspect.signature(module.forward)
@@ -243,7 +240,7 @@ class HeadSplitMixer:
         return installed
 
     def gather(self, shard: torch.Tensor) -> torch.Tensor:
-        return all_gather_sequence(shard, self.group, seq_dim=1)
+        return self.ranks.gather(shard)
 
     def forward(self, module: torch.nn.Module, *args, **kwargs):
         with self.kernels.in_place():
@@ -350,7 +347,7 @@ class HeadSplitMixer:
         for path, make in self.split.replaced.items():
             owner, name = holder(path)
             view = owner._modules[name]
-            owner._modules[name] = make(view if path in copies else _bare_copy(view), self.group)
+            owner._modules[name] = make(view if path in copies else _bare_copy(view), self.ranks)
         return copies[""]
 
 

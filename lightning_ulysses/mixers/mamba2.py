@@ -24,7 +24,6 @@ with the same causal-conv1d and mamba_ssm kernels for the convolution and the sc
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_ulysses.mixers.channels import ChannelLayout, Shared
@@ -88,9 +87,9 @@ def norm_over_ranks(group_size: int, groups: int, local_channels: int):
     """The `MixerSplit.replaced` factory of an RMS norm over `groups` groups of `group_size` channels whose groups span
     ranks (each rank holding `local_channels` consecutive channels); also MiniMax's norm over every head (one group)."""
 
-    def make(norm: torch.nn.Module, group) -> torch.nn.Module:
-        first = dist.get_rank(group) * local_channels  # heads are split contiguously, so are their channels
-        return _GatedRMSNormOverRanks(norm, group, torch.arange(first, first + local_channels) // group_size,
+    def make(norm: torch.nn.Module, ranks: SequenceRanks) -> torch.nn.Module:
+        first = ranks.rank * local_channels  # heads are split contiguously, so are their channels
+        return _GatedRMSNormOverRanks(norm, ranks, torch.arange(first, first + local_channels) // group_size,
                                       group_size, groups)
 
     return make
@@ -102,9 +101,9 @@ class _GatedRMSNormOverRanks(torch.nn.Module):
 
     `group_of_channel`: the (global) norm group of each of this rank's channels."""
 
-    def __init__(self, norm: torch.nn.Module, group, group_of_channel: torch.Tensor, group_size: int, groups: int):
+    def __init__(self, norm: torch.nn.Module, ranks: SequenceRanks, group_of_channel: torch.Tensor, group_size: int, groups: int):
         super().__init__()
-        self.weight, self.eps, self.group = norm.weight, norm.variance_epsilon, group
+        self.weight, self.eps, self.ranks = norm.weight, norm.variance_epsilon, ranks
         self.group_of_channel, self.group_size, self.groups = group_of_channel, group_size, groups
         # Falcon-H1's norm may gate after normalising, and multiplies by its weight in float32 before casting back
         self.falcon = hasattr(norm, "norm_before_gate")
@@ -118,7 +117,7 @@ class _GatedRMSNormOverRanks(torch.nn.Module):
         index = self.group_of_channel.to(states.device)
         squares = states.pow(2)
         partial = squares.new_zeros(*squares.shape[:-1], self.groups).index_add(-1, index, squares)
-        variance = sum_over_ranks(partial, self.group).index_select(-1, index) / self.group_size
+        variance = sum_over_ranks(partial, self.ranks).index_select(-1, index) / self.group_size
         states = states * torch.rsqrt(variance + self.eps)
         if not self.falcon:
             return self.weight * states.to(dtype)

@@ -99,6 +99,20 @@ def test_every_token_mixer_layer_is_exact_on_its_own(outcome):
                 assert output < 1e-5 and gradient < 1e-5, (family, sp, path, output, gradient)
 
 
+def test_split_mixers_are_exact_on_a_ring_and_split_over_every_sp_rank(outcome):
+    # Hybrid Ulysses × ring (SP 4 = Ulysses 2 × ring 2, zig-zag shards): the mixers' heads are their own, so they
+    # split over all four SP ranks (two-stage exchanges, rows put back in natural order: mixers/ranks.py).
+    for family in MIXER_FAMILIES:
+        layers = [rank["mixer_rings"][family] for rank in outcome]
+        assert layers[0], (family, "no mixer found")
+        for path in layers[0]:
+            output = max(layer[path]["output_error"] for layer in layers)
+            gradient = max(layer[path]["gradient_error"] for layer in layers)
+            assert output < 1e-5 and gradient < 1e-5, (family, path, output, gradient)
+            expected = "split" if family in SPLIT_FAMILIES else "whole rows"
+            assert layers[0][path]["ran"] == expected, (family, path, layers[0][path]["ran"])
+
+
 def test_hybrids_run_with_the_cache_transformers_makes_by_default():
     # `model(**batch)` as users write it: transformers then creates a cache in every forward, training included,
     # and hands it to each mixer; the matrix must run with it (a cache the model made for itself is no error).

@@ -106,6 +106,9 @@ def _matrix():
         _case(4, 4, 3, "gqa", suffix="-ring2", strategy_kwargs={"ring_size": 2}),
         _case(4, 4, 2, "gqa", suffix="-gpt-ring2", model="gpt", validate=True, strategy_kwargs={"ring_size": 2}),
         _case(4, 2, 1, "mqa", suffix="-ring2", seq_len=15, strategy_kwargs={"ring_size": 2}),
+        # A hybrid on a ring: its attention's K/V blocks pass around the ring, its Gated-DeltaNet mixers split by
+        # heads over all four SP ranks (mixers/ranks.py)
+        _case(4, 4, 3, "gqa", suffix="-qwen3_next-ring2", model="family:qwen3_next", strategy_kwargs={"ring_size": 2}),
         # Label idioms: labels=input_ids and labels built in the step are read as Hugging Face reads them
         # (unshifted), at SP 1 (DP 2), SP 2 and SP 2 x DP 2; the batch's own labels with the strategy's loss.
         *[_case(world, sp, stage, "mqa", suffix=f"-{step}", step=step)

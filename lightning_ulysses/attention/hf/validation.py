@@ -14,6 +14,7 @@ from lightning_ulysses.attention import inline
 from lightning_ulysses.attention.backends import BACKENDS, check_backend
 from lightning_ulysses.attention.core import validate_head_counts
 from lightning_ulysses.attention.hf.binding import ULYSSES_ATTENTION
+from lightning_ulysses.mixers import runs_split
 
 
 # Layer kinds of `config.layer_types` whose token mixing (if any) is attention through transformers' attention interface
@@ -144,11 +145,14 @@ def validate_hf_model(model: PreTrainedModel, sequence_parallel_size: int, ring_
     if sharded:
         # First: for a Mamba or RWKV model "build it with sdpa" (below) would be no advice at all.
         _reject_token_mixing_outside_attention(model)
-        mixers = find_token_mixers(model)
-        if ring_size > 1 and mixers:
+        # On a ring, a mixer runs split by its own heads over every SP rank; whole rows are for pure Ulysses only.
+        whole_rows = [f"{path} ({type(module).__name__})" for path, module in token_mixer_modules(model)
+                      if not runs_split(module, sequence_parallel_size * ring_size)]
+        if ring_size > 1 and whole_rows:
             raise NotImplementedError(
-                f"{type(model).__name__} has token mixers that are not attention ({mixers[0]}), which run on whole rows"
-                " under pure Ulysses only: use ring_size=1 (a sequence_parallel_size the heads divide), or train with"
+                f"{type(model).__name__} has token mixers that are not attention ({whole_rows[0]}) and cannot split by"
+                f" their heads over {sequence_parallel_size * ring_size} SP ranks; such mixers run on whole rows under"
+                " pure Ulysses only: use ring_size=1 (a sequence_parallel_size the heads divide), or train with"
                 " sequence_parallel_size=1.")
     if sharded and backend not in (*BACKENDS, "eager"):
         raise ValueError(

@@ -26,7 +26,7 @@ from lightning_ulysses import SequenceSharder, prepare_hf_model
 from lightning_ulysses.adapters import position_rule_of
 from lightning_ulysses.attention.hf import token_mixer_modules, validate_hf_model
 from lightning_ulysses.mixers import install_mixers, split_of
-from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
+from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, ShardOrder
 from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.loss import SequenceParallelCausalLMLoss
 from tests.distributed.common import relative_gradient_error
@@ -218,6 +218,38 @@ def mixer_errors(pristine, sp_groups: dict) -> dict:
     return results
 
 
+def mixer_ring_errors(pristine, groups) -> dict:
+    """{path: {...}} for the first token mixer of each kind under hybrid Ulysses × ring (`groups`: SP 4 as Ulysses 2
+    × ring 2, zig-zag shards): one layer split over all four SP ranks against the same layer on the whole rows in
+    one process: output and input-gradient errors, and how it ran."""
+    kinds, results = {}, {}
+    for path, module in token_mixer_modules(pristine):
+        kinds.setdefault(type(module).__name__, (path, module))
+    order, rank = ShardOrder.of_groups(groups.ulysses_group, groups.ring_group)
+    for path, module in kinds.values():
+        generator = torch.Generator().manual_seed(13)
+        hidden = torch.randn(2, SEQ_LEN, pristine.config.get_text_config().hidden_size, generator=generator)
+        weights = torch.randn(2, SEQ_LEN, 1, generator=generator)
+        whole = hidden.clone().requires_grad_(True)
+        reference = copy.deepcopy(module)
+        expected = _first(reference(whole, **_call_kwargs(reference, whole)))
+        (expected * weights).sum().backward()
+        mine = copy.deepcopy(module)
+        handles, whole_rows = install_mixers([(path, mine)], groups.ulysses_group, groups.ring_group)
+        positions = order.positions(SEQ_LEN, rank)
+        shard = hidden[:, positions].clone().requires_grad_(True)
+        try:
+            output = _first(mine(shard, **_call_kwargs(mine, shard, positions)))
+            (output * weights[:, positions]).sum().backward()
+        finally:
+            for handle in handles:
+                handle.remove()
+        results[path] = {"output_error": (output - expected[:, positions]).abs().max().item(),
+                         "gradient_error": (shard.grad - whole.grad[:, positions]).abs().max().item(),
+                         "ran": "whole rows" if whole_rows else "split"}
+    return results
+
+
 def _packed_refusal(module, path: str, group, cut: slice, shard: torch.Tensor) -> str:
     """What a mixer left on whole rows says when the model's positions hold packed documents ("" if nothing)."""
     mine = copy.deepcopy(module)
@@ -325,11 +357,16 @@ def run(spec: dict, workdir: Path) -> None:
     output = {"families": {}, "seconds": {}, "transformers_version": transformers.__version__}
     sp_groups = {sp: SequenceParallelGroups.build(ParallelLayout(dist.get_world_size(), sp))
                  for sp in spec["sequence_parallel_sizes"]}
+    # SP 4 as Ulysses 2 × ring 2 (its sub-groups made once, on every rank alike), for split mixers on a ring
+    ring_groups = sp_groups[4].with_ring_size(2) if 4 in sp_groups else None
     for family in spec["families"]:
         start = time.monotonic()
         output["families"][family["family"]] = run_family(family, sp_groups)
         if family.get("mixers"):
             output.setdefault("mixers", {})[family["family"]] = mixer_errors(build(family)[0], sp_groups)
+            if ring_groups is not None:
+                output.setdefault("mixer_rings", {})[family["family"]] = mixer_ring_errors(build(family)[0],
+                                                                                           ring_groups)
         output["seconds"][family["family"]] = time.monotonic() - start
         if dist.get_rank() == 0:  # progress in the launch's log
             print(f"{family['family']}: {output['families'][family['family']]} ({output['seconds'][family['family']]:.1f} s)",
