@@ -3,9 +3,9 @@ under sequence parallelism.
 
 Each mixer found in a model (`attention.hf.token_mixer_modules`) runs one of two ways:
 - split by heads (head_split.py), the Ulysses way, when its family declares how (one small file per family:
-  gated_deltanet.py, short_conv.py, mamba2.py, mamba.py, kimi_delta.py, lightning_attention.py) and its heads (or
-  channels) divide by the SP size: its work and activations are `1/SP` of the whole layer's on every rank — with a
-  ring too, over all `ulysses × ring` SP ranks (ranks.py);
+  gated_deltanet.py, short_conv.py, mamba2.py, mamba.py, kimi_delta.py, lightning_attention.py, rg_lru.py) and its
+  heads (or channels) divide by the SP size: its work and activations are `1/SP` of the whole layer's on every
+  rank — with a ring too, over all `ulysses × ring` SP ranks (ranks.py);
 - on whole rows (whole_rows.py), the last resort, otherwise: exact, but the layer's work does not shrink.
 `install_mixers` says which mixers took the last resort and why, so that the caller warns with the cost.
 """
@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from lightning_ulysses.mixers import gated_deltanet, kimi_delta, lightning_attention, mamba, mamba2, short_conv
+from lightning_ulysses.mixers import gated_deltanet, kimi_delta, lightning_attention, mamba, mamba2, rg_lru, short_conv
 from lightning_ulysses.mixers.arguments import PackedDocuments
 from lightning_ulysses.mixers.head_split import HeadSplitMixer, MixerSplit
 from lightning_ulysses.mixers.ranks import SequenceRanks
@@ -24,7 +24,7 @@ from lightning_ulysses.mixers.whole_rows import WholeRowsMixer
 
 # Per family: `matches(module)` recognises its mixer by structure, `split(module, parts)` declares the split (or
 # None where it cannot split over `parts` ranks).
-FAMILIES = (gated_deltanet, short_conv, mamba2, mamba, kimi_delta, lightning_attention)
+FAMILIES = (gated_deltanet, short_conv, mamba2, mamba, kimi_delta, lightning_attention, rg_lru)
 
 
 def split_of(module: torch.nn.Module, parts: int) -> MixerSplit | None:
@@ -37,6 +37,18 @@ def runs_split(module: torch.nn.Module, parts: int) -> bool:
     """Whether `install_mixers` splits `module` over `parts` SP ranks (else: whole rows, or as it is at SP 1)."""
     split = split_of(module, parts)
     return split is not None and split.units % parts == 0
+
+
+def _outside_splits(mixers: list[tuple[str, torch.nn.Module]], parts: int) -> list[tuple[str, torch.nn.Module]]:
+    """`mixers` less those inside a mixer that runs split (RecurrentGemma's RG-LRU inside its recurrent block): the
+    split's local view runs them, as part of it, on this rank's heads."""
+    splits = [path for path, module in mixers if runs_split(module, parts)]
+    return [(path, module) for path, module in mixers if not any(path.startswith(f"{split}.") for split in splits)]
+
+
+def left_on_whole_rows(mixers: list[tuple[str, torch.nn.Module]], parts: int) -> list[tuple[str, torch.nn.Module]]:
+    """The mixers of `mixers` that `install_mixers` would run on whole rows over `parts` SP ranks."""
+    return [(path, module) for path, module in _outside_splits(mixers, parts) if not runs_split(module, parts)]
 
 
 def install_mixers(mixers: list[tuple[str, torch.nn.Module]], group, ring_group=None,
@@ -53,7 +65,7 @@ def install_mixers(mixers: list[tuple[str, torch.nn.Module]], group, ring_group=
     parts = ranks.size
     documents = PackedDocuments(positions, ranks.gather)
     handles, whole_rows = [], []
-    for path, module in mixers:
+    for path, module in _outside_splits(mixers, parts):
         split = split_of(module, parts)
         if runs_split(module, parts):
             handles.append(HeadSplitMixer(module, path, split, ranks, decoding, documents).install(module))

@@ -75,7 +75,8 @@ MEMORY = {"activation_checkpointing": True, "offload_activations": True, "tiled_
 # Families whose mixers run split by heads (lightning_ulysses/mixers/: a declaration per family); the others' run
 # on whole rows.
 SPLIT_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lfm2", "mamba2", "bamba", "nemotron_h",
-                  "falcon_h1", "granitemoehybrid", "zamba2", "mamba", "falcon_mamba", "jamba", "kimi_linear", "minimax")
+                  "falcon_h1", "granitemoehybrid", "zamba2", "mamba", "falcon_mamba", "jamba", "kimi_linear", "minimax",
+                  "recurrent_gemma")
 
 # Families whose token mixers that are not attention are also checked layer by layer (`mixer_errors`): one layer of
 # each kind on its shard against the same layer on the whole rows, output and input gradient.

@@ -90,10 +90,11 @@ def test_at_sp_1_a_model_transformers_cannot_switch_keeps_its_own_attention_exac
 
 
 def test_a_ring_refuses_token_mixers_that_cannot_split_by_their_heads():
-    # ring_size 2 over one Ulysses rank: whole-rows mixers (RG-LRU: no split declared) run under pure Ulysses only.
-    model = tiny_model("recurrent_gemma")
+    # whole-rows mixers run under pure Ulysses only: RecurrentGemma's 4 RG-LRU heads do not split over 4 x 2 ranks
+    model = tiny_model("recurrent_gemma", block_types=["recurrent", "attention"])
     with pytest.raises(NotImplementedError, match="ring_size=1"):
-        validate_hf_model(model, 1, ring_size=2)
-    validate_hf_model(model, 1)  # SP 1: nothing is cut
+        validate_hf_model(model, 4, ring_size=2)
+    validate_hf_model(model, 4)  # pure Ulysses: on whole rows (warned when prepared)
     # a mixer split by its own heads runs on a ring too, over all SP ranks (mixers/ranks.py)
+    validate_hf_model(model, 2, ring_size=2)
     validate_hf_model(tiny_model("lfm2", layer_types=["conv", "full_attention"]), 1, ring_size=2)

@@ -14,7 +14,7 @@ from lightning_ulysses.attention import inline
 from lightning_ulysses.attention.backends import BACKENDS, check_backend
 from lightning_ulysses.attention.core import validate_head_counts
 from lightning_ulysses.attention.hf.binding import ULYSSES_ATTENTION
-from lightning_ulysses.mixers import runs_split
+from lightning_ulysses.mixers import left_on_whole_rows
 
 
 # Layer kinds of `config.layer_types` whose token mixing (if any) is attention through transformers' attention interface
@@ -146,8 +146,8 @@ def validate_hf_model(model: PreTrainedModel, sequence_parallel_size: int, ring_
         # First: for a Mamba or RWKV model "build it with sdpa" (below) would be no advice at all.
         _reject_token_mixing_outside_attention(model)
         # On a ring, a mixer runs split by its own heads over every SP rank; whole rows are for pure Ulysses only.
-        whole_rows = [f"{path} ({type(module).__name__})" for path, module in token_mixer_modules(model)
-                      if not runs_split(module, sequence_parallel_size * ring_size)]
+        whole_rows = [f"{path} ({type(module).__name__})" for path, module
+                      in left_on_whole_rows(token_mixer_modules(model), sequence_parallel_size * ring_size)]
         if ring_size > 1 and whole_rows:
             raise NotImplementedError(
                 f"{type(model).__name__} has token mixers that are not attention ({whole_rows[0]}) and cannot split by"

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from lightning_ulysses import SequenceSharder, prepare_hf_model
 from lightning_ulysses.adapters import position_rule_of
 from lightning_ulysses.attention.hf import token_mixer_modules, validate_hf_model
-from lightning_ulysses.mixers import install_mixers, split_of
+from lightning_ulysses.mixers import install_mixers, left_on_whole_rows, split_of
 from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, ShardOrder
 from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.loss import SequenceParallelCausalLMLoss
@@ -127,7 +127,7 @@ def run_family(family: dict, sp_groups: dict) -> dict:
         # Mamba2, whose mixers split but whose model takes no position_ids: no positions to pack by) have none.
         mixers = token_mixer_modules(pristine)
         by_document = ("position_ids" in inspect.signature(pristine.forward).parameters and bool(mixers)
-                       and all(split_of(module, 1) is not None for _, module in mixers))
+                       and not left_on_whole_rows(mixers, 1))
         if not by_document:
             del batches["packed"]
     outcomes = {sp: {"status": "ran", "loss_error": 0.0, "grad_error": 0.0, "batches": []} for sp in sp_groups}
@@ -176,15 +176,23 @@ def run_family(family: dict, sp_groups: dict) -> dict:
     return outcomes
 
 
+def _outermost_mixer_kinds(pristine) -> dict:
+    """{class name: (path, module)}: the first token mixer of each kind, less those inside another listed mixer
+    (RecurrentGemma's RG-LRU inside its recurrent block, which runs it as part of itself)."""
+    mixers, kinds = token_mixer_modules(pristine), {}
+    for path, module in mixers:
+        if not any(path.startswith(f"{outer}.") for outer, _ in mixers):
+            kinds.setdefault(type(module).__name__, (path, module))
+    return kinds
+
+
 def mixer_errors(pristine, sp_groups: dict) -> dict:
     """{sp: {path: {...}}} for the first token mixer of each kind: one layer run on its shard as the strategy runs it
     (`install_mixers`: split by heads, or on whole rows) against the same layer on the whole rows in one process:
     output and input-gradient errors, how it ran, and the work of each (forward + backward FLOPs, bytes of
     activations saved for backward, the rows each of its linear layers saw), and which of its linear layers are the
     input and output projections of its split (none when it runs on whole rows)."""
-    kinds, results = {}, {}
-    for path, module in token_mixer_modules(pristine):
-        kinds.setdefault(type(module).__name__, (path, module))
+    kinds, results = _outermost_mixer_kinds(pristine), {}
     for sp, groups in sp_groups.items():
         group, rank = groups.sequence_parallel_group, groups.sequence_parallel_rank
         results[sp] = {}
@@ -222,9 +230,7 @@ def mixer_ring_errors(pristine, groups) -> dict:
     """{path: {...}} for the first token mixer of each kind under hybrid Ulysses × ring (`groups`: SP 4 as Ulysses 2
     × ring 2, zig-zag shards): one layer split over all four SP ranks against the same layer on the whole rows in
     one process: output and input-gradient errors, and how it ran."""
-    kinds, results = {}, {}
-    for path, module in token_mixer_modules(pristine):
-        kinds.setdefault(type(module).__name__, (path, module))
+    kinds, results = _outermost_mixer_kinds(pristine), {}
     order, rank = ShardOrder.of_groups(groups.ulysses_group, groups.ring_group)
     for path, module in kinds.values():
         generator = torch.Generator().manual_seed(13)
