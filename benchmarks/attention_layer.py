@@ -59,7 +59,7 @@ from lightning_ulysses.attention.all_to_all import start_exchange
 from lightning_ulysses.attention.core import UlyssesAttention
 from lightning_ulysses.attention import ring
 from lightning_ulysses.attention.ring import block_kernel_kind, ring_attention, sdpa_kernel_order
-from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, ShardOrder
+from lightning_ulysses.parallel.layout import ParallelLayout, SequenceParallelGroups, ShardOrder
 
 MODES = ("sdpa", "local", "exchange", "ulysses", "ulysses_separate", "ulysses_stack_cat", "ring", "hybrid")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -36,7 +36,7 @@ def run(args) -> tuple[list[float], dict]:
 
     from lightning_ulysses import UlyssesDeepSpeedStrategy
     from lightning_ulysses.models import CausalLMModule, HuggingFaceCausalLM
-    from lightning_ulysses.optim import adamw, optimizer_on_host
+    from lightning_ulysses.training.optim import adamw, optimizer_on_host
     from lightning_ulysses.plan import memory_options
 
     class Module(CausalLMModule):

@@ -40,8 +40,8 @@ MEMORY = {"tiled_mlp": True, "tiled_logits_loss": True, "activation_checkpointin
 def predicted_longest(args, devices: int) -> int:
     """auto's longest length at SP = devices from total (not free) memory, so that every rank computes the same."""
     from lightning_ulysses.auto import AutoMemory, _proc_bytes, longest_fit
-    from lightning_ulysses.layout import ParallelLayout
-    from lightning_ulysses.run_spec import RunSpec
+    from lightning_ulysses.parallel.layout import ParallelLayout
+    from lightning_ulysses.parallel.run_spec import RunSpec
 
     total_device = torch.cuda.get_device_properties(0).total_memory
     total_host = _proc_bytes("/proc/meminfo", "MemTotal")

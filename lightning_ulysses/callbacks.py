@@ -23,8 +23,8 @@ import torch
 from lightning.pytorch.callbacks import RichProgressBar
 from typing_extensions import override
 
-from lightning_ulysses import _lightning_private as lightning_private
-from lightning_ulysses.native_model import NativeCausalLM
+from lightning_ulysses.fences import _lightning_private as lightning_private
+from lightning_ulysses.adapters.native_model import NativeCausalLM
 from lightning_ulysses.planner import ModelShape
 
 
@@ -158,7 +158,7 @@ class TrainingProgressBar(RichProgressBar):
         return metrics
 
     @override
-    def _get_train_description(self, current_epoch: int) -> str:  # private: lightning_ulysses._lightning_private
+    def _get_train_description(self, current_epoch: int) -> str:  # private: lightning_ulysses.fences._lightning_private
         epochs = planned_epochs(self.trainer)
         description = f"Epoch {current_epoch}" + ("" if epochs is None else f"/{epochs - 1}")
         # Lightning pads to the validation bar's description: equal widths do not flicker.

@@ -52,7 +52,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler, SequentialSampler
 
-from lightning_ulysses import _lightning_private as lightning_private
+from lightning_ulysses.fences import _lightning_private as lightning_private
 from lightning_ulysses import console
 from lightning_ulysses.export import (DEFAULT_ADAPTER, PEFT_BASE, PeftAdapters, adapter_configs,
                                       save_pretrained_folders)

@@ -11,9 +11,9 @@ import argparse
 import contextlib
 from typing import Any, Optional
 
-from lightning_ulysses import _deepspeed_private as deepspeed_private
+from lightning_ulysses.fences import _deepspeed_private as deepspeed_private
 from lightning_ulysses import console
-from lightning_ulysses.layout import SequenceParallelGroups
+from lightning_ulysses.parallel.layout import SequenceParallelGroups
 
 
 def deepspeed_engine_type() -> type:

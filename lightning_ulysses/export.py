@@ -37,7 +37,7 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from lightning_ulysses import _deepspeed_private as deepspeed_private
+from lightning_ulysses.fences import _deepspeed_private as deepspeed_private
 
 # Where a `PeftModel` keeps the model it adapts (`peft_model.base_model.model`): the PEFT model's state-dict keys are
 # that model's (adapted layers included) under this prefix.

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_ulysses import _lightning_private as lightning_private
+from lightning_ulysses.fences import _lightning_private as lightning_private
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -27,9 +27,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_ulysses.attention.all_to_all import all_gather_sequence
-from lightning_ulysses.attention.hf import DecodeState, binding_of, prepare_hf_model
-from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, ShardOrder
-from lightning_ulysses.loss import IGNORE_INDEX, shift_sharded_labels
+from lightning_ulysses.hf import DecodeState, binding_of, prepare_hf_model
+from lightning_ulysses.parallel.layout import ParallelLayout, SequenceParallelGroups, ShardOrder
+from lightning_ulysses.training.loss import IGNORE_INDEX, shift_sharded_labels
 
 OutputKind = Literal["last", "log_probs", "full"]
 

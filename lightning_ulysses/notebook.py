@@ -30,7 +30,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_ulysses import _lightning_private as lightning_private
+from lightning_ulysses.fences import _lightning_private as lightning_private
 
 _RUN_AS_SCRIPT = (
     "run the training as a script, where every rank is a fresh process: Trainer(strategy='ulysses') in"

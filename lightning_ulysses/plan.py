@@ -16,10 +16,10 @@ import dataclasses
 import math
 
 from lightning_ulysses.auto import AutoMemory, choose, longest_fit
-from lightning_ulysses.layout import ParallelLayout
+from lightning_ulysses.parallel.layout import ParallelLayout
 from lightning_ulysses.planner import (FEATURES, GIB, MODELS, TrainingSetup, longest_sequence, memory_options, plan_memory,
                                        published_176b_comparison)
-from lightning_ulysses.run_spec import RunSpec
+from lightning_ulysses.parallel.run_spec import RunSpec
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m lightning_ulysses.plan", description=__doc__,

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lightning_ulysses.memory import MemoryOptions
-from lightning_ulysses.run_spec import RunSpec
+from lightning_ulysses.parallel.run_spec import RunSpec
 
 GIB = 2**30
 GB = 10**9

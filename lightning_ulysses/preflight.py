@@ -23,9 +23,9 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_ulysses.layout import ParallelLayout
+from lightning_ulysses.parallel.layout import ParallelLayout
 from lightning_ulysses.planner import TrainingSetup, optimizer_offload_host_bytes, sub_groups_of
-from lightning_ulysses.run_spec import RunSpec
+from lightning_ulysses.parallel.run_spec import RunSpec
 
 GIB = 1024**3
 # Bytes per parameter that ZeRO-Offload keeps in host memory, split over all ranks: fp32 master weights, Adam's

@@ -25,11 +25,11 @@ from lightning_ulysses import auto
 from lightning_ulysses.attention.core import validate_head_counts
 from lightning_ulysses.checkpoint import PREVIOUS_SUFFIX, resolve_checkpoint, saved_global_step
 from lightning_ulysses.console import quiet_third_party  # noqa: F401  (recipes/train.py: before anything is built)
-from lightning_ulysses.layout import ParallelLayout
+from lightning_ulysses.parallel.layout import ParallelLayout
 from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.pretrained import check_pretrained_folder
 from lightning_ulysses.planner import ModelShape, TrainingSetup, plan_memory
-from lightning_ulysses.run_spec import LIGHTNING_SUB_GROUP_SIZE, RunSpec, split_ulysses_block
+from lightning_ulysses.parallel.run_spec import LIGHTNING_SUB_GROUP_SIZE, RunSpec, split_ulysses_block
 from lightning_ulysses.export import ExportPretrained
 from lightning_ulysses.faults import EXIT_PREEMPTED
 

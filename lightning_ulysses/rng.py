@@ -38,7 +38,7 @@ from typing import Any, Iterator, Mapping, Optional
 import torch
 from lightning.fabric.utilities.seed import pl_worker_init_function
 
-from lightning_ulysses import _lightning_private as lightning_private
+from lightning_ulysses.fences import _lightning_private as lightning_private
 
 # The key of the rank's own stream in the RNG states a checkpoint saves (beside Lightning's "torch", "numpy", ...).
 STATE_KEY = "ulysses_sequence_parallel"

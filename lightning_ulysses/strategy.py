@@ -25,22 +25,22 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_ulysses import _lightning_private as lightning_private
+from lightning_ulysses.fences import _lightning_private as lightning_private
 from lightning_ulysses import auto, console, engine, faults, preflight, preparation, pretrained
 from lightning_ulysses.attention import copy_engine
 from lightning_ulysses.attention.backends import check_sdpa_kernel_priority, sdpa_priority
 from lightning_ulysses.attention.core import check_overlap_head_groups, resolve_ring_size
 from lightning_ulysses.attention.rows import BatchRowsSlot
-from lightning_ulysses.batch_check import CheckBatches, SameBatchCheck
+from lightning_ulysses.batch.check import CheckBatches, SameBatchCheck
 from lightning_ulysses.callbacks import correct_progress_bar
 from lightning_ulysses.checkpoint import StrategyCheckpoints
-from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
+from lightning_ulysses.parallel.layout import ParallelLayout, SequenceParallelGroups
 from lightning_ulysses.memory import MemoryOptions, apply_allocator_settings
-from lightning_ulysses.loss import SequenceParallelCausalLMLoss, refuse_shard_local_loss
+from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss, refuse_shard_local_loss
 from lightning_ulysses.notebook import configure_launcher
 from lightning_ulysses.rng import SequenceParallelRNG, seed_workers_by_data_parallel_rank
-from lightning_ulysses.run_spec import RunSpec, deep_merge, inference_config, read_sequence_parallel_size
-from lightning_ulysses.sharding import SequencePadding, SequenceSharder
+from lightning_ulysses.parallel.run_spec import RunSpec, deep_merge, inference_config, read_sequence_parallel_size
+from lightning_ulysses.batch.sharding import SequencePadding, SequenceSharder
 
 # A child of Lightning's logger, so the start-up report prints wherever Lightning's own messages do.
 _log = logging.getLogger("lightning.pytorch.ulysses")

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_ulysses.loss import (
+from lightning_ulysses.training.loss import (
     IGNORE_INDEX,
     SequenceParallelCausalLMLoss,
     sequence_parallel_token_mean,

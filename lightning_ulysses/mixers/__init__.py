@@ -1,7 +1,7 @@
 """Token mixers that are not attention (linear attention, state-space layers, short convolutions, recurrences)
 under sequence parallelism.
 
-Each mixer found in a model (`attention.hf.token_mixer_modules`) runs one of two ways:
+Each mixer found in a model (`hf.token_mixer_modules`) runs one of two ways:
 - split by heads (head_split.py), the Ulysses way, when its family declares how (one small file per family:
   gated_deltanet.py, short_conv.py, mamba2.py, mamba.py, kimi_delta.py, lightning_attention.py) and its heads (or
   channels) divide by the SP size: its work and activations are `1/SP` of the whole layer's on every rank;
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ulysses.attention.all_to_all import all_gather_sequence
-from lightning_ulysses.layout import ShardOrder
+from lightning_ulysses.parallel.layout import ShardOrder
 from lightning_ulysses.mixers import gated_deltanet, kimi_delta, lightning_attention, mamba, mamba2, short_conv
 from lightning_ulysses.mixers.arguments import PackedDocuments
 from lightning_ulysses.mixers.head_split import HeadSplitMixer, MixerSplit

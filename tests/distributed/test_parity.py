@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_ulysses.layout import ShardOrder
+from lightning_ulysses.parallel.layout import ShardOrder
 from tests.distributed.common import (NUM_HEADS, SECOND_ADAPTER, UnevenlyMaskedTokens, build_model, built_labels,
                                       collate)
 from tests.distributed.harness import ROOT

@@ -10,7 +10,7 @@ import pytest
 from lightning_ulysses.auto import AutoMemory, Confirmation, StepProbe, choose, coerce_memory, longest_fit
 from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.planner import GIB, MODELS, TrainingSetup, plan_memory
-from lightning_ulysses.run_spec import RunSpec
+from lightning_ulysses.parallel.run_spec import RunSpec
 from lightning_ulysses.step_time import (AUTO_VS_HAND_PAIRS, CALIBRATION, DEFERRED_MLP_PAIRS, FUSED_PAIRS,
                                          OVERLAP_PAIRS, predict_step_time, predicted)
 

@@ -251,7 +251,7 @@ def test_benchmark_syntax_auto_keeps_what_is_set_and_the_step_time_factor():
     import dataclasses
 
     from lightning_ulysses.auto import AutoMemory, choose
-    from lightning_ulysses.run_spec import RunSpec
+    from lightning_ulysses.parallel.run_spec import RunSpec
     from lightning_ulysses.plan import memory_options
     from lightning_ulysses.planner import GIB, MODELS, TrainingSetup
     from lightning_ulysses.step_time import H200, predict_step_time

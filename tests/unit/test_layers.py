@@ -24,7 +24,7 @@ from pathlib import Path
 PACKAGE = "lightning_ulysses"
 SOURCE = Path(__file__).resolve().parents[2] / PACKAGE
 
-FENCES = {"_lightning_private", "_deepspeed_private"}
+FENCES = {"fences._lightning_private", "fences._deepspeed_private"}
 INTEGRATION = {"__init__", "__main__", "strategy", "engine", "preparation", "checkpoint", "export", "faults", "rng", "notebook",
                "callbacks", "console", "recipe", "plan", "preflight", "example"}
 LAYERS = ("fences", "core", "integration", "models")
@@ -153,10 +153,10 @@ def test_the_analysis_sees_every_kind_of_import():
     """The reader of imports, on a module of its own: relative, function-level and TYPE_CHECKING imports count."""
     assert "lightning_ulysses.memory" in MODULES and "lightning_ulysses.memory.tiled_mlp" in MODULES
     targets = {target for _, target in imports_of("lightning_ulysses.memory")}
-    assert {"lightning_ulysses.memory.tiled_mlp", "lightning_ulysses._deepspeed_private"} <= targets
+    assert {"lightning_ulysses.memory.tiled_mlp", "lightning_ulysses.fences._deepspeed_private"} <= targets
     assert layer_of("lightning_ulysses") == "integration" and layer_of("lightning_ulysses.models.gpt") == "models"
     assert layer_of("lightning_ulysses.attention.core") == "core"
-    assert layer_of("lightning_ulysses._deepspeed_private") == "fences"
+    assert layer_of("lightning_ulysses.fences._deepspeed_private") == "fences"
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
@@ -190,7 +190,7 @@ def test_no_import_cycle():
 
 
 # -- DeepSpeed's private names stay in their fence ------------------------------------------------------------------
-FENCE = f"{PACKAGE}._deepspeed_private"
+FENCE = f"{PACKAGE}.fences._deepspeed_private"
 # Attribute names and string constants (a `getattr` spelling) private to DeepSpeed, and its modules whose only use
 # to us is a private global. Read against `_deepspeed_private.FENCED` below, so that a new fenced name is added here.
 PRIVATE_DEEPSPEED_NAMES = {"_z3_leaf", "mpu", "__compatible_ops__", "FWD_MODULE_STACK", "__params_to_release",
@@ -258,7 +258,7 @@ def test_no_function_level_imports_of_the_package():
 def test_function_level_imports_are_found(tmp_path, monkeypatch):
     """The count above is not vacuous: an import inside a function of a package module is found."""
     module = tmp_path / "lazy.py"
-    module.write_text("def f():\n    from lightning_ulysses.loss import IGNORE_INDEX\n    return IGNORE_INDEX\n")
+    module.write_text("def f():\n    from lightning_ulysses.training.loss import IGNORE_INDEX\n    return IGNORE_INDEX\n")
     monkeypatch.setitem(MODULES, f"{PACKAGE}.lazy", module)
     found = [entry for entry in function_level_imports() if entry[0] == f"{PACKAGE}.lazy"]
-    assert found == [(f"{PACKAGE}.lazy", 2, "from lightning_ulysses.loss import IGNORE_INDEX")]
+    assert found == [(f"{PACKAGE}.lazy", 2, "from lightning_ulysses.training.loss import IGNORE_INDEX")]

@@ -1,4 +1,4 @@
-"""Every private Lightning name the package uses (`lightning_ulysses._lightning_private`) still exists and behaves as
+"""Every private Lightning name the package uses (`lightning_ulysses.fences._lightning_private`) still exists and behaves as
 the accessor expects. A failure here means the installed Lightning changed one: re-check the reason given in
 `_lightning_private` and adapt the accessor (not its callers)."""
 
@@ -20,7 +20,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import DataLoader, SequentialSampler
 
 from lightning_ulysses import UlyssesDeepSpeedStrategy
-from lightning_ulysses import _lightning_private as private
+from lightning_ulysses.fences import _lightning_private as private
 
 
 def test_checked_version_is_recorded():

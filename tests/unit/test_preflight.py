@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from lightning_ulysses import preflight
-from lightning_ulysses.layout import ParallelLayout
+from lightning_ulysses.parallel.layout import ParallelLayout
 from lightning_ulysses.preflight import PlannedRun
-from lightning_ulysses.run_spec import RunSpec
+from lightning_ulysses.parallel.run_spec import RunSpec
 
 
 def planned(sequence_parallel_size, local_world_size, world_size, *, num_nodes=1, num_parameters=None,

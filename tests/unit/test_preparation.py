@@ -11,9 +11,9 @@ import torch
 
 from lightning_ulysses import preparation
 from lightning_ulysses.attention.rows import BatchRowsSlot
-from lightning_ulysses.loss import SequenceParallelCausalLMLoss
+from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss
 from lightning_ulysses.memory import MemoryOptions
-from lightning_ulysses.sharding import SequenceSharder
+from lightning_ulysses.batch.sharding import SequenceSharder
 from tests.distributed.families import tiny_model
 
 

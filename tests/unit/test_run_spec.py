@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_ulysses.layout import ParallelLayout
-from lightning_ulysses.run_spec import (LIGHTNING_SUB_GROUP_SIZE, RunSpec, deep_merge, inference_config,
+from lightning_ulysses.parallel.layout import ParallelLayout
+from lightning_ulysses.parallel.run_spec import (LIGHTNING_SUB_GROUP_SIZE, RunSpec, deep_merge, inference_config,
                                         read_sequence_parallel_size)
 
 SP2_DP2 = ParallelLayout(world_size=4, sequence_parallel_size=2)

@@ -82,7 +82,7 @@ def test_on_cpu_the_process_group_starts_without_building_deepspeeds_shared_memo
     import lightning as L
     from deepspeed.comm.torch import build_shm_op
 
-    from lightning_ulysses import _lightning_private
+    from lightning_ulysses.fences import _lightning_private
 
     class Started(Exception):
         pass
@@ -144,9 +144,9 @@ def test_preflight_run_carries_the_run_and_the_parameters():
 
     import torch
 
-    from lightning_ulysses.layout import ParallelLayout
+    from lightning_ulysses.parallel.layout import ParallelLayout
     from lightning_ulysses.preflight import PlannedRun
-    from lightning_ulysses.run_spec import RunSpec
+    from lightning_ulysses.parallel.run_spec import RunSpec
 
     module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     module[0].bias.requires_grad_(False)  # frozen: not in the optimizer

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from lightning_ulysses.callbacks import TrainingProgressBar, planned_epochs
 from lightning_ulysses.models.gpt import GPTConfig
-from lightning_ulysses.optim import LRSchedule, parameter_groups, schedule_config
+from lightning_ulysses.training.optim import LRSchedule, parameter_groups, schedule_config
 from lightning_ulysses.faults import EXIT_PREEMPTED
 from lightning_ulysses.recipe import (ResumeDecision, build_loggers, continue_command, end_preempted_run,
                                       resume_decision, resume_from)

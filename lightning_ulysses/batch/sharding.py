@@ -33,8 +33,8 @@ import torch
 
 from lightning_ulysses.adapters import PositionRule
 from lightning_ulysses.attention.rows import BatchRows, BatchRowsSlot
-from lightning_ulysses.layout import ShardOrder
-from lightning_ulysses.loss import IGNORE_INDEX
+from lightning_ulysses.parallel.layout import ShardOrder
+from lightning_ulysses.training.loss import IGNORE_INDEX
 
 SEQUENCE_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
 WHOLE_ROW_DOCUMENT_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")

@@ -15,7 +15,7 @@ from lightning_ulysses.attention.core import local_heads
 from lightning_ulysses.attention.documents import allowed_mask, mask_mod
 
 if TYPE_CHECKING:
-    from lightning_ulysses.attention.hf.binding import _Binding
+    from lightning_ulysses.hf.binding import _Binding
 
 
 _FLASH_BACKENDS = ("flash_attention_2", "flash_attention_3")

@@ -21,7 +21,7 @@ from typing import Any, Literal, Optional
 
 import torch
 
-from lightning_ulysses.run_spec import RunSpec
+from lightning_ulysses.parallel.run_spec import RunSpec
 
 _NORM_TYPES = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.RMSNorm, torch.nn.modules.batchnorm._NormBase)
 

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_ulysses.attention.core import ProcessGroupHandle
-from lightning_ulysses.attention.hf.decoding import DecodeState
+from lightning_ulysses.hf.decoding import DecodeState
 from lightning_ulysses.attention.rows import BatchRowsSlot
 
 ULYSSES_ATTENTION = "ulysses"

@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_ulysses.attention.rows import BatchRowsSlot
-from lightning_ulysses.layout import ShardOrder
-from lightning_ulysses.loss import _SumOverGroup
+from lightning_ulysses.parallel.layout import ShardOrder
+from lightning_ulysses.training.loss import _SumOverGroup
 
 FUNCTION_NAME = "load_balancing_loss_func"
 # Whose load-balancing loss runs while a prepared model's forward is running (None: the family's own function).

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ulysses.attention.core import ProcessGroupHandle
-from lightning_ulysses.attention.hf.binding import _Binding
+from lightning_ulysses.hf.binding import _Binding
 from lightning_ulysses.attention.rows import BatchRowsSlot
 
 

@@ -30,7 +30,7 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 
-from lightning_ulysses.layout import ParallelLayout, check_ring_size, check_sequence_parallel_size
+from lightning_ulysses.parallel.layout import ParallelLayout, check_ring_size, check_sequence_parallel_size
 
 _ZERO = "zero_optimization"
 _ULYSSES_CONFIG_KEYS = {"enable", "sequence_parallel_world_size"}

@@ -32,11 +32,11 @@ own attention on whole rows), `mask_interface.py` (the "ulysses" mask function),
 prefill), `validation.py` (what is refused before anything is touched) and `positions.py` (the position hooks).
 """
 
-from lightning_ulysses.attention.hf.binding import ULYSSES_ATTENTION, binding_of
-from lightning_ulysses.attention.hf.decoding import DecodeState
-from lightning_ulysses.attention.hf.positions import watch_positions
-from lightning_ulysses.attention.hf.prepare import PreparedHFModel, find_hf_models, prepare_hf_model
-from lightning_ulysses.attention.hf.validation import (find_token_mixers, hf_head_counts, token_mixer_modules,
+from lightning_ulysses.hf.binding import ULYSSES_ATTENTION, binding_of
+from lightning_ulysses.hf.decoding import DecodeState
+from lightning_ulysses.hf.positions import watch_positions
+from lightning_ulysses.hf.prepare import PreparedHFModel, find_hf_models, prepare_hf_model
+from lightning_ulysses.hf.validation import (find_token_mixers, hf_head_counts, token_mixer_modules,
                                                        validate_hf_model)
 
 __all__ = [

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torchmetrics import Metric
 
 from lightning_ulysses.attention.all_to_all import all_gather_sequence
-from lightning_ulysses.loss import IGNORE_INDEX, shift_sharded_labels
+from lightning_ulysses.training.loss import IGNORE_INDEX, shift_sharded_labels
 
 
 class _TokenSums(Metric):

@@ -13,7 +13,7 @@ from transformers import PreTrainedModel
 from lightning_ulysses.attention import inline
 from lightning_ulysses.attention.backends import BACKENDS, check_backend
 from lightning_ulysses.attention.core import validate_head_counts
-from lightning_ulysses.attention.hf.binding import ULYSSES_ATTENTION
+from lightning_ulysses.hf.binding import ULYSSES_ATTENTION
 
 
 # Layer kinds of `config.layer_types` whose token mixing (if any) is attention through transformers' attention interface
