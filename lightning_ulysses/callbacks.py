@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_ulysses.fences import _lightning_private as lightning_private
 from lightning_ulysses.adapters.native_model import NativeCausalLM
-from lightning_ulysses.planner import ModelShape
+from lightning_ulysses.planning.planner import ModelShape
 
 
 def infer_model_shape(module: torch.nn.Module) -> ModelShape:
@@ -37,7 +37,7 @@ def infer_model_shape(module: torch.nn.Module) -> ModelShape:
         if config is not None and hasattr(config, "num_hidden_layers") and hasattr(config, "vocab_size"):
             return ModelShape.from_hf_config(config.get_text_config() if hasattr(config, "get_text_config") else config)
     raise ValueError(f"ThroughputCallback found no GPT or Hugging Face causal LM in {type(module).__name__}:"
-                     " pass model_shape=lightning_ulysses.planner.ModelShape(...).")
+                     " pass model_shape=lightning_ulysses.planning.planner.ModelShape(...).")
 
 
 def model_flops_per_sequence(shape: ModelShape, seq_len: int) -> float:

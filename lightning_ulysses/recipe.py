@@ -21,14 +21,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
-from lightning_ulysses import auto
+from lightning_ulysses.planning import auto
 from lightning_ulysses.attention.core import validate_head_counts
 from lightning_ulysses.checkpoint import PREVIOUS_SUFFIX, resolve_checkpoint, saved_global_step
 from lightning_ulysses.console import quiet_third_party  # noqa: F401  (recipes/train.py: before anything is built)
 from lightning_ulysses.parallel.layout import ParallelLayout
 from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.pretrained import check_pretrained_folder
-from lightning_ulysses.planner import ModelShape, TrainingSetup, plan_memory
+from lightning_ulysses.planning.planner import ModelShape, TrainingSetup, plan_memory
 from lightning_ulysses.parallel.run_spec import LIGHTNING_SUB_GROUP_SIZE, RunSpec, split_ulysses_block
 from lightning_ulysses.export import ExportPretrained
 from lightning_ulysses.faults import EXIT_PREEMPTED
@@ -293,7 +293,7 @@ def plan(cfg: DictConfig) -> str:
     if choice is not None:
         lines += [f"memory=auto:  free memory {free_from}; what the strategy would choose at start-up:",
                   choice.report()]
-    planned = "lightning_ulysses.planner, of auto's choice" if choice is not None else "lightning_ulysses.planner"
+    planned = "lightning_ulysses.planning.planner, of auto's choice" if choice is not None else "lightning_ulysses.planning.planner"
     lines += [
         f"memory/GPU:   {memory_plan.gpu_total / gib:.1f} GiB, optimizer states"
         f" {f'({offload:.0%} offloaded to CPU)' if offload else '(on GPU)'}; terms ({planned}):",
@@ -305,7 +305,7 @@ def plan(cfg: DictConfig) -> str:
 
 
 def auto_choice(cfg: DictConfig, spec: Any, layout: ParallelLayout) -> tuple[Any, str]:
-    """What `strategy.memory=auto` would choose for this run (`lightning_ulysses.auto.choose`, as the strategy calls
+    """What `strategy.memory=auto` would choose for this run (`lightning_ulysses.planning.auto.choose`, as the strategy calls
     it in its setup) and where the free memory it decides from came from: `strategy.memory.free_memory` when given
     (bytes per rank: `[device, host]`), else this machine's (a CPU run: its available memory over the node's ranks;
     a GPU run: GPU 0's free memory, where this machine has one). A GPU run planned on a machine without one is
@@ -338,7 +338,7 @@ def auto_choice(cfg: DictConfig, spec: Any, layout: ParallelLayout) -> tuple[Any
         kernel = list(priority)[0] if priority else None
     shape = _shape(spec)
     try:
-        # fused_elementwise as `python -m lightning_ulysses.plan --auto`: a GPU with Triton, and Llama-style (gated)
+        # fused_elementwise as `python -m lightning_ulysses plan --auto`: a GPU with Triton, and Llama-style (gated)
         # MLPs it fuses
         return auto.choose(shape, request, described_run(cfg, layout, on_cuda), free, kernel=kernel,
                            fused_elementwise=on_cuda and shape.gated_mlp), free_from

@@ -26,7 +26,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_ulysses.fences import _lightning_private as lightning_private
-from lightning_ulysses import auto, console, engine, faults, preflight, preparation, pretrained
+from lightning_ulysses.planning import auto, preflight
+from lightning_ulysses import console, engine, faults, preparation, pretrained
 from lightning_ulysses.attention import copy_engine
 from lightning_ulysses.attention.backends import check_sdpa_kernel_priority, sdpa_priority
 from lightning_ulysses.attention.core import check_overlap_head_groups, resolve_ring_size
@@ -89,7 +90,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         memory: the long-sequence memory features (`lightning_ulysses.memory.MemoryOptions` or a mapping of its
             fields: tiled MLP, tiled logits + loss, activation checkpointing with host offload, expandable segments),
             applied to every Hugging Face causal LM and native GPT in the module; all off by default. `"auto"` (or
-            `lightning_ulysses.auto.AutoMemory`, or a mapping with `"auto": True` and its fields, e.g.
+            `lightning_ulysses.planning.auto.AutoMemory`, or a mapping with `"auto": True` and its fields, e.g.
             `{"auto": True, "seq_len": 131072, "tiled_mlp": False}`): the planner picks the features, the optimizer's
             share on the host and its sub-group size with the shortest predicted step that fits the free memory of
             every rank, once, in `setup`; fields given are kept; the decision is logged (`memory_choice`).

@@ -26,7 +26,7 @@ SOURCE = Path(__file__).resolve().parents[2] / PACKAGE
 
 FENCES = {"fences._lightning_private", "fences._deepspeed_private"}
 INTEGRATION = {"__init__", "__main__", "strategy", "engine", "preparation", "checkpoint", "export", "faults", "rng", "notebook",
-               "callbacks", "console", "recipe", "plan", "preflight", "example"}
+               "callbacks", "console", "recipe", "example"}
 LAYERS = ("fences", "core", "integration", "models")
 
 

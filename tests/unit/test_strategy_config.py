@@ -145,7 +145,7 @@ def test_preflight_run_carries_the_run_and_the_parameters():
     import torch
 
     from lightning_ulysses.parallel.layout import ParallelLayout
-    from lightning_ulysses.preflight import PlannedRun
+    from lightning_ulysses.planning.preflight import PlannedRun
     from lightning_ulysses.parallel.run_spec import RunSpec
 
     module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))

@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_ulysses.parallel.layout import ParallelLayout
-from lightning_ulysses.planner import TrainingSetup, optimizer_offload_host_bytes, sub_groups_of
+from lightning_ulysses.planning.planner import TrainingSetup, optimizer_offload_host_bytes, sub_groups_of
 from lightning_ulysses.parallel.run_spec import RunSpec
 
 GIB = 1024**3
@@ -53,7 +53,7 @@ class PlannedRun:
     local_rank: int = 0
     num_nodes: int = 1
     num_parameters: Optional[int] = None
-    # With these the host check counts DeepSpeed's own offload buffers (lightning_ulysses.planner) instead of
+    # With these the host check counts DeepSpeed's own offload buffers (lightning_ulysses.planning.planner) instead of
     # 16 B per parameter: the trainable parameter tensors' sizes in registration order.
     parameter_numels: Optional[tuple[int, ...]] = None
 

@@ -3,7 +3,7 @@
 `plan_memory(shape, setup)` returns every term (parameters, gradients, optimizer states, saved activations, the
 largest transient of the step, logits, communication buffers, host-offloaded bytes); `longest_sequence(...)`
 answers "what is the longest sequence that fits on N GPUs of M bytes (plus host RAM)". The command is
-`python -m lightning_ulysses.plan --help`.
+`python -m lightning_ulysses plan --help`.
 
 Accounting conventions (the ones a reader can check by hand):
 - mixed precision: 16-bit weights and gradients, fp32 master weights and Adam's two moments (12 bytes/parameter);
@@ -490,8 +490,8 @@ def published_176b_comparison(sequence_parallel_size: int = 8, world_size: int =
     return "\n".join(lines)
 
 
-# The feature names of `python -m lightning_ulysses.plan --features` and of the step-time calibration rows
-# (`step_time.Measured.features`): here, below both, so that neither imports the other.
+# The feature names of `python -m lightning_ulysses plan --features` and of the step-time calibration rows
+# (`calibration.Measured.features`): here, below both, so that neither imports the other.
 FEATURES = {"ac": "activation_checkpointing", "offload": "offload_activations", "mlp": "tiled_mlp",
             "logits": "tiled_logits_loss", "attn": "keep_attention_outputs", "norms": "low_memory_norms",
             "fused": "fused_elementwise"}

@@ -1,12 +1,12 @@
-"""`python -m lightning_ulysses.plan`: per-GPU memory of a training step, the longest sequence that fits, and the
+"""`python -m lightning_ulysses plan`: per-GPU memory of a training step, the longest sequence that fits, and the
 published 176B figures term by term.
 
-    python -m lightning_ulysses.plan --model llama3-8b --seq 131072 --features ac,offload,mlp,logits
-    python -m lightning_ulysses.plan --model llama3-8b --longest --gpu-gib 134 --host-gib 112 \
+    python -m lightning_ulysses plan --model llama3-8b --seq 131072 --features ac,offload,mlp,logits
+    python -m lightning_ulysses plan --model llama3-8b --longest --gpu-gib 134 --host-gib 112 \
         --features ac,offload,mlp,logits --offload-optimizer 0.3
-    python -m lightning_ulysses.plan --model gpt3-175b --seq 32768 --sp 8 --dp 4 --offload-optimizer 1 --features ac
-    python -m lightning_ulysses.plan --published-176b
-    python -m lightning_ulysses.plan --model llama3-8b --seq 131072 --auto --gpu-gib 139 --host-gib 118
+    python -m lightning_ulysses plan --model gpt3-175b --seq 32768 --sp 8 --dp 4 --offload-optimizer 1 --features ac
+    python -m lightning_ulysses plan --published-176b
+    python -m lightning_ulysses plan --model llama3-8b --seq 131072 --auto --gpu-gib 139 --host-gib 118
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import argparse
 import dataclasses
 import math
 
-from lightning_ulysses.auto import AutoMemory, choose, longest_fit
+from lightning_ulysses.planning.auto import AutoMemory, choose, longest_fit
 from lightning_ulysses.parallel.layout import ParallelLayout
-from lightning_ulysses.planner import (FEATURES, GIB, MODELS, TrainingSetup, longest_sequence, memory_options, plan_memory,
+from lightning_ulysses.planning.planner import (FEATURES, GIB, MODELS, TrainingSetup, longest_sequence, memory_options, plan_memory,
                                        published_176b_comparison)
 from lightning_ulysses.parallel.run_spec import RunSpec
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lightning_ulysses.plan", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m lightning_ulysses plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="llama3-8b")
     parser.add_argument("--seq", type=int, default=32768, help="tokens per sequence")
