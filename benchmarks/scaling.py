@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import lightning_ulysses  # noqa: E402,F401
-from lightning_ulysses.callbacks import ThroughputCallback  # noqa: E402
+from lightning_ulysses.integration.callbacks import ThroughputCallback  # noqa: E402
 from lightning_ulysses.models import CausalLMModule, HuggingFaceCausalLM  # noqa: E402
 from lightning_ulysses.planning.planner import MODELS  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Decoding from a sequence-parallel prefill (`lightning_ulysses.inference.generate`): the state on the binding and
+"""Decoding from a sequence-parallel prefill (`lightning_ulysses.integration.inference.generate`): the state on the binding and
 the exact attention of one new token over a KV cache split across the SP group."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 @dataclass
 class DecodeState:
-    """Set by `lightning_ulysses.inference.generate` while it decodes from a sequence-parallel prefill.
+    """Set by `lightning_ulysses.integration.inference.generate` while it decodes from a sequence-parallel prefill.
 
     After the prefill, every rank's KV cache holds its own shard of the prompt (`shard_length` positions starting
     at `first_position`, as `ShardOrder` cut it; the last ones padding beyond `prompt_length`), followed by every

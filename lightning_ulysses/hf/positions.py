@@ -109,7 +109,7 @@ class _CacheCheck:
     """Refuses a sharded forward handed a cache that already holds tokens (a forward pre-hook).
 
     A cache the model creates for itself (transformers' default `use_cache=True`, training included) records a
-    prefill and is fine; continuing from one is decoding, which only `lightning_ulysses.inference.generate` does
+    prefill and is fine; continuing from one is decoding, which only `lightning_ulysses.integration.inference.generate` does
     exactly under sequence parallelism. Raised before the model's first collective, on every rank alike (every rank
     of the SP group is handed the same kind of cache)."""
 
@@ -125,5 +125,5 @@ class _CacheCheck:
                 raise NotImplementedError(
                     f"{self.name} was called under sequence parallelism with a {name} that already holds tokens:"
                     " decoding from a cache needs the whole prompt's state, of which each rank holds a shard. Use"
-                    " lightning_ulysses.inference.generate, or decode with sequence_parallel_size=1.")
+                    " lightning_ulysses.integration.inference.generate, or decode with sequence_parallel_size=1.")
         return None

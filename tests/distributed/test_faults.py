@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ulysses import checkpoint as checkpoints
-from lightning_ulysses.faults import EXIT_PEER_LOST
+from lightning_ulysses.integration import checkpoint as checkpoints
+from lightning_ulysses.integration.faults import EXIT_PEER_LOST
 from tests.distributed.harness import run_ranks
 
 WORKER = Path(__file__).parent / "workers" / "faults.py"

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from lightning_ulysses import checkpoint as checkpoints
-from lightning_ulysses.faults import RankWatchdog
+from lightning_ulysses.integration import checkpoint as checkpoints
+from lightning_ulysses.integration.faults import RankWatchdog
 
 
 def manifest(world_size=2, stage=3, consumed=0, global_step=None):
@@ -156,7 +156,7 @@ def _lightning_says_not_resumable() -> list[str]:
     `process_dataloader` and the first batch)."""
     from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
-    from lightning_ulysses.console import NOT_RESUMABLE
+    from lightning_ulysses.integration.console import NOT_RESUMABLE
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", append=True)  # behind the filters in force

@@ -16,7 +16,7 @@ from deepspeed.runtime.zero import parameter_offload
 from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
 from lightning_ulysses.fences import _deepspeed_private as private
-from lightning_ulysses import console
+from lightning_ulysses.integration import console
 
 
 def test_checked_version_is_recorded():

@@ -1,4 +1,4 @@
-"""LoRA wiring (`lightning_ulysses.models.lora`) and the end-of-training export (`lightning_ulysses.export`) in one
+"""LoRA wiring (`lightning_ulysses.models.lora`) and the end-of-training export (`lightning_ulysses.integration.export`) in one
 process, and `checkpoint export` of a LoRA model (its adapter configs recorded in the checkpoint), also of one with
 several adapters, and with `--tokenizer`. Under ZeRO-3 at SP 2 (adapters partitioned at creation, weights gathered
 for the export): tests/distributed/test_parity.py `-pretrained-lora` (two adapters: `-pretrained-lora2`) and the
@@ -19,11 +19,11 @@ from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lightning_ulysses import checkpoint as checkpoints
-from lightning_ulysses.export import ExportPretrained, PeftAdapters, adapter_configs, save_pretrained_folders
+from lightning_ulysses.integration import checkpoint as checkpoints
+from lightning_ulysses.integration.export import ExportPretrained, PeftAdapters, adapter_configs, save_pretrained_folders
 from lightning_ulysses.models import CausalLMModule
 from lightning_ulysses.models.lora import LoraSettings, _peft_initial_pair, add_adapter, with_lora
-from lightning_ulysses.preparation import check_adapters_initialised
+from lightning_ulysses.integration.preparation import check_adapters_initialised
 from tests.distributed.common import tiny_llama
 from tests.finetune_fixtures import save_tiny_pretrained, save_tiny_tokenizer
 
@@ -96,7 +96,7 @@ def zero3_init(monkeypatch):
 
     import deepspeed
 
-    from lightning_ulysses.engine import skip_shared_memory_all_reduce_build
+    from lightning_ulysses.integration.engine import skip_shared_memory_all_reduce_build
 
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
@@ -274,8 +274,8 @@ def test_recipe_keys_compose_into_lora_and_export(pretrained, tmp_path):
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
-    from lightning_ulysses.config import register_resolvers
-    from lightning_ulysses.recipe import export_callbacks
+    from lightning_ulysses.recipe.config import register_resolvers
+    from lightning_ulysses.recipe.driver import export_callbacks
     from tests.recipes.test_recipes import CONF
 
     register_resolvers()

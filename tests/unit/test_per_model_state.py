@@ -15,7 +15,7 @@ import torch
 from transformers import LlamaConfig
 from transformers import masking_utils as hf_masks
 
-from lightning_ulysses import preparation
+from lightning_ulysses.integration import preparation
 from lightning_ulysses.attention.core import UlyssesAttention
 from lightning_ulysses.attention.documents import AttentionPattern
 from lightning_ulysses.hf import ULYSSES_ATTENTION, binding_of, prepare_hf_model

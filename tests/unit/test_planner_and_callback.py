@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_ulysses.callbacks import ThroughputCallback, model_flops_per_sequence
+from lightning_ulysses.integration.callbacks import ThroughputCallback, model_flops_per_sequence
 from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.models.gpt import GPTConfig
 from lightning_ulysses.planning.planner import (GIB, MODELS, ModelShape, TrainingSetup, longest_sequence,

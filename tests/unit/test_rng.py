@@ -1,4 +1,4 @@
-"""The SP ranks' random streams (`lightning_ulysses.rng`), one process: each SP rank's steps draw their own values,
+"""The SP ranks' random streams (`lightning_ulysses.integration.rng`), one process: each SP rank's steps draw their own values,
 the shared stream stays where it was, runs with the same seed draw the same, checkpoints keep both streams."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_ulysses.rng import STATE_KEY, SequenceParallelRNG, next_shared_value, stream_seed
+from lightning_ulysses.integration.rng import STATE_KEY, SequenceParallelRNG, next_shared_value, stream_seed
 
 CPU = torch.device("cpu")
 

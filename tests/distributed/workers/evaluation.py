@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_ulysses import SequenceSharder, prepare_hf_model
-from lightning_ulysses.inference import sequence_outputs
+from lightning_ulysses.integration.inference import sequence_outputs
 from lightning_ulysses.parallel.layout import ParallelLayout, SequenceParallelGroups
 from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss

@@ -16,8 +16,8 @@ from torchmetrics.aggregation import SumMetric
 
 import lightning_ulysses
 from lightning_ulysses import SequenceSharder, prepare_hf_model
-from lightning_ulysses.callbacks import ThroughputCallback, model_flops_per_sequence
-from lightning_ulysses.inference import sequence_outputs
+from lightning_ulysses.integration.callbacks import ThroughputCallback, model_flops_per_sequence
+from lightning_ulysses.integration.inference import sequence_outputs
 from lightning_ulysses.parallel.layout import ParallelLayout, SequenceParallelGroups
 from lightning_ulysses.training.metrics import SequenceParallel
 from tests.distributed.common import CausalLM, UnevenlyMaskedTokens, collate, tiny_llama

@@ -126,7 +126,7 @@ def prepare(model, sequence_parallel_size: int) -> SequenceParallelModel:
     SP group must then be given the same full-length prompts.
     """
     if not dist.is_initialized():
-        raise RuntimeError("lightning_ulysses.inference.prepare needs torch.distributed initialised (e.g. torchrun).")
+        raise RuntimeError("lightning_ulysses.integration.inference.prepare needs torch.distributed initialised (e.g. torchrun).")
     groups = SequenceParallelGroups.build(ParallelLayout(dist.get_world_size(), sequence_parallel_size))
     group = groups.sequence_parallel_group if sequence_parallel_size > 1 else None
     return SequenceParallelModel(model, groups, prepare_hf_model(model, group))
@@ -147,7 +147,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, groups) -> tor
     if groups.ring_size > 1:
         raise NotImplementedError(
             "generate() decodes from contiguous prompt shards (pure Ulysses); this model runs with a ring"
-            f" (ring_size={groups.ring_size}). Prepare it with lightning_ulysses.inference.prepare, which uses ring_size=1."
+            f" (ring_size={groups.ring_size}). Prepare it with lightning_ulysses.integration.inference.prepare, which uses ring_size=1."
         )
     group = groups.sequence_parallel_group if size > 1 else None
     batch, prompt_length = input_ids.shape
@@ -157,7 +157,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, groups) -> tor
     positions = order.positions(shard * size, rank, device=input_ids.device).expand(batch, -1)
     binding = binding_of(model)
     if size > 1 and binding is None:
-        raise ValueError("generate() needs a model prepared for sequence parallelism: lightning_ulysses.inference.prepare")
+        raise ValueError("generate() needs a model prepared for sequence parallelism: lightning_ulysses.integration.inference.prepare")
     state = DecodeState(prompt_length=prompt_length, shard_length=shard, first_position=int(positions[0, 0]),
                         rank=rank)
     cache = DynamicCache(config=model.config)

@@ -5,7 +5,7 @@ A checkpoint is DeepSpeed's directory (one shard file per rank) plus what this m
 - `ulysses.json`, the manifest: written last, by global rank 0, once every rank has finished writing. A
   directory without it is an interrupted save and is refused on load.
 - `rng/rank_<r>.pt`: every rank's random-number-generator states, the shared stream's and the SP rank's own that
-  its steps draw dropout masks from (`lightning_ulysses.rng`), restored at the first training batch after a resume.
+  its steps draw dropout masks from (`lightning_ulysses.integration.rng`), restored at the first training batch after a resume.
 - `hf/<module path>/config.json`: the config of every Hugging Face model in the LightningModule, so `export`
   can write a `save_pretrained` directory without the training code; beside it, for a model a PEFT (LoRA) model
   adapts, every adapter's `LoraConfig` as peft's own `adapter_config.json`, in the layout of peft's `save_pretrained`
@@ -53,10 +53,10 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler, SequentialSampler
 
 from lightning_ulysses.fences import _lightning_private as lightning_private
-from lightning_ulysses import console
-from lightning_ulysses.export import (DEFAULT_ADAPTER, PEFT_BASE, PeftAdapters, adapter_configs,
+from lightning_ulysses.integration import console
+from lightning_ulysses.integration.export import (DEFAULT_ADAPTER, PEFT_BASE, PeftAdapters, adapter_configs,
                                       save_pretrained_folders)
-from lightning_ulysses.rng import SequenceParallelRNG
+from lightning_ulysses.integration.rng import SequenceParallelRNG
 
 MANIFEST = "ulysses.json"
 FORMAT_VERSION = 1
@@ -475,7 +475,7 @@ class StrategyCheckpoints:
         path = Path(strategy.broadcast(str(filepath)))
         if strategy.is_global_zero:
             prepare_staging(path)
-        strategy.barrier("lightning_ulysses.checkpoint.staging")
+        strategy.barrier("lightning_ulysses.integration.checkpoint.staging")
         staging = staging_path(path)
         if "loops" in checkpoint:
             checkpoint = {**checkpoint, "loops": self.resumable_loops(checkpoint["loops"])}
@@ -483,10 +483,10 @@ class StrategyCheckpoints:
         save_rng_state(staging, strategy.global_rank, self.random_streams)
         if strategy.is_global_zero:
             save_hf_configs(staging, hf_model_configs, strategy.lightning_module)
-        strategy.barrier("lightning_ulysses.checkpoint.written")
+        strategy.barrier("lightning_ulysses.integration.checkpoint.written")
         if strategy.is_global_zero:
             commit(path, self.manifest(hf_model_configs))
-        strategy.barrier("lightning_ulysses.checkpoint.committed")
+        strategy.barrier("lightning_ulysses.integration.checkpoint.committed")
 
     def manifest(self, hf_model_configs: Mapping[str, Any]) -> CheckpointManifest:
         groups = self.strategy.parallel_groups

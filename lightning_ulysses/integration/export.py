@@ -82,7 +82,7 @@ class ExportPretrained(pl.Callback):
             weights = {key[len(name) + 1:]: value for key, value in state.items() if key.startswith(f"{name}.")}
             save_pretrained_folders(_built_config(trainer, model, name), weights, self.directory,
                                     lora=_peft_adapters(model), merged=self.merged, tokenizer=self.tokenizer)
-        trainer.strategy.barrier("lightning_ulysses.export")
+        trainer.strategy.barrier("lightning_ulysses.integration.export")
 
 
 def save_pretrained_folders(config: Any, weights: Mapping[str, torch.Tensor], directory: Path, lora: Any = None,

@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
-from lightning_ulysses.plot import BLUE, ORANGE, Series, line_plot_png
+from lightning_ulysses.recipe.plot import BLUE, ORANGE, Series, line_plot_png
 
 TRAIN_LOSS, VAL_LOSS, TOKENS_PER_S = "train/loss", "val/loss", "throughput/tokens_per_s"
 LOSS_PLOT = "loss.png"
@@ -85,7 +85,7 @@ def run_summary(run_dir: Path, metrics_csv: Optional[Path], checkpoint: Optional
         lines.append(f"  {'checkpoint':<13}{checkpoint} (weights and save_pretrained folders: python -m"
                      f" lightning_ulysses checkpoint export {checkpoint} <folder>)")
     for folder in map(Path, exports):
-        if (folder / "adapter").is_dir():  # a LoRA model's folders (lightning_ulysses.export)
+        if (folder / "adapter").is_dir():  # a LoRA model's folders (lightning_ulysses.integration.export)
             written = [f"{folder / 'adapter'} (PeftModel.from_pretrained(base, folder))"]
             if (folder / "merged").is_dir():
                 written.append(f"{folder / 'merged'} (AutoModelForCausalLM.from_pretrained)")

@@ -27,19 +27,19 @@ from typing_extensions import override
 
 from lightning_ulysses.fences import _lightning_private as lightning_private
 from lightning_ulysses.planning import auto, preflight
-from lightning_ulysses import console, engine, faults, preparation, pretrained
+from lightning_ulysses.integration import console, engine, faults, preparation, pretrained
 from lightning_ulysses.attention import copy_engine
 from lightning_ulysses.attention.backends import check_sdpa_kernel_priority, sdpa_priority
 from lightning_ulysses.attention.core import check_overlap_head_groups, resolve_ring_size
 from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.batch.check import CheckBatches, SameBatchCheck
-from lightning_ulysses.callbacks import correct_progress_bar
-from lightning_ulysses.checkpoint import StrategyCheckpoints
+from lightning_ulysses.integration.callbacks import correct_progress_bar
+from lightning_ulysses.integration.checkpoint import StrategyCheckpoints
 from lightning_ulysses.parallel.layout import ParallelLayout, SequenceParallelGroups
 from lightning_ulysses.memory import MemoryOptions, apply_allocator_settings
 from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss, refuse_shard_local_loss
-from lightning_ulysses.notebook import configure_launcher
-from lightning_ulysses.rng import SequenceParallelRNG, seed_workers_by_data_parallel_rank
+from lightning_ulysses.integration.notebook import configure_launcher
+from lightning_ulysses.integration.rng import SequenceParallelRNG, seed_workers_by_data_parallel_rank
 from lightning_ulysses.parallel.run_spec import RunSpec, deep_merge, inference_config, read_sequence_parallel_size
 from lightning_ulysses.batch.sharding import SequencePadding, SequenceSharder
 
@@ -96,7 +96,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             every rank, once, in `setup`; fields given are kept; the decision is logged (`memory_choice`).
         start_method: how the ranks are started. `None` (the default): Lightning's script launch (re-runs the
             script, or ranks come from torchrun/SLURM). `"fork"`: fork the current process, for Jupyter notebooks
-            (`strategy="ulysses_notebook"`); see `lightning_ulysses.notebook`.
+            (`strategy="ulysses_notebook"`); see `lightning_ulysses.integration.notebook`.
         sdpa_kernel_priority: SDPA kernels to try first, in order, for every training/evaluation step and its
             backward, e.g. `("cudnn",)` on Hopper GPUs (names: cudnn, flash, efficient, math; the others follow in
             torch's order). `None` (default): torch's own order, which tries flash first; cuDNN's causal kernels are
@@ -128,15 +128,15 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             `True` by default; the same math either way.
         heartbeat_timeout: seconds after which a rank that stopped sending heartbeats (killed, crashed, frozen)
             makes every other rank exit with status 75 and a message naming it, instead of hanging until the
-            collective timeout (`lightning_ulysses.faults`). `None` turns the watchdog off.
+            collective timeout (`lightning_ulysses.integration.faults`). `None` turns the watchdog off.
         quiet_third_party: hide, by their own texts, the third-party messages nobody can act on (torch's
             deprecations of the collectives DeepSpeed calls, Lightning's tips and migration notes, DeepSpeed's op
             probes and "untested optimizer" for SGD, Lightning's "not resumable" where the resume is exact; the list:
-            `lightning_ulysses.console`), from the strategy's creation on, in every rank. Their other warnings,
+            `lightning_ulysses.integration.console`), from the strategy's creation on, in every rank. Their other warnings,
             every error and everything of this package still show. `False` installs nothing.
         **kwargs: every other `lightning.pytorch.strategies.DeepSpeedStrategy` argument.
 
-    Checkpoints (`lightning_ulysses.checkpoint`) are saved atomically, resume exactly (RNG states and the position
+    Checkpoints (`lightning_ulysses.integration.checkpoint`) are saved atomically, resume exactly (RNG states and the position
     in the epoch's data included), resume at any other SP × DP split of the same number of ranks, and are
     exported with `python -m lightning_ulysses checkpoint export`. A SIGTERM (and, under SLURM with Lightning's
     auto-requeue on, its requeue signal SIGUSR1) saves `hpc_ckpt_<n>.ckpt` in the Trainer's `default_root_dir` at

@@ -12,7 +12,7 @@ import contextlib
 from typing import Any, Optional
 
 from lightning_ulysses.fences import _deepspeed_private as deepspeed_private
-from lightning_ulysses import console
+from lightning_ulysses.integration import console
 from lightning_ulysses.parallel.layout import SequenceParallelGroups
 
 
