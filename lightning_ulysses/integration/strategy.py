@@ -34,7 +34,7 @@ from lightning_ulysses.attention.core import check_overlap_head_groups, resolve_
 from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.batch.check import CheckBatches, SameBatchCheck
 from lightning_ulysses.integration.callbacks import correct_progress_bar
-from lightning_ulysses.integration.checkpoint import StrategyCheckpoints
+from lightning_ulysses.integration.checkpoint.protocol import StrategyCheckpoints
 from lightning_ulysses.parallel.layout import ParallelLayout, SequenceParallelGroups
 from lightning_ulysses.memory import MemoryOptions, apply_allocator_settings
 from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss, refuse_shard_local_loss

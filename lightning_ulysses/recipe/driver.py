@@ -23,7 +23,7 @@ from typing_extensions import override
 
 from lightning_ulysses.planning import auto
 from lightning_ulysses.attention.core import validate_head_counts
-from lightning_ulysses.integration.checkpoint import PREVIOUS_SUFFIX, resolve_checkpoint, saved_global_step
+from lightning_ulysses.integration.checkpoint.protocol import PREVIOUS_SUFFIX, resolve_checkpoint, saved_global_step
 from lightning_ulysses.integration.console import quiet_third_party  # noqa: F401  (recipes/train.py: before anything is built)
 from lightning_ulysses.parallel.layout import ParallelLayout
 from lightning_ulysses.memory import MemoryOptions

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ulysses.integration import checkpoint as checkpoints
+from lightning_ulysses.integration.checkpoint import protocol as checkpoints
 from lightning_ulysses.integration.faults import EXIT_PEER_LOST
 from tests.distributed.harness import run_ranks
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from lightning_ulysses.integration import checkpoint as checkpoints
+from lightning_ulysses.integration.checkpoint import protocol as checkpoints
 from lightning_ulysses.integration.faults import RankWatchdog
 
 

@@ -19,7 +19,7 @@ from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lightning_ulysses.integration import checkpoint as checkpoints
+from lightning_ulysses.integration.checkpoint import protocol as checkpoints
 from lightning_ulysses.integration.export import ExportPretrained, PeftAdapters, adapter_configs, save_pretrained_folders
 from lightning_ulysses.models import CausalLMModule
 from lightning_ulysses.models.lora import LoraSettings, _peft_initial_pair, add_adapter, with_lora

@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 import lightning_ulysses
-from lightning_ulysses.integration import checkpoint as checkpoints
+from lightning_ulysses.integration.checkpoint import protocol as checkpoints
 from tests.distributed.common import CausalLM, UnevenlyMaskedTokens, collate
 
 
