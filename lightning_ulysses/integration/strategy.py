@@ -34,7 +34,7 @@ from lightning_ulysses.attention.core import check_overlap_head_groups, resolve_
 from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.batch.check import CheckBatches, SameBatchCheck
 from lightning_ulysses.integration.callbacks import correct_progress_bar
-from lightning_ulysses.integration.checkpoint.protocol import StrategyCheckpoints
+from lightning_ulysses.integration.checkpoint.resume import StrategyCheckpoints
 from lightning_ulysses.parallel.layout import ParallelLayout, SequenceParallelGroups
 from lightning_ulysses.memory import MemoryOptions, apply_allocator_settings
 from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss, refuse_shard_local_loss
@@ -227,7 +227,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._random_streams = SequenceParallelRNG()
         self._checkpoints = StrategyCheckpoints(self, self._random_streams, quiet=quiet_third_party)
         # Micro-batches whose gradients the engine holds without having stepped yet (`backward`): a checkpoint
-        # saved inside an accumulation window records it, and a resume from it is refused (`checkpoint.py`).
+        # saved inside an accumulation window records it, and a resume from it is refused (`checkpoint/resume.py`).
         self.micro_batches_accumulated = 0
         self._hf_model_configs: dict[str, Any] = {}  # module path → the config save_pretrained will need
         self._preflight_reported = False
@@ -530,7 +530,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         started, self._mpu = engine.initialize(self.parallel_groups, device_rank, **kwargs)
         return started
 
-    # -- checkpoints (`checkpoint.StrategyCheckpoints`) -------------------------------------------------------------
+    # -- checkpoints (`checkpoint.resume.StrategyCheckpoints`) -------------------------------------------------------
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
         """Atomic: every rank writes into `<path>.partial`; rank 0 renames it to `<path>` once all have finished."""

@@ -16,8 +16,8 @@ from hydra.utils import instantiate
 from torch.utils.data import DistributedSampler, default_collate
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
+from lightning_ulysses.integration.checkpoint.command_line import main as checkpoint_command
 from lightning_ulysses.integration.checkpoint.protocol import consolidated_state_dict
-from lightning_ulysses.integration.checkpoint.protocol import main as checkpoint_command
 from lightning_ulysses.recipe.config import register_resolvers
 from lightning_ulysses.recipe.driver import RecipeError, check_before_run, plan
 from tests.recipes.test_recipes import CONF, _compose, _metrics, _recipe
