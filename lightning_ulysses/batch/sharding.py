@@ -41,6 +41,12 @@ WHOLE_ROW_DOCUMENT_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "ma
 SequencePadding = Literal["pad", "error"]
 
 
+def check_sequence_padding(value: Any) -> SequencePadding:
+    if value not in ("pad", "error"):
+        raise ValueError(f"sequence_padding must be 'pad' or 'error', got {value!r}")
+    return value
+
+
 class SequenceSharder:
     """Fills in global positions, pads (or rejects) lengths and keeps this rank's slice of every sequence key."""
 

@@ -11,6 +11,8 @@ import argparse
 import contextlib
 from typing import Any, Optional
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
 from lightning_ulysses.fences import _deepspeed_private as deepspeed_private
 from lightning_ulysses.integration import console
 from lightning_ulysses.parallel.layout import SequenceParallelGroups
@@ -65,10 +67,15 @@ def release(engine: Any) -> None:
     `engine.destroy()` removes the ZeRO gradient-accumulation hooks (the ZeRO-2 cycle through autograd nodes, which
     gc does not walk) and the ZeRO-3 module hooks; the engine's own forward hooks on the user's module and ZeRO-3's
     module stack and `__params_to_release` cache are dropped here. Local to each rank, no collective: also after a
-    failed run. Anything else than a DeepSpeed engine is left alone."""
-    if not isinstance(engine, deepspeed_engine_type()):
-        return
-    engine.destroy()
-    deepspeed_private.remove_engine_hooks(engine)
-    deepspeed_private.forget_forward_module(engine.module)
-    deepspeed_private.clear_params_to_release_cache()
+    failed run. Anything else than a DeepSpeed engine is left alone. Where the DeepSpeed internals this relies on
+    moved, a warning says the engine stays in memory: a leak, not a reason to fail the run."""
+    try:
+        if not isinstance(engine, deepspeed_engine_type()):
+            return
+        engine.destroy()
+        deepspeed_private.remove_engine_hooks(engine)
+        deepspeed_private.forget_forward_module(engine.module)
+        deepspeed_private.clear_params_to_release_cache()
+    except Exception as error:
+        rank_zero_warn(f"lightning_ulysses: the DeepSpeed engine of this run could not be freed ({error!r}); it"
+                       " stays in memory until the process ends.")

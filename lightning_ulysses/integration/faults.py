@@ -273,6 +273,12 @@ def is_peer_failure(exception: BaseException) -> bool:
     return isinstance(exception, RuntimeError) and any(m in str(exception).lower() for m in _PEER_FAILURE_MARKERS)
 
 
+def check_heartbeat_timeout(timeout: Optional[float]) -> Optional[float]:
+    if timeout is not None and timeout <= 0:
+        raise ValueError(f"heartbeat_timeout must be a positive number of seconds or None, got {timeout}.")
+    return timeout
+
+
 def start_watchdog(environment: Any, rank: int, world_size: int, timeout: Optional[float]) -> Optional[RankWatchdog]:
     """A started `RankWatchdog` on the job's rendezvous store, or None (turned off, one rank, store unreachable)."""
     if timeout is None or world_size == 1:

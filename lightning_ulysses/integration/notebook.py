@@ -38,6 +38,12 @@ _RUN_AS_SCRIPT = (
 )
 
 
+def check_start_method(start_method: Any) -> Optional[str]:
+    if start_method not in (None, "fork"):
+        raise ValueError(f"start_method must be None (script launch) or 'fork' (notebooks), got {start_method!r}.")
+    return start_method
+
+
 def check_fork_available() -> None:
     """Raise if this platform cannot fork processes (Windows)."""
     if "fork" not in mp.get_all_start_methods():

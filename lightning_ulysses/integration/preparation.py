@@ -212,6 +212,10 @@ class ModuleScan:
     head_counts: list[tuple[int, int]]
     position_rule: Optional[PositionRule]
 
+    def memory_engine_models(self) -> list:
+        """The models the memory engine serves (what `memory="auto"` plans for)."""
+        return [model for adapter, models in self.found if isinstance(adapter, MemoryEngine) for model in models]
+
     def check(self, runtime: SequenceParallelRuntime) -> None:
         for adapter, modules in self.found:
             adapter.check(modules, runtime)

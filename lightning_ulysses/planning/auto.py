@@ -619,6 +619,53 @@ def decide(request: Union[MemoryOptions, AutoMemory], run: RunSpec, models: Sequ
                             kernel=(priority or (None,))[0] if run.on_cuda else None, fused_elementwise=fusable)
 
 
+class AutoDecisions:
+    """`memory="auto"` and `sdpa_kernel_priority="auto"` of one strategy: decided once (`decide`, in the first run's
+    setup: then fixed for every later run of the strategy, fit after fit) and confirmed by that run's first training
+    steps (`confirm`). Until decided, `memory` is the request (`MemoryOptions`, or `AutoMemory`) and
+    `kernel_priority` torch's order (None) for "auto"."""
+
+    def __init__(self, memory: Union[MemoryOptions, AutoMemory],
+                 kernel_priority: Union[str, tuple[str, ...], None]) -> None:
+        self.memory = memory
+        self.requested_kernel_priority = kernel_priority
+        # "auto" is decided in `decide`; until then (and on CPU, where torch ignores it) torch's order
+        self.kernel_priority = None if kernel_priority == "auto" else kernel_priority
+        self.choice: Optional[AutoChoice] = None
+        # What the first training steps measured against the choice (`AutoMemory.confirm_steps`), once known.
+        self.confirmation: Optional[Confirmation] = None
+        self._probe: Optional[StepProbe] = None  # until it has confirmed
+
+    def decide(self, run: RunSpec, models: Sequence[Any], *, on_cuda: bool, local_ranks: int, reduce: bool,
+               accumulate: int) -> Optional[RunSpec]:
+        """Decide what is "auto" for `run` (`decide` above: every rank alike) unless already decided; returns `run`
+        with the optimizer offload chosen, which the caller writes into the DeepSpeed config, or None when no memory
+        choice was made. `models`: the models the memory engine serves; `accumulate`: micro-batches per optimizer
+        step (the steps `confirm` times)."""
+        request = self.memory
+        kernel_auto = self.requested_kernel_priority == "auto"
+        if not (isinstance(request, AutoMemory) or (kernel_auto and on_cuda)) or self.choice is not None:
+            return None
+        self.kernel_priority, choice = decide(
+            request, run, models, kernel_priority=self.requested_kernel_priority if kernel_auto
+            else self.kernel_priority, local_ranks=local_ranks, reduce=reduce)
+        if choice is None:
+            return None
+        self.memory, self.choice = choice.memory, choice
+        if request.confirm_steps:
+            self._probe = StepProbe(choice, int(request.confirm_steps), accumulate)
+        return run.with_memory_choice(choice.offload_optimizer, choice.sub_group_size)
+
+    def confirm(self, device: torch.device, reduce: bool) -> Optional[Confirmation]:
+        """At every training batch's start: the confirmation of the choice, once, when its timed steps are done."""
+        if self._probe is None:
+            return None
+        confirmation = self._probe.on_batch_start(device, reduce)
+        if confirmation is not None:
+            self.confirmation, self._probe = confirmation, None
+        return confirmation
+
+
 def check_optimizer(choice: Optional[AutoChoice], optimizer: Any) -> None:
     """DeepSpeed runs its optimizer offload with its own CPU Adam: a choice that offloads needs it from
     `configure_optimizers`."""
