@@ -28,12 +28,12 @@ import torch
 import transformers
 
 from benchmarks.sp1_attention import time_steps
-from lightning_ulysses.hf import prepare_hf_model
 from lightning_ulysses.attention.rows import BatchRowsSlot
-from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss
+from lightning_ulysses.batch.sharding import SequenceSharder
+from lightning_ulysses.hf import prepare_hf_model
 from lightning_ulysses.memory import apply_memory_options
 from lightning_ulysses.planning.plan import memory_options
-from lightning_ulysses.batch.sharding import SequenceSharder
+from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss
 
 VARIANTS = ("hf", "strategy_sp1", "strategy_sp1_memory")
 

@@ -10,8 +10,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_ulysses.attention import UlyssesAttention
 from lightning_ulysses.batch.sharding import SequenceSharder
 from lightning_ulysses.hf import prepare_hf_model
-from lightning_ulysses.parallel.layout import ParallelLayout, SequenceParallelGroups
 from lightning_ulysses.integration.strategy import UlyssesDeepSpeedStrategy
+from lightning_ulysses.parallel.layout import ParallelLayout, SequenceParallelGroups
 from lightning_ulysses.training.loss import sequence_parallel_cross_entropy
 
 __version__ = "0.1.0"

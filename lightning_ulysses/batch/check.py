@@ -14,8 +14,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from lightning_ulysses.parallel.layout import SequenceParallelGroups
 from lightning_ulysses.batch.sharding import batch_fingerprint
+from lightning_ulysses.parallel.layout import SequenceParallelGroups
 
 CheckBatches = Literal["first", "every", "never"]
 FIRST_BATCHES_CHECKED = 2  # per loop stage, with `check_batches="first"`

@@ -36,8 +36,7 @@ from lightning_ulysses.hf.binding import ULYSSES_ATTENTION, binding_of
 from lightning_ulysses.hf.decoding import DecodeState
 from lightning_ulysses.hf.positions import watch_positions
 from lightning_ulysses.hf.prepare import PreparedHFModel, find_hf_models, prepare_hf_model
-from lightning_ulysses.hf.validation import (find_token_mixers, hf_head_counts, token_mixer_modules,
-                                                       validate_hf_model)
+from lightning_ulysses.hf.validation import find_token_mixers, hf_head_counts, token_mixer_modules, validate_hf_model
 
 __all__ = [
     "DecodeState",

@@ -14,8 +14,8 @@ from typing import Any, Optional
 import torch
 
 from lightning_ulysses.attention.core import ProcessGroupHandle
-from lightning_ulysses.hf.decoding import DecodeState
 from lightning_ulysses.attention.rows import BatchRowsSlot
+from lightning_ulysses.hf.decoding import DecodeState
 
 ULYSSES_ATTENTION = "ulysses"
 _BINDING_ATTRIBUTE = "_lightning_ulysses"

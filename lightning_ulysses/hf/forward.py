@@ -12,12 +12,12 @@ from lightning_ulysses.adapters import adapters_for
 from lightning_ulysses.attention.backends import BACKENDS
 from lightning_ulysses.attention.core import ulysses_attention
 from lightning_ulysses.attention.documents import AttentionPattern
+from lightning_ulysses.attention.masks import reject_window
 from lightning_ulysses.hf.binding import _BINDING_ATTRIBUTE, ULYSSES_ATTENTION, _Binding
 from lightning_ulysses.hf.decoding import _decode_attention
 from lightning_ulysses.hf.mask_interface import _shard_padding_mask, _unmark
 from lightning_ulysses.hf.own_attention import (_FLASH_BACKENDS, _OWN_ATTENTION_KWARGS, _OwnAttention,
-                                                          _own_attention_function)
-from lightning_ulysses.attention.masks import reject_window
+                                                _own_attention_function)
 from lightning_ulysses.parallel.layout import ShardOrder
 
 

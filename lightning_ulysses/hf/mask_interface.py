@@ -14,8 +14,8 @@ import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from lightning_ulysses.attention.documents import AttentionPattern
-from lightning_ulysses.hf.binding import ULYSSES_ATTENTION
 from lightning_ulysses.attention.masks import attention_pattern, reject_unsupported_pattern
+from lightning_ulysses.hf.binding import ULYSSES_ATTENTION
 from lightning_ulysses.mixers.arguments import MASK_MARKER
 
 if TYPE_CHECKING:

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_ulysses.attention.core import ProcessGroupHandle
-from lightning_ulysses.hf.binding import _Binding
 from lightning_ulysses.attention.rows import BatchRowsSlot
+from lightning_ulysses.hf.binding import _Binding
 
 
 def watch_positions(model: torch.nn.Module, batch_rows: BatchRowsSlot, sequence_parallel_group, ring_group=None):

@@ -15,14 +15,13 @@ from transformers import PreTrainedConfig, PreTrainedModel
 from lightning_ulysses.attention import inline
 from lightning_ulysses.attention.backends import BACKENDS
 from lightning_ulysses.attention.core import ProcessGroupHandle
+from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.hf.binding import _BINDING_ATTRIBUTE, ULYSSES_ATTENTION, _Binding
 from lightning_ulysses.hf.forward import _register_attention
 from lightning_ulysses.hf.mask_interface import bind_configs, unbind_configs
 from lightning_ulysses.hf.positions import _CacheCheck, _ForwardPositions, _PositionCheck
-from lightning_ulysses.hf.validation import (_unswitchable_message, _unswitchable_submodel,
-                                                       _unswitched_module, hf_head_counts, token_mixer_modules,
-                                                       validate_hf_model)
-from lightning_ulysses.attention.rows import BatchRowsSlot
+from lightning_ulysses.hf.validation import (_unswitchable_message, _unswitchable_submodel, _unswitched_module,
+                                             hf_head_counts, token_mixer_modules, validate_hf_model)
 from lightning_ulysses.mixers import install_mixers
 
 

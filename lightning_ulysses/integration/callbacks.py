@@ -23,8 +23,8 @@ import torch
 from lightning.pytorch.callbacks import RichProgressBar
 from typing_extensions import override
 
-from lightning_ulysses.fences import _lightning_private as lightning_private
 from lightning_ulysses.adapters.native_model import NativeCausalLM
+from lightning_ulysses.fences import _lightning_private as lightning_private
 from lightning_ulysses.planning.planner import ModelShape
 
 

@@ -25,17 +25,17 @@ from typing import Any, Callable, Optional
 import torch
 
 from lightning_ulysses.adapters import PositionRule, position_rule_of
+from lightning_ulysses.adapters.native_model import NativeCausalLM
 from lightning_ulysses.attention.core import UlyssesAttention
-from lightning_ulysses.hf import (find_hf_models, hf_head_counts, prepare_hf_model, validate_hf_model,
-                                            watch_positions)
 from lightning_ulysses.attention.rows import BatchRowsSlot
+from lightning_ulysses.batch.sharding import SequenceSharder
+from lightning_ulysses.hf import find_hf_models, hf_head_counts, prepare_hf_model, validate_hf_model, watch_positions
+from lightning_ulysses.memory import MemoryOptions, apply_memory_options, mark_leaf_layers
 from lightning_ulysses.parallel.layout import SequenceParallelGroups
 from lightning_ulysses.training.loss import LossFunctionHost, SequenceParallelCausalLMLoss, swap_loss_function
-from lightning_ulysses.memory import MemoryOptions, apply_memory_options, mark_leaf_layers
 from lightning_ulysses.training.metrics import SequenceParallel
-from lightning_ulysses.training.moe import SequenceParallelRouterLoss, exact_router_loss, batch_padding, validate_router_loss
-from lightning_ulysses.adapters.native_model import NativeCausalLM
-from lightning_ulysses.batch.sharding import SequenceSharder
+from lightning_ulysses.training.moe import (SequenceParallelRouterLoss, exact_router_loss, batch_padding,
+                                            validate_router_loss)
 
 Undo = Callable[[], None]
 

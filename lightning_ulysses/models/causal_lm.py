@@ -12,9 +12,9 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from lightning_ulysses.training.loss import sequence_parallel_cross_entropy
 from lightning_ulysses.models.hf import PretrainedCausalLM
 from lightning_ulysses.models.lora import LoraSettings, with_lora
+from lightning_ulysses.training.loss import sequence_parallel_cross_entropy
 from lightning_ulysses.training.optim import LRSchedule, adamw, optimizer_on_host, parameter_groups, schedule_config
 
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightning_ulysses.integration.pretrained import (MAKE_AN_EXAMPLE, check_pretrained_folder,
-                                          transformers_initialises_partitioned_weights)
+                                                      transformers_initialises_partitioned_weights)
 
 
 class HuggingFaceCausalLM:

@@ -38,10 +38,10 @@ from typing import Any, Optional, Union
 
 import torch
 
-from lightning_ulysses.memory import MemoryOptions, fused_elementwise_applies
 from lightning_ulysses.adapters.native_model import NativeCausalLM
-from lightning_ulysses.planning.planner import GIB, MemoryPlan, ModelShape, TrainingSetup, plan_memory
+from lightning_ulysses.memory import MemoryOptions, fused_elementwise_applies
 from lightning_ulysses.parallel.run_spec import LIGHTNING_SUB_GROUP_SIZE, RunSpec
+from lightning_ulysses.planning.planner import GIB, MemoryPlan, ModelShape, TrainingSetup, plan_memory
 from lightning_ulysses.planning.step_time import StepTime, predict_step_time
 
 # The features `choose` decides, in the order the report lists them.

@@ -15,11 +15,11 @@ import argparse
 import dataclasses
 import math
 
-from lightning_ulysses.planning.auto import AutoMemory, choose, longest_fit
 from lightning_ulysses.parallel.layout import ParallelLayout
-from lightning_ulysses.planning.planner import (FEATURES, GIB, MODELS, TrainingSetup, longest_sequence, memory_options, plan_memory,
-                                       published_176b_comparison)
 from lightning_ulysses.parallel.run_spec import RunSpec
+from lightning_ulysses.planning.auto import AutoMemory, choose, longest_fit
+from lightning_ulysses.planning.planner import (FEATURES, GIB, MODELS, TrainingSetup, longest_sequence, memory_options,
+                                                plan_memory, published_176b_comparison)
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m lightning_ulysses plan", description=__doc__,

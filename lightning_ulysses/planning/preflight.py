@@ -24,8 +24,8 @@ from typing import Any, Optional
 import torch
 
 from lightning_ulysses.parallel.layout import ParallelLayout
-from lightning_ulysses.planning.planner import TrainingSetup, optimizer_offload_host_bytes, sub_groups_of
 from lightning_ulysses.parallel.run_spec import RunSpec
+from lightning_ulysses.planning.planner import TrainingSetup, optimizer_offload_host_bytes, sub_groups_of
 
 GIB = 1024**3
 # Bytes per parameter that ZeRO-Offload keeps in host memory, split over all ranks: fp32 master weights, Adam's

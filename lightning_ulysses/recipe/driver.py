@@ -21,17 +21,17 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
-from lightning_ulysses.planning import auto
 from lightning_ulysses.attention.core import validate_head_counts
 from lightning_ulysses.integration.checkpoint.protocol import PREVIOUS_SUFFIX, resolve_checkpoint, saved_global_step
 from lightning_ulysses.integration.console import quiet_third_party  # noqa: F401  (recipes/train.py: before anything is built)
-from lightning_ulysses.parallel.layout import ParallelLayout
-from lightning_ulysses.memory import MemoryOptions
-from lightning_ulysses.integration.pretrained import check_pretrained_folder
-from lightning_ulysses.planning.planner import ModelShape, TrainingSetup, plan_memory
-from lightning_ulysses.parallel.run_spec import LIGHTNING_SUB_GROUP_SIZE, RunSpec, split_ulysses_block
 from lightning_ulysses.integration.export import ExportPretrained
 from lightning_ulysses.integration.faults import EXIT_PREEMPTED
+from lightning_ulysses.integration.pretrained import check_pretrained_folder
+from lightning_ulysses.memory import MemoryOptions
+from lightning_ulysses.parallel.layout import ParallelLayout
+from lightning_ulysses.parallel.run_spec import LIGHTNING_SUB_GROUP_SIZE, RunSpec, split_ulysses_block
+from lightning_ulysses.planning import auto
+from lightning_ulysses.planning.planner import ModelShape, TrainingSetup, plan_memory
 
 _RUNTIME_ENVIRONMENT = {
     "pytorch_cuda_alloc_conf": "PYTORCH_CUDA_ALLOC_CONF",

@@ -7,12 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_ulysses.planning.planner import (
-    ModelShape,
-    TrainingSetup,
-    optimizer_sub_groups,
-    plan_memory,
-)
+from lightning_ulysses.planning.planner import ModelShape, TrainingSetup, optimizer_sub_groups, plan_memory
 from tests.distributed.pool import shared
 
 WORKER = Path(__file__).parent / "workers" / "optimizer_offload.py"

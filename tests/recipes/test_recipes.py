@@ -20,8 +20,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from lightning_ulysses.recipe.config import register_resolvers
-from lightning_ulysses.training.optim import LRSchedule
 from lightning_ulysses.recipe.driver import plan
+from lightning_ulysses.training.optim import LRSchedule
 from tests.console_noise import third_party_noise
 from tests.distributed.harness import run_script
 

@@ -7,12 +7,12 @@ import dataclasses
 
 import pytest
 
-from lightning_ulysses.planning.auto import AutoMemory, Confirmation, StepProbe, choose, coerce_memory, longest_fit
 from lightning_ulysses.memory import MemoryOptions
-from lightning_ulysses.planning.planner import GIB, MODELS, TrainingSetup, plan_memory
 from lightning_ulysses.parallel.run_spec import RunSpec
+from lightning_ulysses.planning.auto import AutoMemory, Confirmation, StepProbe, choose, coerce_memory, longest_fit
 from lightning_ulysses.planning.calibration import (AUTO_VS_HAND_PAIRS, CALIBRATION, DEFERRED_MLP_PAIRS, FUSED_PAIRS,
-                                                   OVERLAP_PAIRS, predicted)
+                                                    OVERLAP_PAIRS, predicted)
+from lightning_ulysses.planning.planner import GIB, MODELS, TrainingSetup, plan_memory
 from lightning_ulysses.planning.step_time import predict_step_time
 
 LLAMA_1B, LLAMA_8B = MODELS["llama3.2-1b"], MODELS["llama3-8b"]

@@ -20,10 +20,11 @@ from peft.tuners.lora import LoraLayer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_ulysses.integration.checkpoint import command_line, protocol
-from lightning_ulysses.integration.export import ExportPretrained, PeftAdapters, adapter_configs, save_pretrained_folders
+from lightning_ulysses.integration.export import (ExportPretrained, PeftAdapters, adapter_configs,
+                                                  save_pretrained_folders)
+from lightning_ulysses.integration.preparation import check_adapters_initialised
 from lightning_ulysses.models import CausalLMModule
 from lightning_ulysses.models.lora import LoraSettings, _peft_initial_pair, add_adapter, with_lora
-from lightning_ulysses.integration.preparation import check_adapters_initialised
 from tests.distributed.common import tiny_llama
 from tests.finetune_fixtures import save_tiny_pretrained, save_tiny_tokenizer
 

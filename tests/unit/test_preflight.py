@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from lightning_ulysses.planning import preflight
 from lightning_ulysses.parallel.layout import ParallelLayout
-from lightning_ulysses.planning.preflight import PlannedRun
 from lightning_ulysses.parallel.run_spec import RunSpec
+from lightning_ulysses.planning import preflight
+from lightning_ulysses.planning.preflight import PlannedRun
 
 
 def planned(sequence_parallel_size, local_world_size, world_size, *, num_nodes=1, num_parameters=None,

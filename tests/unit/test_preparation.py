@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_ulysses.integration import preparation
 from lightning_ulysses.attention.rows import BatchRowsSlot
-from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss
-from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.batch.sharding import SequenceSharder
+from lightning_ulysses.integration import preparation
+from lightning_ulysses.memory import MemoryOptions
+from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss
 from tests.distributed.families import tiny_model
 
 

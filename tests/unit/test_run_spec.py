@@ -9,7 +9,7 @@ import torch
 
 from lightning_ulysses.parallel.layout import ParallelLayout
 from lightning_ulysses.parallel.run_spec import (LIGHTNING_SUB_GROUP_SIZE, RunSpec, deep_merge, inference_config,
-                                        read_sequence_parallel_size)
+                                                 read_sequence_parallel_size)
 
 SP2_DP2 = ParallelLayout(world_size=4, sequence_parallel_size=2)
 OFFLOADING = {"zero_optimization": {"stage": 3, "sub_group_size": 1e8, "reduce_scatter": True,

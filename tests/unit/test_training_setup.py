@@ -17,11 +17,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import OmegaConf
 
 from lightning_ulysses.integration.callbacks import TrainingProgressBar, planned_epochs
-from lightning_ulysses.models.gpt import GPTConfig
-from lightning_ulysses.training.optim import LRSchedule, parameter_groups, schedule_config
 from lightning_ulysses.integration.faults import EXIT_PREEMPTED
+from lightning_ulysses.models.gpt import GPTConfig
 from lightning_ulysses.recipe.driver import (ResumeDecision, build_loggers, continue_command, end_preempted_run,
-                                      resume_decision, resume_from)
+                                             resume_decision, resume_from)
+from lightning_ulysses.training.optim import LRSchedule, parameter_groups, schedule_config
 from tests.unit.test_checkpoint import save
 
 

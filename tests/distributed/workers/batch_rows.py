@@ -31,9 +31,9 @@ from lightning_ulysses import SequenceSharder, UlyssesAttention, prepare_hf_mode
 from lightning_ulysses.attention import core
 from lightning_ulysses.attention.documents import DocumentMask
 from lightning_ulysses.attention.rows import BatchRows, BatchRowsSlot
+from lightning_ulysses.memory import MemoryOptions, apply_memory_options
 from lightning_ulysses.parallel.layout import ParallelLayout, SequenceParallelGroups
 from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss
-from lightning_ulysses.memory import MemoryOptions, apply_memory_options
 from tests.distributed.common import VOCAB, CausalLM, collate, tiny_gpt, tiny_llama
 from tests.distributed.packed import PackedDocuments
 
