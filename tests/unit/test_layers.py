@@ -182,15 +182,33 @@ def test_every_folder_is_a_layer():
     assert all(module.split(".")[1] in set(LAYERS) | ROOT_MODULES for module in MODULES if module != PACKAGE)
 
 
-def test_no_layer_imports_a_higher_one():
+def upward_imports() -> list[str]:
+    """Every import of a module of a higher layer, as `file:line: layer module imports layer module`."""
     wrong = []
     for module in sorted(MODULES):
-        rank = LAYERS.index(layer_of(module))
+        rank, path = LAYERS.index(layer_of(module)), MODULES[module]
+        where = path.relative_to(SOURCE.parent) if path.is_relative_to(SOURCE.parent) else path
         for line, target in imports_of(module):
             if LAYERS.index(layer_of(target)) > rank:
-                wrong.append(f"{MODULES[module].relative_to(SOURCE.parent)}:{line}: {layer_of(module)} {module}"
-                             f" imports {layer_of(target)} {target}")
+                wrong.append(f"{where}:{line}: {layer_of(module)} {module} imports {layer_of(target)} {target}")
+    return wrong
+
+
+def test_no_layer_imports_a_higher_one():
+    wrong = upward_imports()
     assert not wrong, "imports against the layers (see test_layers.py's docstring):\n" + "\n".join(wrong)
+
+
+def test_an_upward_import_is_found(tmp_path, monkeypatch):
+    """The check above is not vacuous: a `parallel/` module importing the strategy (inside a function) is found, and
+    a `batch/` module importing a lower folder is not."""
+    (tmp_path / "up.py").write_text("def f():\n    from lightning_ulysses.integration import strategy\n")
+    (tmp_path / "down.py").write_text("from lightning_ulysses.parallel.layout import ShardOrder\n")
+    monkeypatch.setitem(MODULES, f"{PACKAGE}.parallel.planted_upward", tmp_path / "up.py")
+    monkeypatch.setitem(MODULES, f"{PACKAGE}.batch.planted_downward", tmp_path / "down.py")
+    found = [line for line in upward_imports() if "planted" in line]
+    assert found == [f"{tmp_path / 'up.py'}:2: parallel {PACKAGE}.parallel.planted_upward imports integration"
+                     f" {PACKAGE}.integration.strategy"]
 
 
 def test_fences_import_nothing_from_the_package():
@@ -275,7 +293,8 @@ def test_no_function_level_imports_of_the_package():
 def test_function_level_imports_are_found(tmp_path, monkeypatch):
     """The count above is not vacuous: an import inside a function of a package module is found."""
     module = tmp_path / "lazy.py"
-    module.write_text("def f():\n    from lightning_ulysses.training.loss import IGNORE_INDEX\n    return IGNORE_INDEX\n")
+    module.write_text("def f():\n    from lightning_ulysses.training.loss import IGNORE_INDEX\n"
+                      "    return IGNORE_INDEX\n")
     monkeypatch.setitem(MODULES, f"{PACKAGE}.lazy", module)
     found = [entry for entry in function_level_imports() if entry[0] == f"{PACKAGE}.lazy"]
     assert found == [(f"{PACKAGE}.lazy", 2, "from lightning_ulysses.training.loss import IGNORE_INDEX")]
