@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_ulysses.fences import _lightning_private as lightning_private
@@ -305,6 +306,35 @@ def on_rank_exception(watchdog: Optional[RankWatchdog], exception: BaseException
         # This rank leaves while the others may wait for it inside a collective (an OOM on one DP group, a
         # save failing on rank 0 only): tell them, so they exit at once naming it.
         watchdog.report_failure(exception)
+
+
+class RunFaults:
+    """What the strategy does about faults over its runs: the rank watchdog (started at the first distributed set-up,
+    stopped at every teardown), a scheduler's signals (`SchedulerSignals`: installed when training starts, agreed at
+    every batch) and, when a rank leaves by an exception, what it tells the others."""
+
+    def __init__(self, heartbeat_timeout: Optional[float]) -> None:
+        self.heartbeat_timeout = heartbeat_timeout
+        self.watchdog: Optional[RankWatchdog] = None
+        self.signals = SchedulerSignals()
+
+    def start_watchdog(self, environment: Any, rank: int, world_size: int) -> None:
+        if self.watchdog is None:
+            self.watchdog = start_watchdog(environment, rank, world_size, self.heartbeat_timeout)
+
+    def stop_watchdog(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
+
+    def on_exception(self, exception: BaseException, trainer: "pl.Trainer", environment: Any, is_global_zero: bool,
+                     groups_built: bool) -> None:
+        """A scheduler's signal, raised on every rank at the same step boundary (`SchedulerSignals.agree`): all ranks
+        save together. Anything else: the other ranks leave at once, naming this one (`on_rank_exception`)."""
+        if isinstance(exception, SIGTERMException) and groups_built:
+            self.signals.save_and_requeue(trainer, environment, is_global_zero)
+        else:
+            on_rank_exception(self.watchdog, exception)
 
 
 # -- a scheduler's signals ------------------------------------------------------------------------------------------

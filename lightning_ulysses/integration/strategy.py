@@ -22,7 +22,6 @@ import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -137,7 +136,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         config, sequence_parallel_size = read_sequence_parallel_size(
             lightning_private.load_deepspeed_config(self, config), sequence_parallel_size, ring_size)
         check_sequence_padding(sequence_padding)
-        self.heartbeat_timeout = faults.check_heartbeat_timeout(heartbeat_timeout)
+        # Signals, requeue and the rank watchdog (`faults.py`).
+        self._faults = faults.RunFaults(faults.check_heartbeat_timeout(heartbeat_timeout))
         # Ours, not DDPStrategy's `_start_method` (which DeepSpeedStrategy leaves at "popen", the script launch).
         self.start_method = check_start_method(start_method)
         super().__init__(stage=stage, config=config, **kwargs)
@@ -152,8 +152,6 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self.exchange: Optional[str] = None  # "nccl" or "copy_engine" once agreed in `setup` (`_decide_exchange`)
         self._transport = None  # the all-to-all transport `_decide_exchange` agreed (None: the collective one)
         self._batch_check = SameBatchCheck(check_batches)
-        self._watchdog: Optional[faults.RankWatchdog] = None
-        self._signals = faults.SchedulerSignals()
         # Dropout masks differ between the SP ranks: the steps draw from a stream of their own (`rng.py`).
         self._random_streams = SequenceParallelRNG()
         self._checkpoints = StrategyCheckpoints(self, self._random_streams, quiet=quiet_third_party)
@@ -190,6 +188,10 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     @property
     def sequence_padding(self) -> SequencePadding:
         return self._parallel.sequence_padding
+
+    @property
+    def heartbeat_timeout(self) -> Optional[float]:
+        return self._faults.heartbeat_timeout
 
     @property
     def hf_model_configs(self) -> dict[str, Any]:
@@ -245,9 +247,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         # After `reset_seed`, on every set-up (fit twice seeds it twice alike); a resume restores it later, at the
         # first batch or (at an epoch boundary) in `process_dataloader`, both after this.
         self._random_streams.reset(self.sequence_parallel_rank, self.sequence_parallel_world_size, self.root_device)
-        if self._watchdog is None:
-            self._watchdog = faults.start_watchdog(self.cluster_environment, self.global_rank, self.world_size,
-                                                   self.heartbeat_timeout)
+        self._faults.start_watchdog(self.cluster_environment, self.global_rank, self.world_size)
 
     @property
     @override
@@ -280,7 +280,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def on_train_start(self) -> None:
         # Lightning registers its signal handlers after `setup`; replace its collective ones once they exist.
-        self._signals.install(self.lightning_module.trainer, self.cluster_environment)
+        self._faults.signals.install(self.lightning_module.trainer, self.cluster_environment)
         super().on_train_start()
 
     def _prepare_modules(self) -> None:
@@ -326,9 +326,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._checkpoints.end_resume()  # a resumed run that trained no batch
         # While the watchdog runs: a rank lost at the barrier is named, not waited for.
         self._parallel.release(self.world_size, self.barrier)
-        if self._watchdog is not None:
-            self._watchdog.stop()
-            self._watchdog = None
+        self._faults.stop_watchdog()
         super().teardown()
         # The engine stays `self.model` until the next run replaces it: `trainer.save_checkpoint` after `fit` still
         # saves through it (it needs no hook).
@@ -402,7 +400,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._checkpoints.on_train_batch_start()  # the resumed random generators; the epoch of the batch's data
-        self._signals.agree(self.lightning_module.trainer, self.world_size, self.root_device)
+        self._faults.signals.agree(self.lightning_module.trainer, self.world_size, self.root_device)
         # memory="auto": the first steps of the first fit, timed and logged against the prediction
         confirmation = self._auto.confirm(self.root_device, self._reduces_over_ranks())
         if confirmation is not None:
@@ -412,12 +410,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._parallel.failed = True  # the groups are not released at this run's teardown (`ParallelRun.release`)
-        if isinstance(exception, SIGTERMException) and self._parallel.groups is not None:
-            # Raised on every rank at the same step boundary (`SchedulerSignals.agree`): all ranks save together.
-            self._signals.save_and_requeue(self.lightning_module.trainer, self.cluster_environment,
-                                           self.is_global_zero)
-        else:
-            faults.on_rank_exception(self._watchdog, exception)  # the other ranks leave at once, naming this one
+        self._faults.on_exception(exception, self.lightning_module.trainer, self.cluster_environment,
+                                  self.is_global_zero, groups_built=self._parallel.groups is not None)
         super().on_exception(exception)
 
     # -- steps ----------------------------------------------------------------------------------------------------
