@@ -18,7 +18,7 @@ attention in place of the backend (see `core.ulysses_attention` for what the rin
 Beyond plain causal attention: sliding windows and chunks reach the attention through our mask interface (a
 marker carrying the pattern, applied on whole rows by the core); eager attention and arguments only the model's own
 attention function applies (soft-capping, sinks) run that function on whole rows of each rank's heads
-(`_OwnAttention`); token mixers that are not attention run on whole rows (attention/mixers.py); per-family
+(`_OwnAttention`); token mixers that are not attention run on whole rows (`mixers/`); per-family
 corrections of positions a module counts itself live in `lightning_ulysses/adapters/`, and so do the families whose
 modules compute attention inline (BLOOM, MPT, Falcon, GPT-Neo, XGLM), taken over module by module
 (attention/inline.py) instead of switched.

@@ -127,11 +127,12 @@ def test_a_mid_epoch_resume_of_an_iterable_dataset_says_the_epoch_restarts():
             return iter(range(8))
 
     trainer = SimpleNamespace(state=SimpleNamespace(stage=RunningStage.TRAINING))
-    protocol = resume.StrategyCheckpoints(SimpleNamespace(lightning_module=SimpleNamespace(trainer=trainer)))
-    protocol.resume = resume.PendingResume(epoch_samples_consumed=4, global_batch_size=2, rng_state=None)
+    strategy = SimpleNamespace(lightning_module=SimpleNamespace(trainer=trainer))
+    strategy_checkpoints = resume.StrategyCheckpoints(strategy)
+    strategy_checkpoints.resume = resume.PendingResume(epoch_samples_consumed=4, global_batch_size=2, rng_state=None)
     loader = DataLoader(Stream(), batch_size=2)
     with pytest.warns(UserWarning, match="an iterable dataset.*restarts from its beginning"):
-        assert protocol.process_dataloader(loader) is loader
+        assert strategy_checkpoints.process_dataloader(loader) is loader
 
 
 def test_watchdog_rejects_a_non_positive_timeout():
@@ -146,9 +147,10 @@ def _resuming(quiet=True, consumed=4):
     trainer = SimpleNamespace(state=SimpleNamespace(stage=RunningStage.TRAINING), fit_loop=progress)
     strategy = SimpleNamespace(lightning_module=SimpleNamespace(trainer=trainer),
                                parallel_groups=SimpleNamespace(data_parallel_world_size=1))
-    protocol = resume.StrategyCheckpoints(strategy, quiet=quiet)
-    protocol.resume = resume.PendingResume(epoch_samples_consumed=consumed, global_batch_size=2, rng_state=None)
-    return protocol
+    strategy_checkpoints = resume.StrategyCheckpoints(strategy, quiet=quiet)
+    strategy_checkpoints.resume = resume.PendingResume(epoch_samples_consumed=consumed, global_batch_size=2,
+                                                       rng_state=None)
+    return strategy_checkpoints
 
 
 def _lightning_says_not_resumable() -> list[str]:
@@ -188,8 +190,8 @@ def test_lightnings_not_resumable_warning_is_hidden_only_while_an_exact_resume_s
     sequential.end_resume()  # (the strategy's teardown, where no batch ran)
     assert len(_lightning_says_not_resumable()) == 1
     random_order = DataLoader(data, batch_size=2, sampler=RandomSampler(data))
-    for protocol, loader in [(_resuming(consumed=consumed), random_order),
-                             (_resuming(quiet=False, consumed=consumed), DataLoader(data, batch_size=2)),
-                             (_resuming(consumed=consumed), DataLoader(Stream(), batch_size=2))]:
-        protocol.process_dataloader(loader)  # (for the iterable dataset, ours says the epoch restarts)
+    for strategy_checkpoints, loader in [(_resuming(consumed=consumed), random_order),
+                                         (_resuming(quiet=False, consumed=consumed), DataLoader(data, batch_size=2)),
+                                         (_resuming(consumed=consumed), DataLoader(Stream(), batch_size=2))]:
+        strategy_checkpoints.process_dataloader(loader)  # (for the iterable dataset, ours says the epoch restarts)
         assert len(_lightning_says_not_resumable()) == 1
