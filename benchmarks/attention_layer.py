@@ -53,13 +53,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_ulysses.attention.backends import SDPA_KERNELS, sdpa_priority
 from lightning_ulysses.attention import copy_engine
-from lightning_ulysses.attention.all_to_all import start_exchange
-from lightning_ulysses.attention.core import UlyssesAttention
 from lightning_ulysses.attention import ring
+from lightning_ulysses.attention.all_to_all import start_exchange
+from lightning_ulysses.attention.backends import SDPA_KERNELS, sdpa_priority
+from lightning_ulysses.attention.core import UlyssesAttention
 from lightning_ulysses.attention.ring import block_kernel_kind, ring_attention, sdpa_kernel_order
-from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, ShardOrder
+from lightning_ulysses.parallel.layout import ParallelLayout, SequenceParallelGroups, ShardOrder
 
 MODES = ("sdpa", "local", "exchange", "ulysses", "ulysses_separate", "ulysses_stack_cat", "ring", "hybrid")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

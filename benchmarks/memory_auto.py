@@ -36,8 +36,8 @@ def run(args) -> tuple[list[float], dict]:
 
     from lightning_ulysses import UlyssesDeepSpeedStrategy
     from lightning_ulysses.models import CausalLMModule, HuggingFaceCausalLM
-    from lightning_ulysses.optim import adamw, optimizer_on_host
-    from lightning_ulysses.plan import memory_options
+    from lightning_ulysses.training.optim import adamw, optimizer_on_host
+    from lightning_ulysses.planning.plan import memory_options
 
     class Module(CausalLMModule):
         def training_step(self, batch, batch_idx):

@@ -10,7 +10,7 @@ are switched per point (every MLP is marked a ZeRO-3 leaf before DeepSpeed start
 
 Features per point: none, or '+'-joined ac (layer checkpointing), offload (its inputs on the host), mlp (tiled
 MLP), logits (tiled logits + loss), attn (keep attention outputs), everyK (checkpoint every K-th layer's input)
-— `lightning_ulysses.plan.memory_options`. One JSON line per point; an OOM is a line too.
+— `lightning_ulysses.planning.plan.memory_options`. One JSON line per point; an OOM is a line too.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from lightning_ulysses.attention.backends import sdpa_priority  # noqa: E402
 from lightning_ulysses.memory import apply_memory_options  # noqa: E402
-from lightning_ulysses.plan import memory_options  # noqa: E402
-from lightning_ulysses.planner import MODELS, TrainingSetup, plan_memory  # noqa: E402
+from lightning_ulysses.planning.plan import memory_options  # noqa: E402
+from lightning_ulysses.planning.planner import MODELS, TrainingSetup, plan_memory  # noqa: E402
 
 PEAK_FLOPS = 772e12  # measured bf16 matmul peak of the lent H200 (DESIGN-NOTES)
 GIB = 2**30

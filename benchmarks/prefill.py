@@ -1,5 +1,5 @@
 """Time to first token and peak memory of a long-prompt prefill: plain Hugging Face against
-`lightning_ulysses.inference.generate` (sequence-parallel prefill; SP = the number of processes).
+`lightning_ulysses.integration.inference.generate` (sequence-parallel prefill; SP = the number of processes).
 
     python benchmarks/prefill.py --shape 1b --seq 32768 65536 131072               # one GPU: SP 1
     torchrun --nproc_per_node 2 benchmarks/prefill.py --shape 1b --seq 131072      # SP 2 (not run yet)
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lightning_ulysses import inference
+from lightning_ulysses.integration import inference
 
 SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -29,9 +29,9 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import lightning_ulysses  # noqa: E402,F401
-from lightning_ulysses.callbacks import ThroughputCallback  # noqa: E402
+from lightning_ulysses.integration.callbacks import ThroughputCallback  # noqa: E402
 from lightning_ulysses.models import CausalLMModule, HuggingFaceCausalLM  # noqa: E402
-from lightning_ulysses.planner import MODELS  # noqa: E402
+from lightning_ulysses.planning.planner import MODELS  # noqa: E402
 
 MEMORY = {"tiled_mlp": True, "tiled_logits_loss": True, "activation_checkpointing": True,
           "offload_activations": True, "expandable_segments": True}
@@ -39,9 +39,9 @@ MEMORY = {"tiled_mlp": True, "tiled_logits_loss": True, "activation_checkpointin
 
 def predicted_longest(args, devices: int) -> int:
     """auto's longest length at SP = devices from total (not free) memory, so that every rank computes the same."""
-    from lightning_ulysses.auto import AutoMemory, _proc_bytes, longest_fit
-    from lightning_ulysses.layout import ParallelLayout
-    from lightning_ulysses.run_spec import RunSpec
+    from lightning_ulysses.planning.auto import AutoMemory, _proc_bytes, longest_fit
+    from lightning_ulysses.parallel.layout import ParallelLayout
+    from lightning_ulysses.parallel.run_spec import RunSpec
 
     total_device = torch.cuda.get_device_properties(0).total_memory
     total_host = _proc_bytes("/proc/meminfo", "MemTotal")

@@ -19,10 +19,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_ulysses.attention.backends import sdpa_priority
-from lightning_ulysses.attention.hf import prepare_hf_model
 from lightning_ulysses.attention.rows import BatchRowsSlot
-from lightning_ulysses.loss import SequenceParallelCausalLMLoss
-from lightning_ulysses.sharding import SequenceSharder
+from lightning_ulysses.batch.sharding import SequenceSharder
+from lightning_ulysses.hf import prepare_hf_model
+from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss
 
 
 def time_steps(model, make_batch, steps: int, warmup: int) -> list[float]:

@@ -6,7 +6,7 @@ windows applied after the exchange) to cost nothing where no sequence is cut: to
 Prints one JSON line per (family, length, variant), blocks in A B B A order.
 
 `strategy_sp1_memory` is the prepared model with the memory engine's features on (`--memory`, the feature names of
-`lightning_ulysses.plan.memory_options`; applied as `UlyssesDeepSpeedStrategy(memory=...)` applies them, undone after
+`lightning_ulysses.planning.plan.memory_options`; applied as `UlyssesDeepSpeedStrategy(memory=...)` applies them, undone after
 its blocks): what the strategy runs where plain HF runs out of memory. Only the model of the block in flight is on
 the GPU. A variant that ran out of memory is not run again (at this or a longer length), and where one did, the
 repeated blocks of that length are left out (no ratio to protect).
@@ -28,12 +28,12 @@ import torch
 import transformers
 
 from benchmarks.sp1_attention import time_steps
-from lightning_ulysses.attention.hf import prepare_hf_model
 from lightning_ulysses.attention.rows import BatchRowsSlot
-from lightning_ulysses.loss import SequenceParallelCausalLMLoss
+from lightning_ulysses.batch.sharding import SequenceSharder
+from lightning_ulysses.hf import prepare_hf_model
 from lightning_ulysses.memory import apply_memory_options
-from lightning_ulysses.plan import memory_options
-from lightning_ulysses.sharding import SequenceSharder
+from lightning_ulysses.planning.plan import memory_options
+from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss
 
 VARIANTS = ("hf", "strategy_sp1", "strategy_sp1_memory")
 

@@ -3,7 +3,7 @@
     python docs/figures.py [OUTPUT_DIR]      (default docs/figures; scripts/docs.sh runs this)
 
 - `data-flow.svg`: one training step of one SP group of 4 ranks, from the batch to ZeRO. Which tokens each rank
-  keeps after the cut comes from `ShardOrder.runs` (lightning_ulysses/layout.py), the arithmetic the sharder uses.
+  keeps after the cut comes from `ShardOrder.runs` (lightning_ulysses/parallel/layout.py), the arithmetic the sharder uses.
 - `groups.svg`: 8 ranks at `sequence_parallel_size=4`: the SP groups, the DP groups and, with `ring_size=2`, the
   Ulysses and ring sub-groups, all read from `ParallelLayout` (the same object the strategy builds its groups from).
 
@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _layout_module():
-    """lightning_ulysses/layout.py alone (it needs only torch), without importing the whole package."""
-    spec = importlib.util.spec_from_file_location("_ulysses_layout", ROOT / "lightning_ulysses" / "layout.py")
+    """lightning_ulysses/parallel/layout.py alone (it needs only torch), without importing the whole package."""
+    spec = importlib.util.spec_from_file_location("_ulysses_layout", ROOT / "lightning_ulysses" / "parallel" / "layout.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)

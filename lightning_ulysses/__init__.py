@@ -7,11 +7,12 @@ for strategies).
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_ulysses.attention import UlyssesAttention, prepare_hf_model
-from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
-from lightning_ulysses.loss import sequence_parallel_cross_entropy
-from lightning_ulysses.sharding import SequenceSharder
-from lightning_ulysses.strategy import UlyssesDeepSpeedStrategy
+from lightning_ulysses.attention import UlyssesAttention
+from lightning_ulysses.batch.sharding import SequenceSharder
+from lightning_ulysses.hf import prepare_hf_model
+from lightning_ulysses.integration.strategy import UlyssesDeepSpeedStrategy
+from lightning_ulysses.parallel.layout import ParallelLayout, SequenceParallelGroups
+from lightning_ulysses.training.loss import sequence_parallel_cross_entropy
 
 __version__ = "0.1.0"
 

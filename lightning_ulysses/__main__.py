@@ -13,8 +13,9 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"checkpoint": "lightning_ulysses.checkpoint", "preflight": "lightning_ulysses.preflight",
-                "plan": "lightning_ulysses.plan", "example-finetune": "lightning_ulysses.example"}
+    commands = {"checkpoint": "lightning_ulysses.integration.checkpoint.command_line",
+                "preflight": "lightning_ulysses.planning.preflight", "plan": "lightning_ulysses.planning.plan",
+                "example-finetune": "lightning_ulysses.recipe.example"}
     if not argv or argv[0] not in commands:
         print(__doc__.strip(), file=sys.stderr)
         return 2

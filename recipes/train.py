@@ -24,12 +24,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig
 
 import lightning_ulysses  # noqa: F401  (registers the "ulysses" strategy names)
-from lightning_ulysses.callbacks import PROGRESS_BAR_NAMES
-from lightning_ulysses.config import register_resolvers
-from lightning_ulysses.recipe import (apply_runtime_environment, build_callbacks, build_loggers, check_recipe,
-                                      continue_command, end_preempted_run, export_callbacks, plan, quiet_third_party,
-                                      resume_decision, strategy_memory)
-from lightning_ulysses.summary import run_summary
+from lightning_ulysses.integration.callbacks import PROGRESS_BAR_NAMES
+from lightning_ulysses.recipe.config import register_resolvers
+from lightning_ulysses.recipe.driver import (apply_runtime_environment, build_callbacks, build_loggers, check_recipe,
+                                             continue_command, end_preempted_run, export_callbacks, plan,
+                                             quiet_third_party, resume_decision, strategy_memory)
+from lightning_ulysses.recipe.summary import run_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 register_resolvers()

@@ -1,4 +1,4 @@
-"""What a console must not show: the third-party lines users saw before the quiet console (`lightning_ulysses.console`),
+"""What a console must not show: the third-party lines users saw before the quiet console (`lightning_ulysses.integration.console`),
 shared by the tests that read a whole console (the recipe's main job, a user's own script, the notebook)."""
 
 from __future__ import annotations

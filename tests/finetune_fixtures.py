@@ -1,6 +1,6 @@
 """Offline stand-ins for a fine-tuning user's files: the tiny pretrained Llama folder with its own tokenizer (config,
 weights, tokenizer, chat template), the plain-text jsonl and the chat jsonl that `python -m lightning_ulysses
-example-finetune` writes (`lightning_ulysses.example`), plus the same documents in the other file formats.
+example-finetune` writes (`lightning_ulysses.recipe.example`), plus the same documents in the other file formats.
 
 Shared by the data, recipe and LoRA tests, so that every one of them fine-tunes the same kind of folder a user has.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lightning_ulysses.example import (  # noqa: F401  (re-exported for the tests)
+from lightning_ulysses.recipe.example import (  # noqa: F401  (re-exported for the tests)
     CHAT_TEMPLATE,
     save_tiny_pretrained,
     save_tiny_tokenizer,

@@ -7,8 +7,8 @@ family itself would have used (most count `0..seq-1`, padding included; OPT coun
 BLOOM, MPT, Falcon, GPT-Neo, XGLM) a forward of its own projections around the Ulysses exchange
 (attention/inline.py).
 
-Most families need nothing here: the "ulysses" attention function and the whole-rows mixers (attention/hf/,
-attention/mixers.py) serve any family that dispatches through transformers' interfaces. A family that derives
+Most families need nothing here: the "ulysses" attention function and the whole-rows mixers (hf/,
+mixers/) serve any family that dispatches through transformers' interfaces. A family that derives
 something inside its attention module from the positions of the tokens it holds (counting them from 0, which
 under sequence parallelism is each shard's own start) registers a `FamilyAdapter` that corrects the query
 before the exchange, given the shard's global positions. Adding a family is adding a file here (registering itself

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ulysses.attention.copy_engine import CollectiveTransport
-from lightning_ulysses.layout import ShardOrder
+from lightning_ulysses.parallel.layout import ShardOrder
 
 
 # The transport of every exchange not handed one: `all_to_all_single` (stateless, so one serves every group).

@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import math
 import os
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -386,3 +386,23 @@ def probe_copy_engine(devices: list[torch.device], group_on_one_host: bool) -> C
 def transport_for(choice: str):
     """The transport of an agreed choice (`choose_exchange`)."""
     return SymmetricMemoryTransport() if choice == "copy_engine" else None
+
+
+def agree_exchange(requested: str, group, on_cuda: bool, host_ranks: range, host_devices: Sequence[torch.device],
+                   rank: int, device: torch.device) -> tuple[str, Optional[SymmetricMemoryTransport]]:
+    """The exchange of a run and its transport (None: the collective one), agreed over the Ulysses `group` (None:
+    nothing is exchanged): off CUDA (`on_cuda`, the same on every rank) without a collective, on CUDA by the largest
+    failure code of every rank's probe (one all-reduce), so that every rank takes the same transport and an impossible
+    `"copy_engine"` is refused on every rank alike. `host_ranks`: the global ranks of this host (contiguous), whose
+    devices are `host_devices`; `rank`, `device`: this rank's."""
+    if group is None:
+        return "nccl", None
+    if requested == "nccl" or not on_cuda:
+        failure = 1  # not (to be) on CUDA devices
+    else:
+        ranks = dist.get_process_group_ranks(group)
+        on_host = all(r in host_ranks for r in ranks)
+        peers = [host_devices[r - host_ranks.start] for r in ranks if on_host and r != rank]
+        failure = agreed_failure(probe_copy_engine([device] + peers, on_host), group, device)
+    choice = choose_exchange(requested, failure)
+    return choice, transport_for(choice)

@@ -6,7 +6,7 @@ output back. With fewer KV heads than SP ranks (GQA/MQA) each KV head is replica
 the one KV head its query heads use; replication is a `repeat_interleave`, so its gradient sums back exactly.
 
 `ulysses_attention` is the one core both model families run: `UlyssesAttention` (native models) and the
-Hugging Face attention function (attention/hf/forward.py) call it with a backend name (attention/backends.py). Packed
+Hugging Face attention function (hf/forward.py) call it with a backend name (attention/backends.py). Packed
 documents and padding are read from the whole-row positions and mask (attention/documents.py): those the sharder
 published for the batch (attention/rows.py), or else gathered from the SP group in every call.
 
@@ -30,7 +30,7 @@ from lightning_ulysses.attention.backends import BACKENDS, check_backend, local_
 from lightning_ulysses.attention.documents import AttentionPattern, DocumentMask
 from lightning_ulysses.attention.ring import ring_attention
 from lightning_ulysses.attention.rows import BatchRowsSlot
-from lightning_ulysses.layout import ShardOrder
+from lightning_ulysses.parallel.layout import ShardOrder
 
 
 def valid_sequence_parallel_sizes(num_heads: int, num_key_value_heads: int) -> list[int]:

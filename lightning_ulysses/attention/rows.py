@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from lightning_ulysses.attention.documents import DocumentMask
-from lightning_ulysses.views import view_key
+from lightning_ulysses.parallel.views import view_key
 
 
 def _is_view(tensor: torch.Tensor | None, key: tuple | None) -> bool:

@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 from typing_extensions import override
 
 from lightning_ulysses.data.packing import pack_documents
-from lightning_ulysses.loss import IGNORE_INDEX
+from lightning_ulysses.training.loss import IGNORE_INDEX
 
 FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
 # The mark transformers looks for before it can return an assistant mask (utils/chat_template_utils.py).

@@ -19,7 +19,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from lightning_ulysses.loss import IGNORE_INDEX
+from lightning_ulysses.training.loss import IGNORE_INDEX
 
 Document = Union[torch.Tensor, Sequence[int], dict]
 

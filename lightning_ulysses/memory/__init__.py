@@ -44,13 +44,13 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from lightning_ulysses import _deepspeed_private as deepspeed_private
+from lightning_ulysses.adapters.native_model import NativeCausalLM
+from lightning_ulysses.fences import _deepspeed_private as deepspeed_private
 from lightning_ulysses.memory.checkpointing import HostActivationStore, checkpoint_layers
 from lightning_ulysses.memory.fused import check_backend, gated_mlp_activation, use_fused_gated_mlp, use_fused_norm
 from lightning_ulysses.memory.logits_loss import TiledLogitsLoss, fuse_head_with_loss, fuse_hugging_face_loss
 from lightning_ulysses.memory.norms import llama_style_norms, use_low_memory_norm
 from lightning_ulysses.memory.tiled_mlp import tile_mlp
-from lightning_ulysses.native_model import NativeCausalLM
 
 
 @dataclass(frozen=True)

@@ -33,9 +33,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_ulysses import _deepspeed_private as deepspeed_private
+from lightning_ulysses.fences import _deepspeed_private as deepspeed_private
 from lightning_ulysses.memory.tiled_mlp import TiledMLP, deferred_recompute, tiled_mlps
-from lightning_ulysses.views import view_key
+from lightning_ulysses.parallel.views import view_key
 
 # The fused attention kernels whose outputs `keep_attention_outputs` records (what F.scaled_dot_product_attention
 # dispatches to on CUDA and CPU). The math fallback decomposes into ordinary ops and simply runs again.

@@ -21,12 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_ulysses.loss import (
-    IGNORE_INDEX,
-    SequenceParallelCausalLMLoss,
-    sequence_parallel_token_mean,
-    shift_sharded_labels,
-)
+from lightning_ulysses.training.loss import (IGNORE_INDEX, SequenceParallelCausalLMLoss, sequence_parallel_token_mean,
+                                             shift_sharded_labels)
 
 
 class _LinearCrossEntropySum(torch.autograd.Function):

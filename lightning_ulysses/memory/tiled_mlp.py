@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from lightning_ulysses import _deepspeed_private as deepspeed_private
+from lightning_ulysses.fences import _deepspeed_private as deepspeed_private
 
 
 def _tiles(x: torch.Tensor, tile_tokens: int) -> list[torch.Tensor]:

@@ -1,7 +1,7 @@
 """Token mixers that are not attention (linear attention, state-space layers, short convolutions, recurrences)
 under sequence parallelism.
 
-Each mixer found in a model (`attention.hf.token_mixer_modules`) runs one of two ways:
+Each mixer found in a model (`hf.token_mixer_modules`) runs one of two ways:
 - split by heads (head_split.py), the Ulysses way, when its family declares how (one small file per family:
   gated_deltanet.py, short_conv.py, mamba2.py, mamba.py, kimi_delta.py, lightning_attention.py, rg_lru.py) and its
   heads (or channels) divide by the SP size: its work and activations are `1/SP` of the whole layer's on every

@@ -10,7 +10,7 @@ hand it to each mixer to record its convolution and recurrent state into. A cach
 the mixer's layer records a prefill, which needs nothing from it: the mixer runs without it (its state is then not
 recorded). Decoding from a cache needs that state: `inference.generate` decoding a hybrid model is refused here,
 and a sharded forward handed a cache that already holds tokens is refused where the model is entered
-(attention/hf/positions.py `_CacheCheck`).
+(hf/positions.py `_CacheCheck`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-# The attribute of the "ulysses" mask interface's marker for windowed layers (attention/hf/mask_interface.py `_mark`).
+# The attribute of the "ulysses" mask interface's marker for windowed layers (hf/mask_interface.py `_mark`).
 MASK_MARKER = "_lightning_ulysses_pattern"
 CACHE_ARGUMENTS = ("cache", "cache_params", "past_key_values", "past_key_value", "layer_past", "state")
 

@@ -50,7 +50,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from lightning_ulysses._deepspeed_private import Z3_LEAF_ATTRIBUTE, mark_z3_leaf
+from lightning_ulysses.fences._deepspeed_private import Z3_LEAF_ATTRIBUTE, mark_z3_leaf
 from lightning_ulysses.mixers.arguments import CACHE_ARGUMENTS, PackedDocuments, shard_padding_mask, whole_row_argument
 from lightning_ulysses.mixers.channels import ChannelExchange, ChannelLayout, Replicated, Shared
 from lightning_ulysses.mixers.kernels import LinearTimeKernels

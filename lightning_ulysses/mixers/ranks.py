@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ulysses.attention.all_to_all import all_gather_sequence, all_to_all
-from lightning_ulysses.layout import ShardOrder
+from lightning_ulysses.parallel.layout import ShardOrder
 
 
 class SequenceRanks:

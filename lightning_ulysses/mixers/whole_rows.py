@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ulysses.attention.all_to_all import all_gather_sequence
-from lightning_ulysses.layout import ShardOrder
+from lightning_ulysses.parallel.layout import ShardOrder
 from lightning_ulysses.mixers.arguments import PackedDocuments, whole_row_argument
 
 

@@ -12,10 +12,10 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from lightning_ulysses.loss import sequence_parallel_cross_entropy
 from lightning_ulysses.models.hf import PretrainedCausalLM
 from lightning_ulysses.models.lora import LoraSettings, with_lora
-from lightning_ulysses.optim import LRSchedule, adamw, optimizer_on_host, parameter_groups, schedule_config
+from lightning_ulysses.training.loss import sequence_parallel_cross_entropy
+from lightning_ulysses.training.optim import LRSchedule, adamw, optimizer_on_host, parameter_groups, schedule_config
 
 
 class ModelSpec(Protocol):
@@ -32,8 +32,8 @@ class CausalLMModule(L.LightningModule):
         model: what to build (`GPTConfig`, `HuggingFaceCausalLM` or `PretrainedCausalLM`, see `from_pretrained`);
             built in `configure_model`, i.e. partitioned from the start under ZeRO-3 (pretrained weights too).
         learning_rate, weight_decay, betas: AdamW settings; norms, biases and other 1-D parameters get no weight
-            decay, frozen parameters are left out (`lightning_ulysses.optim.parameter_groups`).
-        schedule: the learning-rate schedule per optimizer step (`lightning_ulysses.optim.LRSchedule`); `None`:
+            decay, frozen parameters are left out (`lightning_ulysses.training.optim.parameter_groups`).
+        schedule: the learning-rate schedule per optimizer step (`lightning_ulysses.training.optim.LRSchedule`); `None`:
             constant.
         activation_checkpointing: recompute every layer in backward.
         report_loss_split: also log the loss of the targets before and after this position (`loss_first`,

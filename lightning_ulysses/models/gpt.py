@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_ulysses.adapters.native_model import NativeCausalLM
 from lightning_ulysses.attention.core import UlyssesAttention
-from lightning_ulysses.loss import IGNORE_INDEX, LossFunctionHost
-from lightning_ulysses.native_model import NativeCausalLM
-from lightning_ulysses.planner import ModelShape
+from lightning_ulysses.planning.planner import ModelShape
+from lightning_ulysses.training.loss import IGNORE_INDEX, LossFunctionHost
 
 
 @dataclass

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lightning_ulysses.pretrained import (MAKE_AN_EXAMPLE, check_pretrained_folder,
-                                          transformers_initialises_partitioned_weights)
+from lightning_ulysses.integration.pretrained import (MAKE_AN_EXAMPLE, check_pretrained_folder,
+                                                      transformers_initialises_partitioned_weights)
 
 
 class HuggingFaceCausalLM:
@@ -41,7 +41,7 @@ class HuggingFaceCausalLM:
 class PretrainedCausalLM:
     """`PretrainedCausalLM("/models/llama-3-8b", rope_scaling={"rope_type": "yarn", "factor": 4.0, ...})`: the
     causal LM saved in a folder, loaded by `build()` with `from_pretrained`, i.e. in `configure_model` by
-    `CausalLMModule`: under the strategy's ZeRO-3 straight into the partitions (`lightning_ulysses.pretrained`).
+    `CausalLMModule`: under the strategy's ZeRO-3 straight into the partitions (`lightning_ulysses.integration.pretrained`).
 
     Args:
         pretrained: a `save_pretrained` folder (config and weights) or a Hugging Face Hub name.
@@ -101,7 +101,7 @@ def _count_parameters(config, attn_implementation: str) -> int:
 
 def _initialize_partitioned_weights(model) -> None:
     """Re-run Hugging Face's weight init when the model was built partitioned under ZeRO-3 without transformers
-    knowing (Lightning's own DeepSpeedStrategy; this strategy tells it, see `lightning_ulysses.pretrained`).
+    knowing (Lightning's own DeepSpeedStrategy; this strategy tells it, see `lightning_ulysses.integration.pretrained`).
 
     Inside `deepspeed.zero.Init` HF's `_init_weights` then never sees the real tensors: embeddings came out with
     std 1.0 instead of 0.02. One module at a time is gathered, initialised

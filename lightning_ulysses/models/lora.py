@@ -13,7 +13,7 @@ model would no longer start as the pretrained one). The strategy refuses, at set
 of these functions initialised (`preparation.check_adapters_initialised`, which the strategy runs on every module).
 
 Dropout (`settings.dropout` > 0) is allowed, as the model's own dropout is under the strategy: at SP > 1 each SP
-rank's steps draw from a random stream of their own (`lightning_ulysses.rng`), so each rank draws the masks of its
+rank's steps draw from a random stream of their own (`lightning_ulysses.integration.rng`), so each rank draws the masks of its
 own tokens, unlike the other shards' (a run is not bit-equal to one process, only equal in distribution; DP
 replicas draw alike, as under Lightning's DDP), and the memory engine's recomputes replay them
 (`tests/unit/test_memory.py`, `tests/unit/test_rng.py`).
@@ -29,7 +29,7 @@ from typing import Iterator, Sequence, Union
 
 import torch
 
-from lightning_ulysses.preparation import INITIALISED_MARK
+from lightning_ulysses.integration.preparation import INITIALISED_MARK
 
 
 @dataclass(frozen=True)

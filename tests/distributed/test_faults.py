@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ulysses import checkpoint as checkpoints
-from lightning_ulysses.faults import EXIT_PEER_LOST
+from lightning_ulysses.integration.checkpoint import protocol
+from lightning_ulysses.integration.faults import EXIT_PEER_LOST
 from tests.distributed.harness import run_ranks
 
 WORKER = Path(__file__).parent / "workers" / "faults.py"
@@ -69,11 +69,11 @@ def test_a_rank_killed_mid_save_leaves_the_last_complete_checkpoint(clocked_runs
     check_killed_run(outcome, victim=1)
     last = workdir / "checkpoints" / "last.ckpt"
     # The third save (after step 3) never committed: `last.ckpt` is still the one of step 2, complete...
-    assert checkpoints.resolve_checkpoint(last) == last
-    assert checkpoints.read_manifest(last).epoch_samples_consumed == 2  # 2 steps × batch 1 × DP 1
+    assert protocol.resolve_checkpoint(last) == last
+    assert protocol.read_manifest(last).epoch_samples_consumed == 2  # 2 steps × batch 1 × DP 1
     # ...and the half-written save is refused with a message naming the good one.
-    with pytest.raises(checkpoints.IncompleteCheckpointError, match="load last.ckpt"):
-        checkpoints.resolve_checkpoint(checkpoints.staging_path(last))
+    with pytest.raises(protocol.IncompleteCheckpointError, match="load last.ckpt"):
+        protocol.resolve_checkpoint(protocol.staging_path(last))
 
 
 def test_rank_0_leaving_first_at_the_end_of_a_job_is_not_a_failure(clocked_runs):

@@ -55,4 +55,4 @@ def test_a_hybrid_model_is_refused_decoding_from_an_sp_prefill_naming_the_fix(re
 def test_decoding_by_hand_from_a_sharded_cache_is_refused_naming_the_fix(results, sp):
     messages = {rank[("own decoding", sp)] for rank in results}
     assert len(messages) == 1
-    assert "lightning_ulysses.inference.generate" in messages.pop()
+    assert "lightning_ulysses.integration.inference.generate" in messages.pop()

@@ -26,7 +26,7 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from torch.utils.data import DataLoader
 
 from lightning_ulysses import UlyssesDeepSpeedStrategy
-from lightning_ulysses.notebook import UlyssesForkLauncher, check_parent_can_fork
+from lightning_ulysses.integration.notebook import UlyssesForkLauncher, check_parent_can_fork
 from tests.distributed.common import CausalLM, UnevenlyMaskedTokens, collate
 from tests.distributed.harness import ROOT, start_script
 from tests.distributed.reference import reference_training

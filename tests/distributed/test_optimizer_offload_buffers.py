@@ -1,18 +1,13 @@
 """The planner's host terms for DeepSpeed's optimizer offload against the buffers a real ZeRO-3 engine holds (CPU,
 two gloo ranks, fp32): the sub-group cut, and bytes per sub-group of fp32 master, Adam moments and fp32 gradients,
 and the gradient partitions of all parameters. (The GPU/host split by sub-group count and the pinned rounding need
-a GPU: `lightning_ulysses/planner.py` cites the H200 measurements they reproduce.)"""
+a GPU: `lightning_ulysses/planning/planner.py` cites the H200 measurements they reproduce.)"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_ulysses.planner import (
-    ModelShape,
-    TrainingSetup,
-    optimizer_sub_groups,
-    plan_memory,
-)
+from lightning_ulysses.planning.planner import ModelShape, TrainingSetup, optimizer_sub_groups, plan_memory
 from tests.distributed.pool import shared
 
 WORKER = Path(__file__).parent / "workers" / "optimizer_offload.py"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_ulysses.layout import ShardOrder
+from lightning_ulysses.parallel.layout import ShardOrder
 from tests.distributed.common import (NUM_HEADS, SECOND_ADAPTER, UnevenlyMaskedTokens, build_model, built_labels,
                                       collate)
 from tests.distributed.harness import ROOT
@@ -367,7 +367,7 @@ def _check_checkpoint_export(case: dict, ranks: list[dict], steps) -> None:
     in fp32 (`32-true`) these are the same values (ZeRO-3 copies the updated fp32 master partition into the module's
     fp32 partition, no rounding; the frozen base is saved from the module's own partitions), so the logits are
     identical, not merely close."""
-    from lightning_ulysses.checkpoint import main
+    from lightning_ulysses.integration.checkpoint.command_line import main
 
     rank = next(rank for rank in ranks if rank["weights"] is not None)
     output = Path(rank["checkpoint"]).with_suffix(".exported")

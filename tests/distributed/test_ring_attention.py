@@ -8,7 +8,7 @@ every gather back to sequence order.
 
 import pytest
 
-from lightning_ulysses.layout import ShardOrder
+from lightning_ulysses.parallel.layout import ShardOrder
 from tests.distributed.harness import ROOT
 from tests.distributed.pool import shared
 from tests.distributed.workers.ring_attention import ATTENTION_CASES, SEQ_LEN

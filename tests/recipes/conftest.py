@@ -17,7 +17,7 @@ def finetune_folder(tmp_path_factory) -> SimpleNamespace:
     printed to run next (text data, then chat data)."""
     from transformers import AutoTokenizer
 
-    from lightning_ulysses.example import main
+    from lightning_ulysses.recipe.example import main
 
     root = tmp_path_factory.mktemp("finetune") / "example"
     printed = io.StringIO()

@@ -16,10 +16,10 @@ from hydra.utils import instantiate
 from torch.utils.data import DistributedSampler, default_collate
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-from lightning_ulysses.checkpoint import consolidated_state_dict
-from lightning_ulysses.checkpoint import main as checkpoint_command
-from lightning_ulysses.config import register_resolvers
-from lightning_ulysses.recipe import RecipeError, check_before_run, plan
+from lightning_ulysses.integration.checkpoint.command_line import main as checkpoint_command
+from lightning_ulysses.integration.checkpoint.protocol import consolidated_state_dict
+from lightning_ulysses.recipe.config import register_resolvers
+from lightning_ulysses.recipe.driver import RecipeError, check_before_run, plan
 from tests.recipes.test_recipes import CONF, _compose, _metrics, _recipe
 from tests.unit.test_summary import curve, read_png
 
@@ -178,7 +178,7 @@ def test_what_cannot_run_is_refused_before_the_run_folder_naming_the_fix(finetun
 
 
 def test_example_finetune_writes_into_a_new_or_empty_folder_only(tmp_path, capsys):
-    from lightning_ulysses.example import main
+    from lightning_ulysses.recipe.example import main
 
     (tmp_path / "notes.txt").write_text("mine")
     assert main([str(tmp_path)]) == 1

@@ -19,9 +19,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from lightning_ulysses.config import register_resolvers
-from lightning_ulysses.optim import LRSchedule
-from lightning_ulysses.recipe import plan
+from lightning_ulysses.recipe.config import register_resolvers
+from lightning_ulysses.recipe.driver import plan
+from lightning_ulysses.training.optim import LRSchedule
 from tests.console_noise import third_party_noise
 from tests.distributed.harness import run_script
 
@@ -227,7 +227,7 @@ def test_main_job_learns_across_shards(tmp_path):
     assert copied_half < 0.5 * chance
     assert (tmp_path / "logs" / "version_0" / "metrics.csv").is_file()
     # The console (both ranks' stdout and stderr): the throughput fields by their short names and the run's real
-    # epoch total, none of the third-party noise (lightning_ulysses.console).
+    # epoch total, none of the third-party noise (lightning_ulysses.integration.console).
     console = result.stdout + result.stderr
     for field in ("tok/s:", "TFLOP/s:", "GiB:", "Epoch 0/0 "):
         assert field in console, field
@@ -300,7 +300,7 @@ def test_schedule_weight_decay_groups_auto_resume_and_preemption(tmp_path):
       job exits with `EXIT_PREEMPTED` and prints the command that continues it; that command, run as printed,
       resumes from the SIGTERM save at step 5 (the newest checkpoint) and finishes with the first launch's losses.
     """
-    from lightning_ulysses.faults import EXIT_PREEMPTED
+    from lightning_ulysses.integration.faults import EXIT_PREEMPTED
     from tests.distributed.harness import start_script
 
     base = 5e-3

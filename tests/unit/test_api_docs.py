@@ -31,8 +31,8 @@ def built(tmp_path_factory):
 def test_public_modules_are_read_from_the_files():
     modules = _api_docs().public_modules()
     # The modules the README's "How it works" names, and no private or __main__ module.
-    for name in ("lightning_ulysses", "lightning_ulysses.strategy", "lightning_ulysses.sharding",
-                 "lightning_ulysses.loss", "lightning_ulysses.layout", "lightning_ulysses.attention.core"):
+    for name in ("lightning_ulysses", "lightning_ulysses.integration.strategy", "lightning_ulysses.batch.sharding",
+                 "lightning_ulysses.training.loss", "lightning_ulysses.parallel.layout", "lightning_ulysses.attention.core"):
         assert name in modules
     assert not [name for name in modules if any(part.startswith("_") for part in name.split("."))]
 

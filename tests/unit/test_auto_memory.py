@@ -7,12 +7,13 @@ import dataclasses
 
 import pytest
 
-from lightning_ulysses.auto import AutoMemory, Confirmation, StepProbe, choose, coerce_memory, longest_fit
 from lightning_ulysses.memory import MemoryOptions
-from lightning_ulysses.planner import GIB, MODELS, TrainingSetup, plan_memory
-from lightning_ulysses.run_spec import RunSpec
-from lightning_ulysses.step_time import (AUTO_VS_HAND_PAIRS, CALIBRATION, DEFERRED_MLP_PAIRS, FUSED_PAIRS,
-                                         OVERLAP_PAIRS, predict_step_time, predicted)
+from lightning_ulysses.parallel.run_spec import RunSpec
+from lightning_ulysses.planning.auto import AutoMemory, Confirmation, StepProbe, choose, coerce_memory, longest_fit
+from lightning_ulysses.planning.calibration import (AUTO_VS_HAND_PAIRS, CALIBRATION, DEFERRED_MLP_PAIRS, FUSED_PAIRS,
+                                                    OVERLAP_PAIRS, predicted)
+from lightning_ulysses.planning.planner import GIB, MODELS, TrainingSetup, plan_memory
+from lightning_ulysses.planning.step_time import predict_step_time
 
 LLAMA_1B, LLAMA_8B = MODELS["llama3.2-1b"], MODELS["llama3-8b"]
 # The runs these cases plan: one rank, ZeRO-3, bf16; on a GPU (attention with cuDNN, the Hopper rule) or the CPU.
@@ -175,7 +176,7 @@ def test_step_time_model_ranks_auto_and_the_hand_picked_alternative_as_measured(
 def test_a_short_step_waits_for_the_host_and_a_long_one_does_not():
     """1B at 4K: the host's per-layer work is longer than the device's (measured 0.214 s for ~0.16 s of GPU work),
     and checkpointing adds a pass of it; at 32K the device's work hides it."""
-    from lightning_ulysses.plan import memory_options
+    from lightning_ulysses.planning.plan import memory_options
 
     def terms(features, seq, **kwargs):
         return predict_step_time(LLAMA_1B, TrainingSetup(seq_len=seq, memory=memory_options(features)),
@@ -211,7 +212,7 @@ def test_the_step_probe_times_the_steps_after_the_first_and_reports_once(monkeyp
     bound the two timed steps, and batch 6 reports (the median step); nothing is timed or reported after."""
     import torch
 
-    from lightning_ulysses import auto
+    from lightning_ulysses.planning import auto
 
     clock = iter([10.0, 13.0, 14.0])
     monkeypatch.setattr(auto.time, "perf_counter", lambda: next(clock))
@@ -249,7 +250,7 @@ def test_step_time_model_within_10_percent_of_the_measurements(row):
 
 def test_step_time_model_ranks_what_was_measured():
     def seconds(features="none", kernel="cudnn", shape=LLAMA_1B, seq=32768, **setup):
-        from lightning_ulysses.plan import memory_options
+        from lightning_ulysses.planning.plan import memory_options
 
         return predict_step_time(shape, TrainingSetup(seq_len=seq, memory=memory_options(features), **setup),
                                  kernel).total
@@ -266,7 +267,7 @@ def test_decide_keeps_a_given_kernel_priority_and_chooses_for_the_run():
     hand is kept, "auto" is torch's order off Hopper; the memory choice plans the run it is given."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lightning_ulysses.auto import decide
+    from lightning_ulysses.planning.auto import decide
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2))
@@ -281,7 +282,7 @@ def test_decide_keeps_a_given_kernel_priority_and_chooses_for_the_run():
 def test_an_offloading_choice_needs_deepspeeds_cpu_adam():
     import torch
 
-    from lightning_ulysses.auto import check_optimizer
+    from lightning_ulysses.planning.auto import check_optimizer
 
     offloading = choose(LLAMA_1B, AutoMemory(seq_len=4096, offload_optimizer=0.5), GPU, (139 * GIB, 125 * GIB),
                         kernel="cudnn")

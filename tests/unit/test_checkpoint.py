@@ -9,31 +9,31 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from lightning_ulysses import checkpoint as checkpoints
-from lightning_ulysses.faults import RankWatchdog
+from lightning_ulysses.integration.checkpoint import protocol, resume
+from lightning_ulysses.integration.faults import RankWatchdog
 
 
 def manifest(world_size=2, stage=3, consumed=0, global_step=None):
-    return checkpoints.CheckpointManifest(world_size=world_size, sequence_parallel_size=2, data_parallel_size=1,
+    return protocol.CheckpointManifest(world_size=world_size, sequence_parallel_size=2, data_parallel_size=1,
                                           zero_stage=stage, epoch_samples_consumed=consumed, global_step=global_step)
 
 
 def write_shards(directory, world_size=2, step=0):
     """DeepSpeed's shard files; the model states hold Lightning's `global_step` as DeepSpeed's client state does."""
-    shards = directory / checkpoints.DEEPSPEED_TAG
+    shards = directory / protocol.DEEPSPEED_TAG
     shards.mkdir(parents=True, exist_ok=True)
     for rank in range(world_size):
         torch.save({"global_step": step}, shards / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
         torch.save({"step": step}, shards / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
-    (directory / "latest").write_text(checkpoints.DEEPSPEED_TAG)
+    (directory / "latest").write_text(protocol.DEEPSPEED_TAG)
 
 
 def save(path, step, recorded=False):
     """A complete checkpoint at `path` (committed as the strategy commits it) of global step `step`, with the step
     in its manifest if `recorded` (only in the shards otherwise, as before manifests recorded it)."""
-    staging = checkpoints.prepare_staging(path)
+    staging = protocol.prepare_staging(path)
     write_shards(staging, step=step)
-    checkpoints.commit(path, manifest(consumed=step, global_step=step if recorded else None))
+    protocol.commit(path, manifest(consumed=step, global_step=step if recorded else None))
 
 
 def test_commit_replaces_the_previous_checkpoint_and_leaves_nothing_else(tmp_path):
@@ -41,18 +41,18 @@ def test_commit_replaces_the_previous_checkpoint_and_leaves_nothing_else(tmp_pat
     save(path, 1)
     save(path, 2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
-    assert checkpoints.read_manifest(checkpoints.resolve_checkpoint(path)).epoch_samples_consumed == 2
+    assert protocol.read_manifest(protocol.resolve_checkpoint(path)).epoch_samples_consumed == 2
 
 
 def test_a_save_interrupted_before_commit_keeps_the_old_checkpoint(tmp_path):
     path = tmp_path / "last.ckpt"
     save(path, 1)
-    write_shards(checkpoints.prepare_staging(path), world_size=1, step=2)  # one rank of two wrote, then a crash
-    assert checkpoints.read_manifest(checkpoints.resolve_checkpoint(path)).epoch_samples_consumed == 1
-    with pytest.raises(checkpoints.IncompleteCheckpointError):
-        checkpoints.resolve_checkpoint(checkpoints.staging_path(path))
-    with pytest.raises(checkpoints.IncompleteCheckpointError, match="1 of 2 optimizer-state files"):
-        checkpoints.commit(path, manifest(consumed=2))  # commit itself refuses an incomplete staging folder
+    write_shards(protocol.prepare_staging(path), world_size=1, step=2)  # one rank of two wrote, then a crash
+    assert protocol.read_manifest(protocol.resolve_checkpoint(path)).epoch_samples_consumed == 1
+    with pytest.raises(protocol.IncompleteCheckpointError):
+        protocol.resolve_checkpoint(protocol.staging_path(path))
+    with pytest.raises(protocol.IncompleteCheckpointError, match="1 of 2 optimizer-state files"):
+        protocol.commit(path, manifest(consumed=2))  # commit itself refuses an incomplete staging folder
     save(path, 3)  # the next save clears the leftovers
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
@@ -60,30 +60,30 @@ def test_a_save_interrupted_before_commit_keeps_the_old_checkpoint(tmp_path):
 def test_a_crash_between_the_two_renames_falls_back_to_the_previous_checkpoint(tmp_path):
     path = tmp_path / "last.ckpt"
     save(path, 1)
-    path.rename(checkpoints.previous_path(path))  # first rename done, second never happened
-    assert checkpoints.resolve_checkpoint(path) == checkpoints.previous_path(path)
+    path.rename(protocol.previous_path(path))  # first rename done, second never happened
+    assert protocol.resolve_checkpoint(path) == protocol.previous_path(path)
     save(path, 2)  # and the next save repairs the folder
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
 
 def test_the_saved_global_step_is_read_from_the_manifest_or_the_shards(tmp_path):
     save(tmp_path / "recorded.ckpt", 7, recorded=True)
-    for shard in (tmp_path / "recorded.ckpt" / checkpoints.DEEPSPEED_TAG).glob("*model_states.pt"):
+    for shard in (tmp_path / "recorded.ckpt" / protocol.DEEPSPEED_TAG).glob("*model_states.pt"):
         shard.unlink()  # the manifest alone answers: no shard is opened
-    assert checkpoints.saved_global_step(tmp_path / "recorded.ckpt") == 7
+    assert protocol.saved_global_step(tmp_path / "recorded.ckpt") == 7
     save(tmp_path / "older.ckpt", 5)  # a manifest from before the step was recorded: Lightning's entry in the shards
-    assert checkpoints.saved_global_step(tmp_path / "older.ckpt") == 5
+    assert protocol.saved_global_step(tmp_path / "older.ckpt") == 5
     torch.save({"global_step": 3, "state_dict": {}}, tmp_path / "single_file.ckpt")  # another strategy's file
-    assert checkpoints.saved_global_step(tmp_path / "single_file.ckpt") == 3
+    assert protocol.saved_global_step(tmp_path / "single_file.ckpt") == 3
 
 
 def test_a_folder_without_manifest_next_to_a_staging_folder_is_refused(tmp_path):
     path = tmp_path / "epoch=0.ckpt"
     path.mkdir()
-    with pytest.raises(checkpoints.IncompleteCheckpointError, match="interrupted"):
-        checkpoints.resolve_checkpoint(path)
+    with pytest.raises(protocol.IncompleteCheckpointError, match="interrupted"):
+        protocol.resolve_checkpoint(path)
     write_shards(path)  # a checkpoint of Lightning's own DeepSpeedStrategy: accepted as it is
-    assert checkpoints.resolve_checkpoint(path) == path
+    assert protocol.resolve_checkpoint(path) == path
 
 
 @pytest.mark.parametrize("new_data_parallel_size", [1, 2, 4])
@@ -96,7 +96,7 @@ def test_skipping_the_consumed_prefix_continues_the_epoch_at_any_data_parallel_s
     remaining = []
     for rank in range(new_data_parallel_size):
         inner = DistributedSampler(dataset, num_replicas=new_data_parallel_size, rank=rank, seed=seed)
-        sampler = checkpoints.ResumableSampler(inner, new_data_parallel_size)
+        sampler = resume.ResumableSampler(inner, new_data_parallel_size)
         sampler.set_epoch(epoch)
         sampler.skip_once(consumed)
         remaining += list(sampler)
@@ -105,13 +105,13 @@ def test_skipping_the_consumed_prefix_continues_the_epoch_at_any_data_parallel_s
 
 
 def test_a_position_the_new_data_parallel_size_cannot_reach_is_refused():
-    sampler = checkpoints.ResumableSampler(DistributedSampler(list(range(12)), num_replicas=4, rank=0), 4)
+    sampler = resume.ResumableSampler(DistributedSampler(list(range(12)), num_replicas=4, rank=0), 4)
     with pytest.raises(ValueError, match="data-parallel size 4 does not divide"):
         sampler.skip_once(6)
 
 
 def test_a_different_global_batch_cannot_continue_an_epoch():
-    sampler = checkpoints.ResumableSampler(DistributedSampler(list(range(12)), num_replicas=2, rank=0), 2)
+    sampler = resume.ResumableSampler(DistributedSampler(list(range(12)), num_replicas=2, rank=0), 2)
     with pytest.raises(ValueError, match="global batch of 4 .* this run has 2"):
         sampler.skip_once(8, saved_global_batch=4, global_batch=2)
     sampler.skip_once(8, saved_global_batch=4, global_batch=4)
@@ -127,11 +127,12 @@ def test_a_mid_epoch_resume_of_an_iterable_dataset_says_the_epoch_restarts():
             return iter(range(8))
 
     trainer = SimpleNamespace(state=SimpleNamespace(stage=RunningStage.TRAINING))
-    protocol = checkpoints.StrategyCheckpoints(SimpleNamespace(lightning_module=SimpleNamespace(trainer=trainer)))
-    protocol.resume = checkpoints.PendingResume(epoch_samples_consumed=4, global_batch_size=2, rng_state=None)
+    strategy = SimpleNamespace(lightning_module=SimpleNamespace(trainer=trainer))
+    strategy_checkpoints = resume.StrategyCheckpoints(strategy)
+    strategy_checkpoints.resume = resume.PendingResume(epoch_samples_consumed=4, global_batch_size=2, rng_state=None)
     loader = DataLoader(Stream(), batch_size=2)
     with pytest.warns(UserWarning, match="an iterable dataset.*restarts from its beginning"):
-        assert protocol.process_dataloader(loader) is loader
+        assert strategy_checkpoints.process_dataloader(loader) is loader
 
 
 def test_watchdog_rejects_a_non_positive_timeout():
@@ -146,9 +147,10 @@ def _resuming(quiet=True, consumed=4):
     trainer = SimpleNamespace(state=SimpleNamespace(stage=RunningStage.TRAINING), fit_loop=progress)
     strategy = SimpleNamespace(lightning_module=SimpleNamespace(trainer=trainer),
                                parallel_groups=SimpleNamespace(data_parallel_world_size=1))
-    protocol = checkpoints.StrategyCheckpoints(strategy, quiet=quiet)
-    protocol.resume = checkpoints.PendingResume(epoch_samples_consumed=consumed, global_batch_size=2, rng_state=None)
-    return protocol
+    strategy_checkpoints = resume.StrategyCheckpoints(strategy, quiet=quiet)
+    strategy_checkpoints.resume = resume.PendingResume(epoch_samples_consumed=consumed, global_batch_size=2,
+                                                       rng_state=None)
+    return strategy_checkpoints
 
 
 def _lightning_says_not_resumable() -> list[str]:
@@ -156,7 +158,7 @@ def _lightning_says_not_resumable() -> list[str]:
     `process_dataloader` and the first batch)."""
     from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
-    from lightning_ulysses.console import NOT_RESUMABLE
+    from lightning_ulysses.integration.console import NOT_RESUMABLE
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", append=True)  # behind the filters in force
@@ -188,8 +190,8 @@ def test_lightnings_not_resumable_warning_is_hidden_only_while_an_exact_resume_s
     sequential.end_resume()  # (the strategy's teardown, where no batch ran)
     assert len(_lightning_says_not_resumable()) == 1
     random_order = DataLoader(data, batch_size=2, sampler=RandomSampler(data))
-    for protocol, loader in [(_resuming(consumed=consumed), random_order),
-                             (_resuming(quiet=False, consumed=consumed), DataLoader(data, batch_size=2)),
-                             (_resuming(consumed=consumed), DataLoader(Stream(), batch_size=2))]:
-        protocol.process_dataloader(loader)  # (for the iterable dataset, ours says the epoch restarts)
+    for strategy_checkpoints, loader in [(_resuming(consumed=consumed), random_order),
+                                         (_resuming(quiet=False, consumed=consumed), DataLoader(data, batch_size=2)),
+                                         (_resuming(consumed=consumed), DataLoader(Stream(), batch_size=2))]:
+        strategy_checkpoints.process_dataloader(loader)  # (for the iterable dataset, ours says the epoch restarts)
         assert len(_lightning_says_not_resumable()) == 1

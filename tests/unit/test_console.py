@@ -1,4 +1,4 @@
-"""The quiet console (`lightning_ulysses.console`) without processes: each hidden text is still the installed
+"""The quiet console (`lightning_ulysses.integration.console`) without processes: each hidden text is still the installed
 library's, the filters drop exactly those messages (theirs, not ours, not errors, not look-alikes), are installed
 once, and the scoped ones hold only where they should. Whole consoles: tests/test_user_script.py (a user's script),
 tests/test_notebook.py, tests/recipes/test_recipes.py (the main job)."""
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_ulysses import console
-from lightning_ulysses.strategy import UlyssesDeepSpeedStrategy
+from lightning_ulysses.integration import console
+from lightning_ulysses.integration.strategy import UlyssesDeepSpeedStrategy
 
 
 @pytest.mark.parametrize("module, text", console.silenced_texts(), ids=lambda value: str(value)[:40])

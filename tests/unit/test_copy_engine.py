@@ -160,7 +160,7 @@ def decide(monkeypatch, requested, accelerator, ranks=(0, 1), failure=None, prob
     """`UlyssesDeepSpeedStrategy._decide_exchange` on a stand-in strategy, the probe and the all-reduce faked."""
     from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 
-    from lightning_ulysses import strategy as strategy_module
+    from lightning_ulysses.integration import strategy as strategy_module
 
     seen = {}
     monkeypatch.setattr(strategy_module.torch.distributed, "get_process_group_ranks", lambda group: list(ranks))

@@ -1,4 +1,4 @@
-"""Every private DeepSpeed name the package uses (`lightning_ulysses._deepspeed_private`) still exists and behaves as
+"""Every private DeepSpeed name the package uses (`lightning_ulysses.fences._deepspeed_private`) still exists and behaves as
 the accessor expects. A failure here means the installed DeepSpeed changed one: re-check the reason given in
 `_deepspeed_private` and adapt the accessor (not its callers)."""
 
@@ -15,8 +15,8 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero import parameter_offload
 from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
-from lightning_ulysses import _deepspeed_private as private
-from lightning_ulysses import console
+from lightning_ulysses.fences import _deepspeed_private as private
+from lightning_ulysses.integration import console
 
 
 def test_checked_version_is_recorded():

@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.qwen3_next import modeling_qwen3_next
 
-from lightning_ulysses.attention.hf import token_mixer_modules
+from lightning_ulysses.hf import token_mixer_modules
 from lightning_ulysses.mixers import install_mixers, kernels
 from lightning_ulysses.mixers.delta_rule import chunk_gated_delta_rule
 from tests.distributed.families import family_model

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_ulysses.adapters import position_rule_of
-from lightning_ulysses.sharding import SequenceSharder
+from lightning_ulysses.batch.sharding import SequenceSharder
 from tests.distributed.families import FAMILIES, SEQ_LEN, VOCAB, family_model, tiny_model
 
 PADDING = (5, 0, 9)  # left padding of each row

@@ -250,11 +250,11 @@ def test_benchmark_syntax_auto_keeps_what_is_set_and_the_step_time_factor():
     model's factor (calibrated: 0.75) is the only term it changes."""
     import dataclasses
 
-    from lightning_ulysses.auto import AutoMemory, choose
-    from lightning_ulysses.run_spec import RunSpec
-    from lightning_ulysses.plan import memory_options
-    from lightning_ulysses.planner import GIB, MODELS, TrainingSetup
-    from lightning_ulysses.step_time import H200, predict_step_time
+    from lightning_ulysses.planning.auto import AutoMemory, choose
+    from lightning_ulysses.parallel.run_spec import RunSpec
+    from lightning_ulysses.planning.plan import memory_options
+    from lightning_ulysses.planning.planner import GIB, MODELS, TrainingSetup
+    from lightning_ulysses.planning.step_time import H200, predict_step_time
 
     assert memory_options("ac,norms,fused") == MemoryOptions(activation_checkpointing=True, low_memory_norms=True,
                                                              fused_elementwise=True)

@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from lightning_ulysses.attention.hf import find_token_mixers, validate_hf_model
-from lightning_ulysses.attention.hf.validation import _unswitched_module
+from lightning_ulysses.hf import find_token_mixers, validate_hf_model
+from lightning_ulysses.hf.validation import _unswitched_module
 from tests.distributed.families import tiny_model
 
 
@@ -76,7 +76,7 @@ def test_dense_families_pass():
 
 
 def test_at_sp_1_a_model_transformers_cannot_switch_keeps_its_own_attention_exactly():
-    from lightning_ulysses.attention.hf import prepare_hf_model
+    from lightning_ulysses.hf import prepare_hf_model
 
     model = tiny_model("falcon")
     model.eval()

@@ -16,9 +16,9 @@ import torch
 
 from lightning_ulysses.attention import inline
 from lightning_ulysses.attention.core import ProcessGroupHandle
-from lightning_ulysses.attention.hf import PreparedHFModel, validate_hf_model
-from lightning_ulysses.attention.hf.binding import _Binding
-from lightning_ulysses.attention.hf.positions import _ForwardPositions
+from lightning_ulysses.hf import PreparedHFModel, validate_hf_model
+from lightning_ulysses.hf.binding import _Binding
+from lightning_ulysses.hf.positions import _ForwardPositions
 from tests.distributed.families import FAMILIES, SEQ_LEN, VOCAB, tiny_model
 
 INLINE = ("bloom", "mpt", "falcon", "gpt_neo", "xglm")

@@ -1,17 +1,30 @@
-"""The package's layers, read from its source (AST, nothing imported): every `import` / `from ... import` anywhere
-in a module counts — at the top, inside functions, under `if TYPE_CHECKING:` — since an import hidden in a function
-is the same dependency, only found later.
+"""The package's layers are its folders, read from its source (AST, nothing imported): every `import` /
+`from ... import` anywhere in a module counts — at the top, inside functions, under `if TYPE_CHECKING:` — since an
+import hidden in a function is the same dependency, only found later.
 
-Layers, lowest first; a module may import its own layer and those below, never one above:
-- fences (`_lightning_private`, `_deepspeed_private`): each third-party library's private names, behind one
-  accessor each; they import nothing from the package, so every layer may use them (the memory engine marks ZeRO-3
-  leaves through `_deepspeed_private`).
-- core: everything not listed below (layout, sharding, attention, adapters, loss, memory, the planner, `auto`, ...).
-- integration (`INTEGRATION`): Lightning and DeepSpeed glue, checkpoints and export, the recipes' driver, the
-  command lines.
-- models (`models/`): examples; nothing below imports them (the core finds a native model through
-  `native_model.NativeCausalLM`).
-The recipes (`recipes/`) are outside the package, above all of it.
+Every module lives in a folder directly under the package, and each folder is one layer; a module may import its own
+folder and the folders below it (`LAYERS`, lowest first), never one above:
+- `fences/`: each third-party library's private names, behind one accessor each (`_lightning_private`,
+  `_deepspeed_private`); they import nothing from the package, so every layer may use them (the memory engine and
+  the mixers mark ZeRO-3 leaves through `_deepspeed_private`).
+- `parallel/`: the layout, groups and shard order; the run's description (`RunSpec`).
+- `adapters/`: per-family knowledge; `NativeCausalLM`, how a model that is not Hugging Face's tells the core what it
+  needs.
+- `attention/`: the exchanges, the attention core and backends, the batch's rows.
+- `mixers/`: token mixers that are not attention, on the exchanges of `attention/`.
+- `hf/`: the transformers switch, which prepares both attention and mixers.
+- `training/`: the whole sequence's loss, MoE losses, metrics, optimizer setup.
+- `batch/`: the batch's cut (it pads labels with the loss's ignore index) and the same-batch check.
+- `data/`: data modules and packing.
+- `memory/`: the memory engine (its fused logits loss is `training/`'s).
+- `planning/`: the memory planner, the step-time model and its calibration, `memory="auto"`, preflight, `plan`.
+- `integration/`: Lightning and DeepSpeed glue: the strategy, the module preparation, the engine, checkpoints and
+  export, faults, RNG streams, the notebook launcher, callbacks, the console, serving.
+- `recipe/`: the Hydra recipes' side: their driver, resolvers, end-of-run summary, `example-finetune`.
+- the package's own `__init__.py` and `__main__.py` (`package`): the public names and the command lines.
+- `models/`: examples, written against the package as a user would; nothing in the package imports them (the core
+  finds a native model through `adapters.native_model.NativeCausalLM`).
+The recipes (`recipes/`, `conf/`) are outside the package, above all of it.
 
 And no import cycle between the package's modules, and no private DeepSpeed name outside its fence.
 """
@@ -24,10 +37,10 @@ from pathlib import Path
 PACKAGE = "lightning_ulysses"
 SOURCE = Path(__file__).resolve().parents[2] / PACKAGE
 
-FENCES = {"_lightning_private", "_deepspeed_private"}
-INTEGRATION = {"__init__", "__main__", "strategy", "engine", "preparation", "checkpoint", "export", "faults", "rng", "notebook",
-               "callbacks", "console", "recipe", "plan", "preflight", "example"}
-LAYERS = ("fences", "core", "integration", "models")
+LAYERS = ("fences", "parallel", "adapters", "attention", "mixers", "hf", "training", "batch", "data", "memory",
+          "planning", "integration", "recipe", "package", "models")
+ROOT_MODULES = {"__init__", "__main__"}  # the `package` layer: nothing else sits beside the folders
+FENCES = "fences"
 
 
 def _modules() -> dict[str, Path]:
@@ -45,14 +58,9 @@ MODULES = _modules()
 
 
 def layer_of(module: str) -> str:
-    relative = module.removeprefix(PACKAGE).removeprefix(".") or "__init__"
-    if relative.startswith("models"):
-        return "models"
-    if relative in INTEGRATION:
-        return "integration"
-    if relative in FENCES:
-        return "fences"
-    return "core"
+    """The folder `module` lives in (its first part under the package); `package` for the package's own files."""
+    parts = module.split(".")[1:]
+    return "package" if not parts or parts[0] in ROOT_MODULES else parts[0]
 
 
 def _resolve(name: str) -> str | None:
@@ -153,34 +161,61 @@ def test_the_analysis_sees_every_kind_of_import():
     """The reader of imports, on a module of its own: relative, function-level and TYPE_CHECKING imports count."""
     assert "lightning_ulysses.memory" in MODULES and "lightning_ulysses.memory.tiled_mlp" in MODULES
     targets = {target for _, target in imports_of("lightning_ulysses.memory")}
-    assert {"lightning_ulysses.memory.tiled_mlp", "lightning_ulysses._deepspeed_private"} <= targets
-    assert layer_of("lightning_ulysses") == "integration" and layer_of("lightning_ulysses.models.gpt") == "models"
-    assert layer_of("lightning_ulysses.attention.core") == "core"
-    assert layer_of("lightning_ulysses._deepspeed_private") == "fences"
+    assert {"lightning_ulysses.memory.tiled_mlp", "lightning_ulysses.fences._deepspeed_private"} <= targets
+    assert layer_of("lightning_ulysses") == "package" and layer_of("lightning_ulysses.__main__") == "package"
+    assert layer_of("lightning_ulysses.models.gpt") == "models" and layer_of("lightning_ulysses.models") == "models"
+    assert layer_of("lightning_ulysses.attention.core") == "attention"
+    assert layer_of("lightning_ulysses.fences._deepspeed_private") == "fences"
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_listed_modules_exist():
-    for name in FENCES | INTEGRATION:
-        module = PACKAGE if name == "__init__" else f"{PACKAGE}.{name}"
-        assert module in MODULES, f"{module} is listed in a layer of test_layers.py but no longer exists"
+def test_every_folder_is_a_layer():
+    """A new folder is placed among the layers here (and in the README's layout), and no module sits in the package's
+    root beside the folders: where a module lives says which layer it is."""
+    folders = {path.name for path in SOURCE.iterdir() if (path / "__init__.py").is_file()}
+    assert folders == set(LAYERS) - {"package"}, (
+        f"folders not in LAYERS: {sorted(folders - set(LAYERS))}; LAYERS without a folder: "
+        f"{sorted(set(LAYERS) - {'package'} - folders)}")
+    loose = {path.stem for path in SOURCE.glob("*.py")} - ROOT_MODULES
+    assert not loose, f"modules in the package's root (move them into the folder of their layer): {sorted(loose)}"
+    assert all(module.split(".")[1] in set(LAYERS) | ROOT_MODULES for module in MODULES if module != PACKAGE)
+
+
+def upward_imports() -> list[str]:
+    """Every import of a module of a higher layer, as `file:line: layer module imports layer module`."""
+    wrong = []
+    for module in sorted(MODULES):
+        rank, path = LAYERS.index(layer_of(module)), MODULES[module]
+        where = path.relative_to(SOURCE.parent) if path.is_relative_to(SOURCE.parent) else path
+        for line, target in imports_of(module):
+            if LAYERS.index(layer_of(target)) > rank:
+                wrong.append(f"{where}:{line}: {layer_of(module)} {module} imports {layer_of(target)} {target}")
+    return wrong
 
 
 def test_no_layer_imports_a_higher_one():
-    wrong = []
-    for module in sorted(MODULES):
-        rank = LAYERS.index(layer_of(module))
-        for line, target in imports_of(module):
-            if LAYERS.index(layer_of(target)) > rank:
-                wrong.append(f"{MODULES[module].relative_to(SOURCE.parent)}:{line}: {layer_of(module)} {module}"
-                             f" imports {layer_of(target)} {target}")
+    wrong = upward_imports()
     assert not wrong, "imports against the layers (see test_layers.py's docstring):\n" + "\n".join(wrong)
 
 
+def test_an_upward_import_is_found(tmp_path, monkeypatch):
+    """The check above is not vacuous: a `parallel/` module importing the strategy (inside a function) is found, and
+    a `batch/` module importing a lower folder is not."""
+    (tmp_path / "up.py").write_text("def f():\n    from lightning_ulysses.integration import strategy\n")
+    (tmp_path / "down.py").write_text("from lightning_ulysses.parallel.layout import ShardOrder\n")
+    monkeypatch.setitem(MODULES, f"{PACKAGE}.parallel.planted_upward", tmp_path / "up.py")
+    monkeypatch.setitem(MODULES, f"{PACKAGE}.batch.planted_downward", tmp_path / "down.py")
+    found = [line for line in upward_imports() if "planted" in line]
+    assert found == [f"{tmp_path / 'up.py'}:2: parallel {PACKAGE}.parallel.planted_upward imports integration"
+                     f" {PACKAGE}.integration.strategy"]
+
+
 def test_fences_import_nothing_from_the_package():
-    for name in FENCES:
-        assert imports_of(f"{PACKAGE}.{name}") == []
+    fences = [module for module in MODULES if layer_of(module) == FENCES]
+    assert f"{PACKAGE}.fences._lightning_private" in fences and f"{PACKAGE}.fences._deepspeed_private" in fences
+    for module in fences:
+        assert imports_of(module) == [], module
 
 
 def test_no_import_cycle():
@@ -190,7 +225,7 @@ def test_no_import_cycle():
 
 
 # -- DeepSpeed's private names stay in their fence ------------------------------------------------------------------
-FENCE = f"{PACKAGE}._deepspeed_private"
+FENCE = f"{PACKAGE}.fences._deepspeed_private"
 # Attribute names and string constants (a `getattr` spelling) private to DeepSpeed, and its modules whose only use
 # to us is a private global. Read against `_deepspeed_private.FENCED` below, so that a new fenced name is added here.
 PRIVATE_DEEPSPEED_NAMES = {"_z3_leaf", "mpu", "__compatible_ops__", "FWD_MODULE_STACK", "__params_to_release",
@@ -258,7 +293,8 @@ def test_no_function_level_imports_of_the_package():
 def test_function_level_imports_are_found(tmp_path, monkeypatch):
     """The count above is not vacuous: an import inside a function of a package module is found."""
     module = tmp_path / "lazy.py"
-    module.write_text("def f():\n    from lightning_ulysses.loss import IGNORE_INDEX\n    return IGNORE_INDEX\n")
+    module.write_text("def f():\n    from lightning_ulysses.training.loss import IGNORE_INDEX\n"
+                      "    return IGNORE_INDEX\n")
     monkeypatch.setitem(MODULES, f"{PACKAGE}.lazy", module)
     found = [entry for entry in function_level_imports() if entry[0] == f"{PACKAGE}.lazy"]
-    assert found == [(f"{PACKAGE}.lazy", 2, "from lightning_ulysses.loss import IGNORE_INDEX")]
+    assert found == [(f"{PACKAGE}.lazy", 2, "from lightning_ulysses.training.loss import IGNORE_INDEX")]

@@ -1,6 +1,6 @@
 import pytest
 
-from lightning_ulysses.layout import ParallelLayout
+from lightning_ulysses.parallel.layout import ParallelLayout
 
 
 def test_sp_major_groups_stay_contiguous():

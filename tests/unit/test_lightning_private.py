@@ -1,4 +1,4 @@
-"""Every private Lightning name the package uses (`lightning_ulysses._lightning_private`) still exists and behaves as
+"""Every private Lightning name the package uses (`lightning_ulysses.fences._lightning_private`) still exists and behaves as
 the accessor expects. A failure here means the installed Lightning changed one: re-check the reason given in
 `_lightning_private` and adapt the accessor (not its callers)."""
 
@@ -20,7 +20,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import DataLoader, SequentialSampler
 
 from lightning_ulysses import UlyssesDeepSpeedStrategy
-from lightning_ulysses import _lightning_private as private
+from lightning_ulysses.fences import _lightning_private as private
 
 
 def test_checked_version_is_recorded():
@@ -153,7 +153,7 @@ def test_inference_and_training_engines_get_lightnings_arguments_plus_mpu(monkey
     calls = []
     monkeypatch.setattr(deepspeed, "initialize", lambda **kwargs: calls.append(kwargs) or (kwargs["model"], "opt", 0, 0))
     ours = UlyssesDeepSpeedStrategy(sequence_parallel_size=1, stage=3)
-    ours._groups = SimpleNamespace(sequence_parallel_world_size=1)
+    ours._parallel.groups = SimpleNamespace(sequence_parallel_world_size=1)
     lightnings = DeepSpeedStrategy(stage=3)
     for strategy in (lightnings, ours):
         strategy.parallel_devices = [torch.device("cpu")]

@@ -1,4 +1,4 @@
-"""LoRA wiring (`lightning_ulysses.models.lora`) and the end-of-training export (`lightning_ulysses.export`) in one
+"""LoRA wiring (`lightning_ulysses.models.lora`) and the end-of-training export (`lightning_ulysses.integration.export`) in one
 process, and `checkpoint export` of a LoRA model (its adapter configs recorded in the checkpoint), also of one with
 several adapters, and with `--tokenizer`. Under ZeRO-3 at SP 2 (adapters partitioned at creation, weights gathered
 for the export): tests/distributed/test_parity.py `-pretrained-lora` (two adapters: `-pretrained-lora2`) and the
@@ -19,11 +19,12 @@ from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lightning_ulysses import checkpoint as checkpoints
-from lightning_ulysses.export import ExportPretrained, PeftAdapters, adapter_configs, save_pretrained_folders
+from lightning_ulysses.integration.checkpoint import command_line, protocol
+from lightning_ulysses.integration.export import (ExportPretrained, PeftAdapters, adapter_configs,
+                                                  save_pretrained_folders)
+from lightning_ulysses.integration.preparation import check_adapters_initialised
 from lightning_ulysses.models import CausalLMModule
 from lightning_ulysses.models.lora import LoraSettings, _peft_initial_pair, add_adapter, with_lora
-from lightning_ulysses.preparation import check_adapters_initialised
 from tests.distributed.common import tiny_llama
 from tests.finetune_fixtures import save_tiny_pretrained, save_tiny_tokenizer
 
@@ -96,7 +97,7 @@ def zero3_init(monkeypatch):
 
     import deepspeed
 
-    from lightning_ulysses.engine import skip_shared_memory_all_reduce_build
+    from lightning_ulysses.integration.engine import skip_shared_memory_all_reduce_build
 
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
@@ -234,7 +235,7 @@ RECORDED = "model.base_model.model"
 def _checkpoint_export(module, config_dir, output):
     """What `checkpoint export --merged` does with the one model of a checkpoint, recorded at RECORDED, given the
     module's whole state dict (the consolidated checkpoint's, in a real checkpoint): its folders in `output`."""
-    return checkpoints._export_hf_model(config_dir, module.state_dict(), RECORDED, output, merged=True)
+    return command_line._export_hf_model(config_dir, module.state_dict(), RECORDED, output, merged=True)
 
 
 def test_a_checkpoint_records_the_lora_config_and_exports_the_callbacks_folders(pretrained, tmp_path):
@@ -245,7 +246,7 @@ def test_a_checkpoint_records_the_lora_config_and_exports_the_callbacks_folders(
     module = _lora_module(pretrained)
     model = _trained(module)
     assert adapter_configs(module) == {RECORDED: PeftAdapters({"default": model.peft_config["default"]}, ("default",))}
-    checkpoints.save_hf_configs(tmp_path / "ckpt", {RECORDED: model.get_base_model().config}, module)
+    protocol.save_hf_configs(tmp_path / "ckpt", {RECORDED: model.get_base_model().config}, module)
     config_dir = tmp_path / "ckpt" / "hf" / RECORDED
     assert sorted(p.name for p in config_dir.iterdir()) == ["adapter_config.json", "adapters.json", "config.json"]
     folders = _checkpoint_export(module, config_dir, tmp_path / "export")
@@ -274,8 +275,8 @@ def test_recipe_keys_compose_into_lora_and_export(pretrained, tmp_path):
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
-    from lightning_ulysses.config import register_resolvers
-    from lightning_ulysses.recipe import export_callbacks
+    from lightning_ulysses.recipe.config import register_resolvers
+    from lightning_ulysses.recipe.driver import export_callbacks
     from tests.recipes.test_recipes import CONF
 
     register_resolvers()
@@ -350,7 +351,7 @@ def test_a_checkpoint_records_every_adapter_and_exports_them_as_the_callback_doe
     folders, every adapter naming the base the run loaded."""
     module = _two_adapter_module(pretrained, ["second"])
     model = module.model.eval()
-    checkpoints.save_hf_configs(tmp_path / "ckpt", {RECORDED: model.get_base_model().config}, module)
+    protocol.save_hf_configs(tmp_path / "ckpt", {RECORDED: model.get_base_model().config}, module)
     config_dir = tmp_path / "ckpt" / "hf" / RECORDED
     assert json.loads((config_dir / "adapters.json").read_text()) == {"adapters": ["default", "second"],
                                                                       "active": ["second"]}
@@ -392,7 +393,7 @@ def test_checkpoint_export_saves_the_tokenizer_given_on_the_command_line(pretrai
     tokenizer = save_tiny_tokenizer(tmp_path / "tokenizer", vocab_size=300)  # not the pretrained folder's (320)
     path = _committed_checkpoint(tmp_path / "last.ckpt", module, {"model": model}, monkeypatch)
     command = ["export", str(path), str(tmp_path / "export"), "--tokenizer", str(tmp_path / "tokenizer")]
-    assert checkpoints.main(command) == 0
+    assert command_line.main(command) == 0
     exported = tmp_path / "export"  # the one model's folder is the output itself, as the recipes' export is
     assert AutoTokenizer.from_pretrained(exported).get_vocab() == tokenizer.get_vocab()
     tokens = torch.arange(24).reshape(2, 12)
@@ -402,14 +403,14 @@ def test_checkpoint_export_saves_the_tokenizer_given_on_the_command_line(pretrai
 def _committed_checkpoint(path, module, models: dict, monkeypatch):
     """A complete checkpoint as the strategy commits it (manifest, the configs of `models` by module path), the
     consolidation of its stand-in shards replaced by `module`'s state dict."""
-    staging = checkpoints.prepare_staging(path)
-    (staging / checkpoints.DEEPSPEED_TAG).mkdir()
-    torch.save({}, staging / checkpoints.DEEPSPEED_TAG / "mp_rank_00_model_states.pt")
-    checkpoints.save_hf_configs(staging, {name: model.config for name, model in models.items()}, module)
-    checkpoints.commit(path, checkpoints.CheckpointManifest(
+    staging = protocol.prepare_staging(path)
+    (staging / protocol.DEEPSPEED_TAG).mkdir()
+    torch.save({}, staging / protocol.DEEPSPEED_TAG / "mp_rank_00_model_states.pt")
+    protocol.save_hf_configs(staging, {name: model.config for name, model in models.items()}, module)
+    protocol.commit(path, protocol.CheckpointManifest(
         world_size=1, sequence_parallel_size=1, data_parallel_size=1, zero_stage=0, epoch_samples_consumed=0,
         hf_models=tuple(models)))
-    monkeypatch.setattr(checkpoints, "consolidated_state_dict", lambda checkpoint: module.state_dict())
+    monkeypatch.setattr(command_line, "consolidated_state_dict", lambda checkpoint: module.state_dict())
     return path
 
 
@@ -420,7 +421,7 @@ def test_checkpoint_export_puts_several_models_side_by_side(tmp_path, monkeypatc
     module.student, module.teacher = tiny_llama(2, seed=1), tiny_llama(4, seed=2)
     path = _committed_checkpoint(tmp_path / "last.ckpt", module, {"student": module.student,
                                                                     "teacher": module.teacher}, monkeypatch)
-    assert checkpoints.main(["export", str(path), str(tmp_path / "export")]) == 0
+    assert command_line.main(["export", str(path), str(tmp_path / "export")]) == 0
     assert sorted(p.name for p in (tmp_path / "export").iterdir()) == ["model.pt", "student", "teacher"]
     tokens = torch.arange(24).reshape(2, 12)
     for name in ("student", "teacher"):

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lightning_ulysses.loss import sequence_parallel_cross_entropy
+from lightning_ulysses.training.loss import sequence_parallel_cross_entropy
 from tests.distributed.common import UnevenlyMaskedTokens, collate, tiny_llama
 
 
@@ -37,8 +37,8 @@ def test_the_swapped_loss_is_hugging_faces_for_whatever_labels_reach_it_at_sp_1(
     """Every batch form at SP 1 gives plain Hugging Face's loss: the batch's labels (which the sharder leaves as the
     user gave them), input_ids, labels built in the step, a tuple batch the sharder passes through."""
     from lightning_ulysses.attention.rows import BatchRowsSlot
-    from lightning_ulysses.loss import SequenceParallelCausalLMLoss
-    from lightning_ulysses.sharding import SequenceSharder
+    from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss
+    from lightning_ulysses.batch.sharding import SequenceSharder
 
     plain = tiny_llama(2)
     batch = collate([UnevenlyMaskedTokens(8, 16)[i] for i in range(2)])

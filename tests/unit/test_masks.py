@@ -12,11 +12,11 @@ import torch
 from transformers import LlamaConfig
 from transformers import masking_utils as hf_masks
 
-from lightning_ulysses.attention.hf import ULYSSES_ATTENTION
-from lightning_ulysses.attention.hf.forward import _register_attention, _reject_unsharded_inputs, _unsupported
-from lightning_ulysses.attention.hf.mask_interface import BoundImplementation, _unmark
 from lightning_ulysses.attention.documents import AttentionPattern, DocumentMask, allowed_mask
 from lightning_ulysses.attention.masks import read_mask_function, reject_unsupported_pattern
+from lightning_ulysses.hf import ULYSSES_ATTENTION
+from lightning_ulysses.hf.forward import _register_attention, _reject_unsharded_inputs, _unsupported
+from lightning_ulysses.hf.mask_interface import BoundImplementation, _unmark
 
 LOCAL, SP = 8, 2  # the whole row: 16 tokens
 

@@ -10,13 +10,13 @@ import functools
 import pytest
 import torch
 
-from lightning_ulysses.loss import SequenceParallelCausalLMLoss
+from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lightning_ulysses import _deepspeed_private as deepspeed_private
 from lightning_ulysses.attention.backends import check_sdpa_kernel_priority
+from lightning_ulysses.fences import _deepspeed_private as deepspeed_private
 from lightning_ulysses.memory import HostActivationStore, MemoryOptions, apply_memory_options
 from lightning_ulysses.memory.checkpointing import _ATTENTION_KERNELS, _with_log_sumexp
 from tests.distributed.common import tiny_gpt, tiny_llama

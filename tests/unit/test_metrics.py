@@ -1,7 +1,7 @@
 import torch
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_ulysses.metrics import NextTokenAccuracy, Perplexity, SequenceParallel, TokenCrossEntropy
+from lightning_ulysses.training.metrics import NextTokenAccuracy, Perplexity, SequenceParallel, TokenCrossEntropy
 
 
 def test_wrapper_accumulates_through_forward_and_update():

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from lightning_ulysses.attention.hf import token_mixer_modules
+from lightning_ulysses.hf import token_mixer_modules
 from lightning_ulysses.mixers import install_mixers, mamba2
 from tests.distributed.families import family_model, tiny_model
 

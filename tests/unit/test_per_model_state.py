@@ -15,17 +15,17 @@ import torch
 from transformers import LlamaConfig
 from transformers import masking_utils as hf_masks
 
-from lightning_ulysses import preparation
 from lightning_ulysses.attention.core import UlyssesAttention
 from lightning_ulysses.attention.documents import AttentionPattern
-from lightning_ulysses.attention.hf import ULYSSES_ATTENTION, binding_of, prepare_hf_model
-from lightning_ulysses.attention.hf import forward as hf_forward
-from lightning_ulysses.attention.hf.forward import _register_attention
-from lightning_ulysses.attention.hf.mask_interface import BoundImplementation, _unmark
 from lightning_ulysses.attention.rows import BatchRowsSlot
-from lightning_ulysses.loss import SequenceParallelCausalLMLoss
+from lightning_ulysses.batch.sharding import SequenceSharder
+from lightning_ulysses.hf import ULYSSES_ATTENTION, binding_of, prepare_hf_model
+from lightning_ulysses.hf import forward as hf_forward
+from lightning_ulysses.hf.forward import _register_attention
+from lightning_ulysses.hf.mask_interface import BoundImplementation, _unmark
+from lightning_ulysses.integration import preparation
 from lightning_ulysses.memory import MemoryOptions
-from lightning_ulysses.sharding import SequenceSharder
+from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss
 from tests.distributed.families import tiny_model
 
 

@@ -12,13 +12,13 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_ulysses.callbacks import ThroughputCallback, model_flops_per_sequence
+from lightning_ulysses.integration.callbacks import ThroughputCallback, model_flops_per_sequence
 from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.models.gpt import GPTConfig
-from lightning_ulysses.planner import (GIB, MODELS, ModelShape, TrainingSetup, longest_sequence,
-                                       optimizer_sub_groups, plan_memory, published_176b_comparison)
-from lightning_ulysses.plan import main as plan_command
-from lightning_ulysses.plan import memory_options
+from lightning_ulysses.planning.plan import main as plan_command
+from lightning_ulysses.planning.plan import memory_options
+from lightning_ulysses.planning.planner import (GIB, MODELS, ModelShape, TrainingSetup, longest_sequence,
+                                                optimizer_sub_groups, plan_memory, published_176b_comparison)
 
 TINY = ModelShape("tiny", num_layers=2, hidden_size=8, intermediate_size=16, num_heads=2, num_key_value_heads=1,
                   vocab_size=10)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from lightning_ulysses import preflight
-from lightning_ulysses.layout import ParallelLayout
-from lightning_ulysses.preflight import PlannedRun
-from lightning_ulysses.run_spec import RunSpec
+from lightning_ulysses.parallel.layout import ParallelLayout
+from lightning_ulysses.parallel.run_spec import RunSpec
+from lightning_ulysses.planning import preflight
+from lightning_ulysses.planning.preflight import PlannedRun
 
 
 def planned(sequence_parallel_size, local_world_size, world_size, *, num_nodes=1, num_parameters=None,
@@ -103,7 +103,7 @@ def test_partial_offload_with_one_sub_group_is_a_full_offload():
     # sub-group at the first parameter that fills it (the planner follows that exactly: 8 of 26 for Llama 3 8B)
     assert preflight._partial_offload(planned(**{**run, "optimizer_offload_ratio": None}, sub_group_size=10**12)) == []
     # With the model's parameter tensors (the strategy passes them) the count is exact, as the planner's.
-    from lightning_ulysses.planner import MODELS
+    from lightning_ulysses.planning.planner import MODELS
 
     numels = tuple(MODELS["llama3-8b"].parameter_numels())
     [exact] = preflight._partial_offload(planned(**run, sub_group_size=2**28, parameter_numels=numels, zero_stage=3))
@@ -115,7 +115,7 @@ def test_offload_host_need_counts_deepspeeds_buffers(monkeypatch):
     16 B per parameter: a full ZeRO-3 optimizer offload of the 8B shape needs fp32 master + Adam m, v (12 B), the fp32
     gradients and the 16-bit gradients of all parameters in pinned blocks rounded up to powers of two — 137.7 GiB,
     which 125 GiB of free RAM does not hold although the old 16 B/parameter estimate (119.7 GiB) said it did."""
-    from lightning_ulysses.planner import MODELS, TrainingSetup, plan_memory
+    from lightning_ulysses.planning.planner import MODELS, TrainingSetup, plan_memory
 
     monkeypatch.setattr(preflight, "_memory_available", lambda: 125 * preflight.GIB)
     numels = tuple(MODELS["llama3-8b"].parameter_numels())

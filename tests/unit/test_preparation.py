@@ -1,4 +1,4 @@
-"""The module pipeline (`lightning_ulysses.preparation`): scan → check → prepare, and one undo that restores.
+"""The module pipeline (`lightning_ulysses.integration.preparation`): scan → check → prepare, and one undo that restores.
 
 Single process, SP 1 (the pipeline's logic; the distributed tests prepare through the strategy at SP 2 and 4)."""
 
@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_ulysses import preparation
 from lightning_ulysses.attention.rows import BatchRowsSlot
-from lightning_ulysses.loss import SequenceParallelCausalLMLoss
+from lightning_ulysses.batch.sharding import SequenceSharder
+from lightning_ulysses.integration import preparation
 from lightning_ulysses.memory import MemoryOptions
-from lightning_ulysses.sharding import SequenceSharder
+from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss
 from tests.distributed.families import tiny_model
 
 

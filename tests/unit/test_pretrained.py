@@ -1,10 +1,10 @@
-"""`lightning_ulysses.pretrained.zero3_loading`: transformers sees ZeRO-3 inside the context only, and a user's own
+"""`lightning_ulysses.integration.pretrained.zero3_loading`: transformers sees ZeRO-3 inside the context only, and a user's own
 `HfDeepSpeedConfig` is left alone. (Loading into partitions through the strategy: test_parity.py `-pretrained`.)"""
 
 from transformers.integrations import HfDeepSpeedConfig, deepspeed_config, is_deepspeed_zero3_enabled
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-from lightning_ulysses.pretrained import zero3_loading
+from lightning_ulysses.integration.pretrained import zero3_loading
 
 ZERO3 = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1}
 

@@ -5,8 +5,8 @@ import torch
 
 from lightning_ulysses import UlyssesDeepSpeedStrategy
 from lightning_ulysses.attention.core import resolve_ring_size
-from lightning_ulysses.layout import ParallelLayout, ShardOrder
-from lightning_ulysses.sharding import SequenceSharder
+from lightning_ulysses.batch.sharding import SequenceSharder
+from lightning_ulysses.parallel.layout import ParallelLayout, ShardOrder
 
 
 def test_ulysses_is_the_inner_contiguous_dimension():

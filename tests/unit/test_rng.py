@@ -1,4 +1,4 @@
-"""The SP ranks' random streams (`lightning_ulysses.rng`), one process: each SP rank's steps draw their own values,
+"""The SP ranks' random streams (`lightning_ulysses.integration.rng`), one process: each SP rank's steps draw their own values,
 the shared stream stays where it was, runs with the same seed draw the same, checkpoints keep both streams."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_ulysses.rng import STATE_KEY, SequenceParallelRNG, next_shared_value, stream_seed
+from lightning_ulysses.integration.rng import STATE_KEY, SequenceParallelRNG, next_shared_value, stream_seed
 
 CPU = torch.device("cpu")
 
@@ -172,7 +172,7 @@ def _loaded(global_rank: int, data_parallel_rank=None, worker_init_fn=None) -> l
     loader = torch.utils.data.DataLoader(_RandomSamples(), num_workers=1, worker_init_fn=worker_init_fn)
     if data_parallel_rank is not None:
         strategy = UlyssesDeepSpeedStrategy()
-        strategy._groups = SimpleNamespace(data_parallel_rank=data_parallel_rank)  # as set up on that rank
+        strategy._parallel.groups = SimpleNamespace(data_parallel_rank=data_parallel_rank)  # as set up on that rank
         loader = strategy.process_dataloader(loader)
     _auto_add_worker_init_fn(loader, global_rank)
     return [float(sample) for sample in loader]

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_ulysses.layout import ParallelLayout
-from lightning_ulysses.run_spec import (LIGHTNING_SUB_GROUP_SIZE, RunSpec, deep_merge, inference_config,
-                                        read_sequence_parallel_size)
+from lightning_ulysses.parallel.layout import ParallelLayout
+from lightning_ulysses.parallel.run_spec import (LIGHTNING_SUB_GROUP_SIZE, RunSpec, deep_merge, inference_config,
+                                                 read_sequence_parallel_size)
 
 SP2_DP2 = ParallelLayout(world_size=4, sequence_parallel_size=2)
 OFFLOADING = {"zero_optimization": {"stage": 3, "sub_group_size": 1e8, "reduce_scatter": True,
@@ -226,7 +226,7 @@ def test_deep_merge_skips_none():
 
 # -- the planner's view of the run -------------------------------------------------------------------------------------
 def test_the_planner_plans_the_run_it_is_given(offloading):
-    from lightning_ulysses.planner import TrainingSetup
+    from lightning_ulysses.planning.planner import TrainingSetup
 
     setup = TrainingSetup.of_run(offloading, 4096)
     assert (setup.seq_len, setup.sequence_parallel_size, setup.data_parallel_size) == (4096, 2, 2)
@@ -235,13 +235,13 @@ def test_the_planner_plans_the_run_it_is_given(offloading):
 
 
 def test_the_planner_takes_the_choices_tried_over_the_run(offloading):
-    from lightning_ulysses.planner import TrainingSetup
+    from lightning_ulysses.planning.planner import TrainingSetup
 
     setup = TrainingSetup.of_run(offloading, 4096, offload_optimizer=0.5, sub_group_size=7)
     assert (setup.offload_optimizer, setup.sub_group_size) == (0.5, 7)
 
 
 def test_the_planner_keeps_its_sub_group_default_where_the_run_sets_none():
-    from lightning_ulysses.planner import TrainingSetup
+    from lightning_ulysses.planning.planner import TrainingSetup
 
     assert TrainingSetup.of_run(RunSpec(), 1).sub_group_size == TrainingSetup.sub_group_size

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lightning_ulysses.sharding import SequenceSharder
+from lightning_ulysses.batch.sharding import SequenceSharder
 
 
 def batch(seq_len=8, rows=2):

@@ -33,13 +33,13 @@ def test_ulysses_block_is_read_and_stripped(tmp_path):
     for config in (user_config, str(path)):
         strategy = UlyssesDeepSpeedStrategy(config=config)
         assert "ulysses" not in strategy.config
-        assert strategy._requested_sequence_parallel_size == 4
+        assert strategy._parallel.requested_sequence_parallel_size == 4
     assert "ulysses" in user_config  # the caller's dict is left alone
 
 
 def test_disabled_block_means_sp_1():
     strategy = UlyssesDeepSpeedStrategy(config={"ulysses": {"enable": False, "sequence_parallel_world_size": 4}})
-    assert strategy._requested_sequence_parallel_size == 1
+    assert strategy._parallel.requested_sequence_parallel_size == 1
 
 
 def test_block_disagreeing_with_argument():
@@ -82,7 +82,7 @@ def test_on_cpu_the_process_group_starts_without_building_deepspeeds_shared_memo
     import lightning as L
     from deepspeed.comm.torch import build_shm_op
 
-    from lightning_ulysses import _lightning_private
+    from lightning_ulysses.fences import _lightning_private
 
     class Started(Exception):
         pass
@@ -144,9 +144,9 @@ def test_preflight_run_carries_the_run_and_the_parameters():
 
     import torch
 
-    from lightning_ulysses.layout import ParallelLayout
-    from lightning_ulysses.preflight import PlannedRun
-    from lightning_ulysses.run_spec import RunSpec
+    from lightning_ulysses.parallel.layout import ParallelLayout
+    from lightning_ulysses.planning.preflight import PlannedRun
+    from lightning_ulysses.parallel.run_spec import RunSpec
 
     module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     module[0].bias.requires_grad_(False)  # frozen: not in the optimizer

@@ -1,4 +1,4 @@
-"""The recipes' end-of-run summary and loss plot (`lightning_ulysses.summary`, `lightning_ulysses.plot`) from a
+"""The recipes' end-of-run summary and loss plot (`lightning_ulysses.recipe.summary`, `lightning_ulysses.recipe.plot`) from a
 metrics.csv as Lightning's CSV logger writes it. Through a real run: tests/recipes/test_finetune.py."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ulysses.plot import BLUE, ORANGE
-from lightning_ulysses.summary import read_metrics, run_summary
+from lightning_ulysses.recipe.plot import BLUE, ORANGE
+from lightning_ulysses.recipe.summary import read_metrics, run_summary
 
 # Lightning's CSV logger: the union of the columns; a step's training values, learning rates and validation values
 # in rows of their own, empty cells elsewhere.

@@ -16,12 +16,12 @@ from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnv
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import OmegaConf
 
-from lightning_ulysses.callbacks import TrainingProgressBar, planned_epochs
+from lightning_ulysses.integration.callbacks import TrainingProgressBar, planned_epochs
+from lightning_ulysses.integration.faults import EXIT_PREEMPTED
 from lightning_ulysses.models.gpt import GPTConfig
-from lightning_ulysses.optim import LRSchedule, parameter_groups, schedule_config
-from lightning_ulysses.faults import EXIT_PREEMPTED
-from lightning_ulysses.recipe import (ResumeDecision, build_loggers, continue_command, end_preempted_run,
-                                      resume_decision, resume_from)
+from lightning_ulysses.recipe.driver import (ResumeDecision, build_loggers, continue_command, end_preempted_run,
+                                             resume_decision, resume_from)
+from lightning_ulysses.training.optim import LRSchedule, parameter_groups, schedule_config
 from tests.unit.test_checkpoint import save
 
 
@@ -184,7 +184,7 @@ def test_the_strategy_corrects_lightnings_default_bar_and_leaves_others(tmp_path
     from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
     from lightning.pytorch.callbacks.progress.rich_progress import RichProgressBarTheme
 
-    from lightning_ulysses.callbacks import correct_progress_bar
+    from lightning_ulysses.integration.callbacks import correct_progress_bar
 
     trainer = L.Trainer(accelerator="cpu", logger=False, default_root_dir=tmp_path)
     correct_progress_bar(trainer)

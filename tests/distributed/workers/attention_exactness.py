@@ -19,10 +19,10 @@ from lightning_ulysses.attention import copy_engine
 from lightning_ulysses.attention.all_to_all import InFlightExchange
 from lightning_ulysses.attention.core import usable_head_groups
 from lightning_ulysses.attention.documents import DocumentMask
-from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
 from lightning_ulysses.attention.rows import BatchRowsSlot
-from lightning_ulysses.loss import SequenceParallelCausalLMLoss
-from lightning_ulysses.moe import SequenceParallelRouterLoss, batch_padding, exact_router_loss
+from lightning_ulysses.parallel.layout import ParallelLayout, SequenceParallelGroups
+from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss
+from lightning_ulysses.training.moe import SequenceParallelRouterLoss, batch_padding, exact_router_loss
 from tests.distributed.common import relative_gradient_error, summed_gradient_error, tiny_llama
 
 

@@ -31,9 +31,9 @@ from lightning_ulysses import SequenceSharder, UlyssesAttention, prepare_hf_mode
 from lightning_ulysses.attention import core
 from lightning_ulysses.attention.documents import DocumentMask
 from lightning_ulysses.attention.rows import BatchRows, BatchRowsSlot
-from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
-from lightning_ulysses.loss import SequenceParallelCausalLMLoss
 from lightning_ulysses.memory import MemoryOptions, apply_memory_options
+from lightning_ulysses.parallel.layout import ParallelLayout, SequenceParallelGroups
+from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss
 from tests.distributed.common import VOCAB, CausalLM, collate, tiny_gpt, tiny_llama
 from tests.distributed.packed import PackedDocuments
 
@@ -233,7 +233,7 @@ def check_strategy(results, world_size):
     dataset = PackedDocuments(2 * 2 * (world_size // 2), SEQ_LEN)
     trainer.fit(module, DataLoader(dataset, batch_size=2, collate_fn=collate))
     results["strategy_steps"] = [dict(counts) for counts in module.step_counts]
-    results["strategy_rows_released"] = trainer.strategy._batch_rows.rows is None
+    results["strategy_rows_released"] = trainer.strategy._parallel.batch_rows.rows is None
 
 
 def main():

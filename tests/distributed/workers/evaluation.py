@@ -13,11 +13,11 @@ import torch.distributed as dist
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_ulysses import SequenceSharder, prepare_hf_model
-from lightning_ulysses.inference import sequence_outputs
-from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
 from lightning_ulysses.attention.rows import BatchRowsSlot
-from lightning_ulysses.loss import SequenceParallelCausalLMLoss
-from lightning_ulysses.metrics import NextTokenAccuracy, Perplexity, SequenceParallel, TokenCrossEntropy
+from lightning_ulysses.integration.inference import sequence_outputs
+from lightning_ulysses.parallel.layout import ParallelLayout, SequenceParallelGroups
+from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss
+from lightning_ulysses.training.metrics import NextTokenAccuracy, Perplexity, SequenceParallel, TokenCrossEntropy
 from tests.distributed.common import VOCAB, UnevenlyMaskedTokens, collate, tiny_llama
 
 SEQ_LEN, BATCH, BATCHES = 16, 2, 2

@@ -24,11 +24,11 @@ import torch.distributed as dist
 
 from lightning_ulysses import SequenceSharder, prepare_hf_model
 from lightning_ulysses.adapters import position_rule_of
-from lightning_ulysses.attention.hf import token_mixer_modules, validate_hf_model
-from lightning_ulysses.mixers import install_mixers, left_on_whole_rows, split_of
-from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups, ShardOrder
 from lightning_ulysses.attention.rows import BatchRowsSlot
-from lightning_ulysses.loss import SequenceParallelCausalLMLoss
+from lightning_ulysses.hf import token_mixer_modules, validate_hf_model
+from lightning_ulysses.mixers import install_mixers, left_on_whole_rows, split_of
+from lightning_ulysses.parallel.layout import ParallelLayout, SequenceParallelGroups, ShardOrder
+from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss
 from tests.distributed.common import relative_gradient_error
 from tests.distributed.families import SEQ_LEN, VOCAB, tiny_model
 

@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 import lightning_ulysses
-from lightning_ulysses import checkpoint as checkpoints
+from lightning_ulysses.integration.checkpoint import resume
 from tests.distributed.common import CausalLM, UnevenlyMaskedTokens, collate
 
 
@@ -71,7 +71,7 @@ def main() -> None:
     if spec["kill"] == "none" and is_victim:
         callbacks.append(LingerAfterTraining(spec["linger"]))
     if spec["kill"] == "save" and is_victim:
-        save_rng_state, calls = checkpoints.save_rng_state, []
+        save_rng_state, calls = resume.save_rng_state, []
 
         def save_then_die(directory, rank, *rest):
             calls.append(directory)
@@ -79,9 +79,9 @@ def main() -> None:
                 die()
             save_rng_state(directory, rank, *rest)
 
-        checkpoints.save_rng_state = save_then_die
+        resume.save_rng_state = save_then_die  # where StrategyCheckpoints.save looks it up
     if spec["kill"] == "raise" and is_victim and spec.get("raise_in") == "commit":
-        commit, commits = checkpoints.commit, []
+        commit, commits = resume.commit, []
 
         def commit_or_fail(*args, **kwargs):
             commits.append(args)
@@ -89,7 +89,7 @@ def main() -> None:
                 raise OSError(28, "simulated: no space left on device")
             return commit(*args, **kwargs)
 
-        checkpoints.commit = commit_or_fail
+        resume.commit = commit_or_fail
     elif spec["kill"] == "raise" and is_victim:
         callbacks.append(RaiseAtStep(spec["at"]))
     world_size = int(spec.get("devices") or os.environ["WORLD_SIZE"])

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lightning_ulysses import inference
+from lightning_ulysses.integration import inference
 from tests.distributed.common import VOCAB, tiny_llama
 from tests.distributed.families import tiny_model
 

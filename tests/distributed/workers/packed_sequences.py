@@ -16,9 +16,9 @@ import torch.nn.functional as F
 
 from lightning_ulysses import SequenceSharder, UlyssesAttention, prepare_hf_model
 from lightning_ulysses.attention.core import ulysses_attention
-from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
 from lightning_ulysses.attention.rows import BatchRowsSlot
-from lightning_ulysses.loss import SequenceParallelCausalLMLoss
+from lightning_ulysses.parallel.layout import ParallelLayout, SequenceParallelGroups
+from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss
 from tests.distributed.common import VOCAB, summed_gradient_error, tiny_gpt, tiny_llama
 from tests.distributed.packed import per_document_forward, spans_from_lengths
 from tests.distributed.workers.train_parity import run_case

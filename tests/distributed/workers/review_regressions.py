@@ -16,10 +16,10 @@ from torchmetrics.aggregation import SumMetric
 
 import lightning_ulysses
 from lightning_ulysses import SequenceSharder, prepare_hf_model
-from lightning_ulysses.callbacks import ThroughputCallback, model_flops_per_sequence
-from lightning_ulysses.inference import sequence_outputs
-from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
-from lightning_ulysses.metrics import SequenceParallel
+from lightning_ulysses.integration.callbacks import ThroughputCallback, model_flops_per_sequence
+from lightning_ulysses.integration.inference import sequence_outputs
+from lightning_ulysses.parallel.layout import ParallelLayout, SequenceParallelGroups
+from lightning_ulysses.training.metrics import SequenceParallel
 from tests.distributed.common import CausalLM, UnevenlyMaskedTokens, collate, tiny_llama
 
 TRAINER = {"accelerator": "cpu", "devices": 2, "precision": "32-true", "logger": False, "enable_progress_bar": False,

@@ -15,11 +15,11 @@ import torch.nn.functional as F
 
 from lightning_ulysses import SequenceSharder, UlyssesAttention, prepare_hf_model
 from lightning_ulysses.attention.all_to_all import all_gather_sequence
-from lightning_ulysses.inference import sequence_outputs
-from lightning_ulysses.layout import ParallelLayout, SequenceParallelGroups
 from lightning_ulysses.attention.rows import BatchRowsSlot
-from lightning_ulysses.loss import SequenceParallelCausalLMLoss
-from lightning_ulysses.metrics import SequenceParallel
+from lightning_ulysses.integration.inference import sequence_outputs
+from lightning_ulysses.parallel.layout import ParallelLayout, SequenceParallelGroups
+from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss
+from lightning_ulysses.training.metrics import SequenceParallel
 from tests.distributed.common import VOCAB, summed_gradient_error, tiny_llama
 from tests.distributed.families import tiny_model
 

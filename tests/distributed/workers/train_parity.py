@@ -172,7 +172,7 @@ def _export(case: dict) -> list[L.Callback]:
     """The trained model's save_pretrained folder(s) (LoRA: the adapters and the merged model), for the export claim."""
     if not case.get("export"):
         return []
-    from lightning_ulysses.export import ExportPretrained
+    from lightning_ulysses.integration.export import ExportPretrained
 
     return [ExportPretrained(str(Path(case["workdir"]) / f"{case['name']}.export"), merged=True)]
 

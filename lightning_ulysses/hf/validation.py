@@ -1,0 +1,197 @@
+"""What `prepare_hf_model` checks before it touches a model (no communication, so a refusal happens on every rank
+alike before any collective): the backend, the heads, and token mixing that neither the Ulysses exchange nor a
+whole-rows mixer (attention/mixers.py) would reach."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+import torch
+from transformers import PreTrainedModel
+
+from lightning_ulysses.attention import inline
+from lightning_ulysses.attention.backends import BACKENDS, check_backend
+from lightning_ulysses.attention.core import validate_head_counts
+from lightning_ulysses.hf.binding import ULYSSES_ATTENTION
+from lightning_ulysses.mixers import left_on_whole_rows
+
+
+# Layer kinds of `config.layer_types` whose token mixing (if any) is attention through transformers' attention interface
+# (what the "ulysses" key replaces). Layers of other kinds (linear attention, Mamba, short convolutions) must hold a
+# token mixer `token_mixer_modules` finds (run on whole rows, attention/mixers.py); a kind without one is refused.
+# MLP kinds ("mlp", "moe", "dense", "sparse") appear in the same lists of some families and mix no tokens.
+_ATTENTION_LAYER_TYPES = frozenset({"attention", "full_attention", "sliding_attention", "chunked_attention",
+                                    "mlp", "moe", "dense", "sparse"})
+# Class names of the token mixers transformers' hybrid and recurrent families use instead of (or beside) attention:
+# Mamba/Mamba2 mixers, Gated DeltaNet and Kimi's delta attention, LFM2's short convolution, MiniMax's lightning
+# attention, RG-LRU, RWKV time mixing, xLSTM cells. Those holding a causal `nn.Conv1d` are found without their name.
+_TOKEN_MIXER_NAMES = re.compile(
+    r"Mamba|Mixer|DeltaNet|DeltaAttention|ShortConv|LightningAttention|Rglru|RecurrentBlock|Rwkv|[xm]LSTM"
+)
+_TOKEN_MIXER_ADVICE = (
+    "Under sequence parallelism every rank holds a slice of the sequence, and only attention that dispatches through"
+    " transformers' attention interface, or a token mixer lightning_ulysses runs on whole rows, is exchanged between"
+    " the slices: this layer would run over each rank's slice as if it were the whole sequence (silently wrong losses"
+    " and gradients). Train this model without sequence parallelism (sequence_parallel_size=1), or use a model whose"
+    " layers all mix tokens by attention."
+)
+
+
+def _mixer_by_name(module: torch.nn.Module) -> bool:  # (MambaForCausalLM names a model, MambaRMSNorm a norm)
+    name = type(module).__name__
+    return not isinstance(module, PreTrainedModel) and "Norm" not in name and bool(_TOKEN_MIXER_NAMES.search(name))
+
+
+def token_mixer_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The layers of `model` that mix tokens without transformers' attention interface, outermost ones only (a
+    Mamba mixer's convolution is not listed again): `(path, module)`. A bare `nn.Conv1d` is listed by the module
+    that calls it (its parent), the unit `WholeRowsMixer` runs on whole rows."""
+    found: list[tuple[str, torch.nn.Module]] = []
+
+    def visit(module: torch.nn.Module, path: str, parent: tuple[str, torch.nn.Module] | None) -> None:
+        children = [(f"{path}.{name}" if path else name, child) for name, child in module.named_children()]
+        # A block named like a mixer (MambaBlock) that holds the mixer itself (MambaMixer) is named by the latter.
+        if isinstance(module, torch.nn.Conv1d) or _mixer_by_name(module) and not any(
+                _mixer_by_name(m) for _, child in children for m in child.modules()):
+            unit = parent if isinstance(module, torch.nn.Conv1d) and parent is not None else (path or "<model>", module)
+            if all(unit[1] is not other for _, other in found):
+                found.append(unit)
+            return
+        for child_path, child in children:
+            visit(child, child_path, (path or "<model>", module))
+
+    visit(model, "", None)
+    return found
+
+
+def find_token_mixers(model: torch.nn.Module) -> list[str]:
+    """`token_mixer_modules` as "path (Class)"."""
+    return [f"{path} ({type(module).__name__})" for path, module in token_mixer_modules(model)]
+
+
+def _configs_of(model: PreTrainedModel) -> list[Any]:
+    """The model's config and every sub-config (text, vision, ...), each once."""
+    configs, pending, seen = [], [model.config], set()
+    while pending:
+        config = pending.pop()
+        if id(config) in seen:
+            continue
+        seen.add(id(config))
+        configs.append(config)
+        pending += [getattr(config, key) for key in getattr(config, "sub_configs", {}) if getattr(config, key, None)]
+    return configs
+
+
+def _reject_token_mixing_outside_attention(model: PreTrainedModel) -> None:
+    """Refuse (before any collective) models with layers neither the Ulysses exchange nor a whole-rows mixer reaches."""
+    name = type(model).__name__
+    mixers = token_mixer_modules(model)
+    for path, module in mixers:
+        # A unit that also holds attention would run that attention on whole rows as if they were a shard.
+        inner = [f"{path}.{child_path}" for child_path, child in module.named_modules()
+                 if child_path and "Attention" in type(child).__name__ and not _mixer_by_name(child)]
+        if inner:
+            raise NotImplementedError(
+                f"{name} mixes tokens outside attention in {path} ({type(module).__name__}), which also holds"
+                f" attention ({inner[0]}), so it cannot run on whole rows. {_TOKEN_MIXER_ADVICE}")
+    covered = {int(match.group(1)) for path, _ in mixers for match in [re.search(r"layers\.(\d+)\.", path + ".")] if match}
+    for config in _configs_of(model):  # kinds whose modules have names this check does not know yet
+        layer_types = getattr(config, "layer_types", None) or []
+        unknown = [(i, kind) for i, kind in enumerate(layer_types) if kind not in _ATTENTION_LAYER_TYPES
+                   and i not in covered]
+        if unknown:
+            listed = ", ".join(f"layer {i} is {kind!r}" for i, kind in unknown[:3])
+            raise NotImplementedError(
+                f"{name} has layers that are not attention ({listed} in config.layer_types), so they mix tokens"
+                f" some other way. {_TOKEN_MIXER_ADVICE}"
+            )
+
+def _unswitchable_submodel(model: PreTrainedModel) -> Optional[PreTrainedModel]:
+    """transformers only logs a warning when it cannot switch a model's attention (its source heuristic
+    `_can_set_attn_implementation`: attention classes that do not dispatch through the interface, classes defined
+    in `__main__`, sources `inspect` cannot read), and the model keeps its own attention on each shard."""
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and not type(module)._can_set_attn_implementation():
+            return module
+    return None
+
+
+def _reject_unswitchable(model: PreTrainedModel) -> None:
+    module = _unswitchable_submodel(model)
+    if module is not None:
+        raise ValueError(_unswitchable_message(model, module))
+
+
+def _unswitchable_message(model: PreTrainedModel, module: torch.nn.Module) -> str:
+    where = "" if module is model else f" (its sub-model {type(module).__name__})"
+    return (
+        f"transformers cannot switch the attention of {type(model).__name__}{where}: its attention does not dispatch"
+        " through transformers' AttentionInterface (or its class is defined where transformers cannot read its source,"
+        " e.g. a notebook's __main__), so lightning_ulysses cannot swap in the sequence-parallel exchange and the"
+        " model would attend within each rank's shard only. Define the model class in an importable module, or wrap"
+        " its attention in lightning_ulysses.UlyssesAttention."
+    )
+
+
+def validate_hf_model(model: PreTrainedModel, sequence_parallel_size: int, ring_size: int = 1) -> str:
+    """Check that `model` can run Ulysses attention at this SP size (`sequence_parallel_size` ranks splitting heads,
+    times `ring_size` in a ring); returns its attention backend.
+
+    Everything here reads the model and its config only (no communication), so a refusal happens on every rank
+    alike before any collective."""
+    backend = model.config._attn_implementation
+    sharded = sequence_parallel_size * ring_size > 1
+    if sharded:
+        # First: for a Mamba or RWKV model "build it with sdpa" (below) would be no advice at all.
+        _reject_token_mixing_outside_attention(model)
+        # On a ring, a mixer runs split by its own heads over every SP rank; whole rows are for pure Ulysses only.
+        whole_rows = [f"{path} ({type(module).__name__})" for path, module
+                      in left_on_whole_rows(token_mixer_modules(model), sequence_parallel_size * ring_size)]
+        if ring_size > 1 and whole_rows:
+            raise NotImplementedError(
+                f"{type(model).__name__} has token mixers that are not attention ({whole_rows[0]}) and cannot split by"
+                f" their heads over {sequence_parallel_size * ring_size} SP ranks; such mixers run on whole rows under"
+                " pure Ulysses only: use ring_size=1 (a sequence_parallel_size the heads divide), or train with"
+                " sequence_parallel_size=1.")
+    if sharded and backend not in (*BACKENDS, "eager"):
+        raise ValueError(
+            f"{type(model).__name__} uses attn_implementation={backend!r}, which sequence parallelism cannot wrap"
+            f" (supported: {', '.join(BACKENDS)}, eager). Load or build the model with"
+            " attn_implementation='sdpa' (e.g. AutoModelForCausalLM.from_config(cfg, attn_implementation='sdpa'))."
+        )
+    if sharded and hf_head_counts(model) is not None:  # (a model without attention has nothing to switch)
+        if backend != "eager":
+            check_backend(backend)  # installed and usable here, checked before any collective
+        if inline.covers(model):  # attention computed inline, taken over module by module (adapters/)
+            refusal = inline.inline_refusal(model, backend, ring_size)
+            if refusal is not None:
+                raise NotImplementedError(refusal)
+        else:
+            _reject_unswitchable(model)
+    head_counts = hf_head_counts(model)
+    if head_counts is not None:
+        validate_head_counts(*head_counts, sequence_parallel_size)
+    return backend
+
+
+def hf_head_counts(model: PreTrainedModel) -> Optional[tuple[int, int]]:
+    """(attention heads, KV heads) of a Hugging Face model; None for a model without attention (Mamba, RWKV), whose
+    token mixers run on whole rows (attention/mixers.py) at any SP size."""
+    text_config = model.config.get_text_config()
+    num_heads = getattr(text_config, "num_attention_heads", None)
+    if num_heads is None:
+        return None
+    return num_heads, getattr(text_config, "num_key_value_heads", None) or num_heads
+
+
+def _unswitched_module(model: PreTrainedModel, private_configs: dict[int, Any]) -> Optional[torch.nn.Module]:
+    """The first sub-model, or module holding one of our private configs, that still uses another attention after
+    `set_attn_implementation` (which only warns when it cannot switch); None when the switch took everywhere."""
+    ours = {id(config) for config in private_configs.values()}
+    for module in model.modules():
+        config = module.__dict__.get("config")
+        if (isinstance(module, PreTrainedModel) or id(config) in ours) and \
+                getattr(config, "_attn_implementation", ULYSSES_ATTENTION) != ULYSSES_ATTENTION:
+            return module
+    return None
