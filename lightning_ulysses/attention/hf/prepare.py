@@ -116,9 +116,12 @@ def prepare_hf_model(
         prepared.loss_swapped = True
         model.loss_function = loss_function
     sharded = group.world_size > 1 or ring.world_size > 1
-    if not sharded and (backend not in BACKENDS or _unswitchable_submodel(model) is not None):
-        # SP 1 with a backend we do not wrap (eager) or a model transformers cannot switch (Falcon): the model keeps
-        # its own attention, exactly as unprepared (packed rows then follow transformers' own rules).
+    if not sharded and (backend not in BACKENDS or _unswitchable_submodel(model) is not None
+                        or inline.covers(model)):
+        # SP 1 with a backend we do not wrap (eager), a model transformers cannot switch, or a family whose attention
+        # modules an adapter takes over at SP > 1 (adapters/: BLOOM, MPT, Falcon, ...; Falcon can be switched from
+        # transformers 5.25 on, but its ALiBi variant then adds its bias to the mask the "ulysses" key replaces): the
+        # model keeps its own attention, exactly as unprepared (packed rows then follow transformers' own rules).
         return prepared
     # Switched at SP 1 too: one attention for every SP size, so packed rows (position_ids restarting per document)
     # keep their documents apart at SP 1 exactly as at SP 8. Hugging Face's own sdpa path detects packing only
