@@ -23,6 +23,7 @@ from lightning_ulysses.attention.hf.validation import (_unswitchable_message, _u
                                                        _unswitched_module, hf_head_counts, token_mixer_modules,
                                                        validate_hf_model)
 from lightning_ulysses.attention.rows import BatchRowsSlot
+from lightning_ulysses.hub_kernels import suspend_hub_kernels
 from lightning_ulysses.mixers import install_mixers
 
 
@@ -41,6 +42,7 @@ class PreparedHFModel:
     hooks: list = field(default_factory=list)
     mask_configs: list = field(default_factory=list)  # the private configs that name the binding
     inline_modules: list = field(default_factory=list)
+    resume_hub_kernels: Callable[[], None] | None = None  # hub_kernels.py: suspended while prepared
 
     def restore(self) -> None:
         for hook in self.hooks:
@@ -57,6 +59,9 @@ class PreparedHFModel:
             original = self.original_configs.get(id(module))
             if original is not None:
                 module.config = original
+        if self.resume_hub_kernels is not None:  # last: kernelizing resets the forwards of layers with a kernel slot
+            self.resume_hub_kernels()
+            self.resume_hub_kernels = None
         if not self.loss_swapped:
             return
         if self.original_loss_function is _NOT_SET:
@@ -123,6 +128,8 @@ def prepare_hf_model(
         # transformers 5.25 on, but its ALiBi variant then adds its bias to the mask the "ulysses" key replaces): the
         # model keeps its own attention, exactly as unprepared (packed rows then follow transformers' own rules).
         return prepared
+    # transformers would kernelize the model again at its next train()/eval(), deleting the forwards installed below
+    prepared.resume_hub_kernels = suspend_hub_kernels(model)
     # Switched at SP 1 too: one attention for every SP size, so packed rows (position_ids restarting per document)
     # keep their documents apart at SP 1 exactly as at SP 8. Hugging Face's own sdpa path detects packing only
     # without an attention mask and without a KV cache, which its default `use_cache=True` creates even in training.
