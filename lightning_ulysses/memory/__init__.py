@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from lightning_ulysses import _deepspeed_private as deepspeed_private
-from lightning_ulysses.hub_kernels import suspend_hub_kernels
+from lightning_ulysses.attention.hf.prepare import suspend_hub_kernels
 from lightning_ulysses.memory.checkpointing import HostActivationStore, checkpoint_layers
 from lightning_ulysses.memory.fused import check_backend, gated_mlp_activation, use_fused_gated_mlp, use_fused_norm
 from lightning_ulysses.memory.logits_loss import TiledLogitsLoss, fuse_head_with_loss, fuse_hugging_face_loss
@@ -231,7 +231,7 @@ def apply_memory_options(model: nn.Module, options: MemoryOptions,
     fused_mlps = _fused_mlps(model, layers, norms, options)
     try:
         # First, undone last: transformers would kernelize the model again at its next train()/eval(), deleting the
-        # norms' forwards installed below (hub_kernels.py)
+        # norms' forwards installed below (attention/hf/prepare.py `suspend_hub_kernels`)
         resume_hub_kernels = suspend_hub_kernels(model)
         if resume_hub_kernels is not None:
             restores.append(resume_hub_kernels)

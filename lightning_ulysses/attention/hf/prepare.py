@@ -23,7 +23,6 @@ from lightning_ulysses.attention.hf.validation import (_unswitchable_message, _u
                                                        _unswitched_module, hf_head_counts, token_mixer_modules,
                                                        validate_hf_model)
 from lightning_ulysses.attention.rows import BatchRowsSlot
-from lightning_ulysses.hub_kernels import suspend_hub_kernels
 from lightning_ulysses.mixers import install_mixers
 
 
@@ -42,7 +41,7 @@ class PreparedHFModel:
     hooks: list = field(default_factory=list)
     mask_configs: list = field(default_factory=list)  # the private configs that name the binding
     inline_modules: list = field(default_factory=list)
-    resume_hub_kernels: Callable[[], None] | None = None  # hub_kernels.py: suspended while prepared
+    resume_hub_kernels: Callable[[], None] | None = None  # `suspend_hub_kernels`: off while prepared
 
     def restore(self) -> None:
         for hook in self.hooks:
@@ -68,6 +67,35 @@ class PreparedHFModel:
             self.model.__dict__.pop("_loss_function", None)
         else:
             self.model.loss_function = self.original_loss_function
+
+
+def suspend_hub_kernels(model: torch.nn.Module) -> Callable[[], None] | None:
+    """Turn off transformers' hub kernels (`use_kernels`) on every model in `model` that has them on, for as long as
+    lightning_ulysses keeps it prepared (here and in `memory.apply_memory_options`); returns the undo, which turns
+    them on again (None when none had them on: nothing to undo, e.g. already suspended by an earlier step).
+
+    transformers kernelizes a model with `use_kernels` on again at every `train()`/`eval()` that changes its mode, and
+    kernelizing resets the forward of every layer with a kernel slot (`kernels`' `use_kernel_forward_from_hub`: the
+    RMSNorms of most families, Qwen3.5's Gated DeltaNet, ...): it deletes the forward installed on that instance.
+    Measured with transformers 5.25: the first `eval()` after preparation (Lightning's sanity check, validation)
+    removed the split of Qwen3.5's Gated DeltaNet layers (at SP > 1 each rank would then run them over its shard as if
+    it were the whole sequence: silently wrong) and every low-memory norm. From 5.25 on `from_pretrained` turns
+    `use_kernels` on by default (wherever the `kernels` package, one of its dependencies, is installed, unless
+    `USE_HUB_KERNELS` is off); up to 5.24 only when asked for. Turned off, from 5.25 on the layers get their
+    transformers forwards back (up to 5.24 the kernels in place stay, no longer re-applied): a prepared model runs the
+    torch code lightning_ulysses is verified against (and mamba_ssm / flash-linear-attention / causal-conv1d where
+    installed, which transformers calls without kernelizing)."""
+    kernelized = [module for module in model.modules() if getattr(module, "use_kernels", False) is True]
+    if not kernelized:
+        return None
+    for module in kernelized:
+        module.use_kernels = False
+
+    def resume() -> None:
+        for module in kernelized:
+            module.use_kernels = True
+
+    return resume
 
 
 def find_hf_models(root: torch.nn.Module) -> list[PreTrainedModel]:
