@@ -20,7 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def _start(script: Path, args: list[str], cwd: Path, output: Path) -> subprocess.Popen:
     """`python <script> <args>` as the user runs it: a fresh interpreter, not under pytest's warning filters; its
     stdout and stderr written to `output`/stdout and `output`/stderr (files: a full pipe would stall it)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    # (what PYTHONPATH held stays after this checkout, e.g. a newer library installed to one side)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
     env.pop("PYTHONWARNINGS", None)
     with open(output / "stdout", "w") as stdout, open(output / "stderr", "w") as stderr:
         return subprocess.Popen([sys.executable, str(script), *args], env=env, cwd=cwd, stdout=stdout, stderr=stderr)

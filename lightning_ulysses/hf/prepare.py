@@ -40,6 +40,7 @@ class PreparedHFModel:
     hooks: list = field(default_factory=list)
     mask_configs: list = field(default_factory=list)  # the private configs that name the binding
     inline_modules: list = field(default_factory=list)
+    resume_hub_kernels: Callable[[], None] | None = None  # `suspend_hub_kernels`: off while prepared
 
     def restore(self) -> None:
         for hook in self.hooks:
@@ -56,12 +57,44 @@ class PreparedHFModel:
             original = self.original_configs.get(id(module))
             if original is not None:
                 module.config = original
+        if self.resume_hub_kernels is not None:  # last: kernelizing resets the forwards of layers with a kernel slot
+            self.resume_hub_kernels()
+            self.resume_hub_kernels = None
         if not self.loss_swapped:
             return
         if self.original_loss_function is _NOT_SET:
             self.model.__dict__.pop("_loss_function", None)
         else:
             self.model.loss_function = self.original_loss_function
+
+
+def suspend_hub_kernels(model: torch.nn.Module) -> Callable[[], None] | None:
+    """Turn off transformers' hub kernels (`use_kernels`) on every model in `model` that has them on, for as long as
+    lightning_ulysses keeps it prepared (here and in `memory.apply_memory_options`); returns the undo, which turns
+    them on again (None when none had them on: nothing to undo, e.g. already suspended by an earlier step).
+
+    transformers kernelizes a model with `use_kernels` on again at every `train()`/`eval()` that changes its mode, and
+    kernelizing resets the forward of every layer with a kernel slot (`kernels`' `use_kernel_forward_from_hub`: the
+    RMSNorms of most families, Qwen3.5's Gated DeltaNet, ...): it deletes the forward installed on that instance.
+    Measured with transformers 5.25: the first `eval()` after preparation (Lightning's sanity check, validation)
+    removed the split of Qwen3.5's Gated DeltaNet layers (at SP > 1 each rank would then run them over its shard as if
+    it were the whole sequence: silently wrong) and every low-memory norm. From 5.25 on `from_pretrained` turns
+    `use_kernels` on by default (wherever the `kernels` package, one of its dependencies, is installed, unless
+    `USE_HUB_KERNELS` is off); up to 5.24 only when asked for. Turned off, from 5.25 on the layers get their
+    transformers forwards back (up to 5.24 the kernels in place stay, no longer re-applied): a prepared model runs the
+    torch code lightning_ulysses is verified against (and mamba_ssm / flash-linear-attention / causal-conv1d where
+    installed, which transformers calls without kernelizing)."""
+    kernelized = [module for module in model.modules() if getattr(module, "use_kernels", False) is True]
+    if not kernelized:
+        return None
+    for module in kernelized:
+        module.use_kernels = False
+
+    def resume() -> None:
+        for module in kernelized:
+            module.use_kernels = True
+
+    return resume
 
 
 def find_hf_models(root: torch.nn.Module) -> list[PreTrainedModel]:
@@ -115,10 +148,15 @@ def prepare_hf_model(
         prepared.loss_swapped = True
         model.loss_function = loss_function
     sharded = group.world_size > 1 or ring.world_size > 1
-    if not sharded and (backend not in BACKENDS or _unswitchable_submodel(model) is not None):
-        # SP 1 with a backend we do not wrap (eager) or a model transformers cannot switch (Falcon): the model keeps
-        # its own attention, exactly as unprepared (packed rows then follow transformers' own rules).
+    if not sharded and (backend not in BACKENDS or _unswitchable_submodel(model) is not None
+                        or inline.covers(model)):
+        # SP 1 with a backend we do not wrap (eager), a model transformers cannot switch, or a family whose attention
+        # modules an adapter takes over at SP > 1 (adapters/: BLOOM, MPT, Falcon, ...; Falcon can be switched from
+        # transformers 5.25 on, but its ALiBi variant then adds its bias to the mask the "ulysses" key replaces): the
+        # model keeps its own attention, exactly as unprepared (packed rows then follow transformers' own rules).
         return prepared
+    # transformers would kernelize the model again at its next train()/eval(), deleting the forwards installed below
+    prepared.resume_hub_kernels = suspend_hub_kernels(model)
     # Switched at SP 1 too: one attention for every SP size, so packed rows (position_ids restarting per document)
     # keep their documents apart at SP 1 exactly as at SP 8. Hugging Face's own sdpa path detects packing only
     # without an attention mask and without a KV cache, which its default `use_cache=True` creates even in training.

@@ -46,6 +46,7 @@ from torch import nn
 
 from lightning_ulysses.adapters.native_model import NativeCausalLM
 from lightning_ulysses.fences import _deepspeed_private as deepspeed_private
+from lightning_ulysses.hf.prepare import suspend_hub_kernels
 from lightning_ulysses.memory.checkpointing import HostActivationStore, checkpoint_layers
 from lightning_ulysses.memory.fused import check_backend, gated_mlp_activation, use_fused_gated_mlp, use_fused_norm
 from lightning_ulysses.memory.logits_loss import TiledLogitsLoss, fuse_head_with_loss, fuse_hugging_face_loss
@@ -229,6 +230,11 @@ def apply_memory_options(model: nn.Module, options: MemoryOptions,
     norms = llama_style_norms(model, norm_options) if norm_options else []  # refuses what it can't replace
     fused_mlps = _fused_mlps(model, layers, norms, options)
     try:
+        # First, undone last: transformers would kernelize the model again at its next train()/eval(), deleting the
+        # norms' forwards installed below (hf/prepare.py `suspend_hub_kernels`)
+        resume_hub_kernels = suspend_hub_kernels(model)
+        if resume_hub_kernels is not None:
+            restores.append(resume_hub_kernels)
         if options.tiled_logits_loss:  # first: it refuses models whose logits are transformed before the loss
             loss = TiledLogitsLoss(options.logits_tile_tokens)
             if isinstance(model, NativeCausalLM):

@@ -25,8 +25,20 @@ from lightning_ulysses.mixers.delta_rule import chunk_gated_delta_rule
 LINEAR_TIME: dict[str, Callable] = {"torch_chunk_gated_delta_rule": chunk_gated_delta_rule}
 
 
+def _function_behind(bound: object) -> object:
+    """What a module-level name calls: the object itself, or, where the `kernels` package is installed (a dependency
+    of transformers from 5.25 on), the function `kernels` turned into a module instance: `use_kernel_forward_from_hub`
+    on a function returns an `nn.Module` (class attribute `kernel_layer_name`) whose forward calls that function
+    (a closure variable, `func`) unless a model kernelized it; the name then no longer carries the function's name."""
+    if isinstance(bound, torch.nn.Module) and hasattr(type(bound), "kernel_layer_name"):
+        return inspect.getclosurevars(type(bound).forward).nonlocals.get("func", bound)
+    return bound
+
+
 def _is_transformers_fallback(bound: object, name: str) -> bool:
-    return getattr(bound, "__name__", None) == name and getattr(bound, "__module__", "").startswith("transformers.")
+    function = _function_behind(bound)
+    return (getattr(function, "__name__", None) == name
+            and getattr(function, "__module__", "").startswith("transformers."))
 
 
 class LinearTimeKernels:

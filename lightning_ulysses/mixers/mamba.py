@@ -8,11 +8,12 @@ multiplies its channels' columns of the weight, the partial products are summed 
 Falcon-Mamba normalise the step, B and C after `x_proj` (RMSNorms over those shared channels): they read the sum,
 so they run unchanged.
 
-On GPU: in training without a cache, Mamba and Falcon-Mamba call `mamba_inner_fn`, mamba_ssm's fused kernel where
-it is installed (or the kernels hub's), which reads `x_proj`'s, `dt_proj`'s and `out_proj`'s weights instead of
-calling them, around the split. The view is therefore not in training mode, which is all that selects that path
+On GPU: in training without a cache, Mamba (and Falcon-Mamba up to transformers 5.24) call `mamba_inner_fn`,
+mamba_ssm's fused kernel where it is installed (or the kernels hub's), which reads `x_proj`'s, `dt_proj`'s and
+`out_proj`'s weights instead of calling them, around the split. The view is therefore not in training mode, which is all that selects that path
 (these mixers read `self.training` nowhere else): it takes the path that calls the modules, with the same
-causal-conv1d and selective-scan kernels where they are installed. Jamba has no fused path.
+causal-conv1d and selective-scan kernels where they are installed. Jamba, and Falcon-Mamba from 5.25 on, have no
+fused path.
 """
 
 from __future__ import annotations

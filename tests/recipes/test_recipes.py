@@ -118,7 +118,10 @@ def test_hf_pretrained_starts_from_the_pretrained_weights(tiny_pretrained):
 
 
 def _env() -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    # this checkout's package first; what PYTHONPATH held stays after it (e.g. a newer library installed to one side),
+    # as for the launched ranks (tests/distributed/harness.py)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
     return env
 

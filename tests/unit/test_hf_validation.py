@@ -10,8 +10,8 @@ from tests.distributed.families import tiny_model
 
 
 def test_a_model_transformers_cannot_switch_is_refused():
-    # Falcon's attention does not dispatch through the interface (set_attn_implementation only warns), but an
-    # adapter takes its attention modules over (adapters/falcon.py): it passes.
+    # An adapter takes Falcon's attention modules over (adapters/falcon.py), whether transformers can switch its
+    # attention (from 5.25 on) or not (up to 5.24: set_attn_implementation only warns): it passes.
     assert validate_hf_model(tiny_model("falcon"), 2) == "sdpa"
     # A class whose source transformers cannot read (here: its module is not importable) and that no adapter
     # covers is refused.
@@ -75,17 +75,23 @@ def test_dense_families_pass():
         assert validate_hf_model(tiny_model(family), 2) == "sdpa"
 
 
-def test_at_sp_1_a_model_transformers_cannot_switch_keeps_its_own_attention_exactly():
+@pytest.mark.parametrize("overrides", [{}, {"alibi": True}], ids=["rotary", "alibi"])
+def test_at_sp_1_an_inline_attention_family_keeps_its_own_attention_exactly(overrides):
+    # Up to transformers 5.24 Falcon cannot be switched at all; from 5.25 on it can, but a family an adapter takes over
+    # at SP > 1 keeps its own attention at SP 1 (hf/prepare.py): switched, Falcon's ALiBi variant would add
+    # its bias to the mask the "ulysses" key replaces.
     from lightning_ulysses.hf import prepare_hf_model
 
-    model = tiny_model("falcon")
+    model = tiny_model("falcon", **overrides)
     model.eval()
     input_ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, -3:] = 0
     with torch.no_grad():
-        expected = model(input_ids=input_ids).logits
+        expected = model(input_ids=input_ids, attention_mask=attention_mask).logits
         prepared = prepare_hf_model(model, None)
         assert model.config._attn_implementation != "ulysses"
-        assert torch.equal(model(input_ids=input_ids).logits, expected)
+        assert torch.equal(model(input_ids=input_ids, attention_mask=attention_mask).logits, expected)
     prepared.restore()
 
 

@@ -26,9 +26,17 @@ INLINE = ("bloom", "mpt", "falcon", "gpt_neo", "xglm")
 LEFT_PADDING_REFUSED = ("gpt_neo", "xglm")
 
 
+# Falcon's eager branch (it also has sdpa) and its other two layouts of the fused projection (adapters/falcon.py):
+# grouped KV heads (the new decoder architecture) and one KV head per query head; the matrix's is multi-query.
+FALCON_VARIANTS = {"falcon_eager": ("eager", {}), "falcon_grouped": ("sdpa", {"new_decoder_architecture": True,
+                                                                              "num_kv_heads": 2}),
+                   "falcon_mha": ("sdpa", {"multi_query": False})}
+
+
 def _build(name: str, **overrides):
-    if name == "falcon_eager":  # Falcon's own eager branch (it also has sdpa)
-        return tiny_model("falcon", "eager", **overrides)
+    if name in FALCON_VARIANTS:
+        implementation, settings = FALCON_VARIANTS[name]
+        return tiny_model("falcon", implementation, **settings, **overrides)
     try:
         return tiny_model(name, "sdpa", **{**FAMILIES[name], **overrides})
     except ValueError as error:  # eager-only families
@@ -56,7 +64,7 @@ def _take_over(model) -> PreparedHFModel:
     return prepared
 
 
-@pytest.mark.parametrize("family", (*INLINE, "falcon_eager"))
+@pytest.mark.parametrize("family", (*INLINE, *FALCON_VARIANTS))
 def test_inline_forward_on_whole_rows_matches_the_family(family):
     reference = _build(family)
     model = copy.deepcopy(reference)
@@ -81,6 +89,24 @@ def test_inline_forward_on_whole_rows_matches_the_family(family):
         assert error < 1e-4, (family, name, error)
     prepared.restore()  # the modules' class forwards are back
     assert all("forward" not in module.__dict__ for module in model.modules())
+
+
+@pytest.mark.parametrize("family", ("falcon", "falcon_eager"))
+def test_falcon_drops_attention_out_exactly_when_its_installed_module_does(family):
+    # Up to transformers 5.24 Falcon's sdpa and eager branches drop no attention probabilities; from 5.25 on every
+    # backend drops its attention_dropout in training (adapters/falcon.py): taken over, it does the same.
+    reference = _build(family, attention_dropout=0.5)
+    model = copy.deepcopy(reference)
+    _take_over(model)
+    batch = _batch((1, 2))
+
+    def drops(module) -> bool:
+        plain = module.eval()(**batch).logits
+        torch.manual_seed(0)
+        return not torch.equal(module.train()(**batch).logits, plain)
+
+    with torch.no_grad():
+        assert drops(model) == drops(reference)
 
 
 @pytest.mark.parametrize("family", LEFT_PADDING_REFUSED)

@@ -107,18 +107,22 @@ def test_mamba2_groups_split_with_the_heads_or_are_shared_or_the_mixer_runs_on_w
 @pytest.mark.parametrize("family", ("mamba", "falcon_mamba"))
 def test_a_split_mamba_mixer_never_takes_the_fused_kernel_path(family, monkeypatch):
     # Mamba1 in training hands its projected states to mamba_ssm's fused `mamba_inner_fn` where installed, which
-    # reads x_proj's, dt_proj's and out_proj's weights itself: around the split (mixers/mamba.py).
+    # reads x_proj's, dt_proj's and out_proj's weights itself: around the split (mixers/mamba.py). Falcon-Mamba has
+    # that path up to transformers 5.24 only (from 5.25 on its modeling file has no `mamba_inner_fn`): there the
+    # split is held to the same unfused result, and nothing can take a fused path.
     path, mixer = _mixer(family)
+    fused_path = hasattr(sys.modules[type(mixer).__module__], "mamba_inner_fn")
     calls = []
 
     def fused(xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, out_proj_weight, *args, **kwargs):
         calls.append(out_proj_weight)
         return xz.new_zeros(xz.shape[0], xz.shape[2], out_proj_weight.shape[0])
 
-    monkeypatch.setattr(sys.modules[type(mixer).__module__], "mamba_inner_fn", fused)
+    if fused_path:
+        monkeypatch.setattr(sys.modules[type(mixer).__module__], "mamba_inner_fn", fused)
     hidden = torch.randn(2, 8, mixer.hidden_size, generator=torch.Generator().manual_seed(0))
     mixer(hidden)
-    assert len(calls) == 1  # the unprepared mixer takes it
+    assert len(calls) == int(fused_path)  # the unprepared mixer takes it where its family has it
     with torch.no_grad():
         unfused = torch.cat([mixer.eval()(hidden[:, :4]), mixer(hidden[:, 4:])], dim=1)
     mixer.train()
@@ -129,5 +133,5 @@ def test_a_split_mamba_mixer_never_takes_the_fused_kernel_path(family, monkeypat
     finally:
         for handle in handles:
             handle.remove()
-    assert len(calls) == 1, family  # the split view does not take it
+    assert len(calls) == int(fused_path), family  # the split view does not take it
     torch.testing.assert_close(output, unfused)

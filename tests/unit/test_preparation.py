@@ -14,7 +14,7 @@ from lightning_ulysses.batch.sharding import SequenceSharder
 from lightning_ulysses.integration import preparation
 from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss
-from tests.distributed.families import tiny_model
+from tests.distributed.families import family_model, tiny_model
 
 
 def _runtime(memory=None) -> preparation.SequenceParallelRuntime:
@@ -71,3 +71,34 @@ def test_scan_reports_heads_and_the_position_rule():
     assert found.head_counts == [(4, 4)]
     assert found.position_rule is not None and "opt" in found.position_rule.model_types
     assert preparation.scan(_Module(tiny_model("llama")), 2).position_rule is None
+
+
+def test_hub_kernels_are_suspended_while_a_model_is_prepared(tmp_path):
+    # From transformers 5.25 on `from_pretrained` turns `use_kernels` on by default (wherever `kernels`, one of its
+    # dependencies, is installed), and transformers kernelizes the model again at every train()/eval() that changes
+    # its mode, deleting the forwards preparation installs on layers with a kernel slot (hub_kernels.py): measured, the
+    # first eval() removed Qwen3.5's Gated DeltaNet split (packed documents no longer restarted it) and every
+    # low-memory norm. The model runs as prepared until restored, then gets its kernels back.
+    from transformers import AutoModelForCausalLM
+
+    def load(name: str):
+        family_model(name).save_pretrained(tmp_path / name)
+        return AutoModelForCausalLM.from_pretrained(tmp_path / name, attn_implementation="sdpa").train()
+
+    hybrid, dense = load("qwen3_5_text"), load("llama")
+    kernels_were_on = (hybrid.use_kernels, dense.use_kernels)
+    packed = {"input_ids": torch.arange(3, 19).reshape(2, 8),
+              "position_ids": torch.cat([torch.arange(3), torch.arange(5)])[None].expand(2, -1)}
+    preparations = [preparation.scan(_Module(hybrid), 1).prepare(_runtime()),
+                    preparation.scan(_Module(dense), 1).prepare(_runtime({"low_memory_norms": True}))]
+    norms = [module for module in dense.modules() if type(module).__name__ == "LlamaRMSNorm"]
+    with torch.no_grad():
+        expected = hybrid(**packed).logits
+        hybrid.eval(), dense.eval()  # Lightning's sanity check and validation
+        hybrid.train(), dense.train()
+        torch.testing.assert_close(hybrid(**packed).logits, expected, rtol=0, atol=0)
+    assert norms and all("forward" in vars(norm) for norm in norms), "the low-memory norms are still installed"
+    for prepared in preparations:
+        prepared.restore()
+    assert (hybrid.use_kernels, dense.use_kernels) == kernels_were_on
+    assert not any("forward" in vars(norm) for norm in norms)
