@@ -36,9 +36,17 @@ def _function_behind(bound: object) -> object:
 
 
 def _is_transformers_fallback(bound: object, name: str) -> bool:
+    """Whether the name calls transformers' own PyTorch function. transformers binds it to a wrapper carrying that
+    function's name (`use_kernel_func_from_hub_with_fallback`) whether or not fla is installed; the wrapper calls
+    `implementation` (closure variables), fla's function where fla imports, else `torch_function` itself."""
     function = _function_behind(bound)
-    return (getattr(function, "__name__", None) == name
-            and getattr(function, "__module__", "").startswith("transformers."))
+    if not (getattr(function, "__name__", None) == name
+            and getattr(function, "__module__", "").startswith("transformers.")):
+        return False
+    behind = inspect.getclosurevars(function).nonlocals if inspect.isfunction(function) else {}
+    if "implementation" in behind and "torch_function" in behind:
+        return behind["implementation"] is behind["torch_function"]
+    return True  # the function itself (no wrapper)
 
 
 class LinearTimeKernels:

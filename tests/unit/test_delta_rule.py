@@ -6,6 +6,7 @@ ours only during a prepared mixer's call."""
 from __future__ import annotations
 
 import sys
+import types
 
 import pytest
 import torch
@@ -131,16 +132,26 @@ def test_a_prepared_mixer_calls_ours_during_its_call_only(family, monkeypatch):
     assert torch.equal(output, expected)
 
 
-def test_flash_linear_attention_where_bound_is_never_replaced():
+def test_flash_linear_attention_where_installed_is_never_replaced(monkeypatch):
+    # transformers binds the fallback's name through its own decorator, which wraps fla's function where fla
+    # imports (a stand-in package here) and its PyTorch function where not; only the latter is ours to replace.
+    from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
+
+    fla = types.ModuleType("stand_in_fla")
+    fla.chunk_gated_delta_rule = lambda *args, **kwargs: "fla"
+    monkeypatch.setitem(sys.modules, "stand_in_fla", fla)
+
+    def torch_chunk_gated_delta_rule(query, key, value, g, beta, **kwargs):
+        return "torch"
+
+    torch_chunk_gated_delta_rule.__module__ = "transformers.models.stand_in.modeling_stand_in"
+
     class Mixer(torch.nn.Module):
         def forward(self, hidden):
             return hidden
 
-    fla_kernel = type(chunk_gated_delta_rule)(chunk_gated_delta_rule.__code__, {}, "torch_chunk_gated_delta_rule")
-    fla_kernel.__module__ = "fla.ops.gated_delta_rule"
     namespace = Mixer.forward.__globals__
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(namespace, "torch_chunk_gated_delta_rule", fla_kernel)
-        assert kernels.LinearTimeKernels(Mixer).replacements == {}
-        patch.setitem(namespace, "torch_chunk_gated_delta_rule", FALLBACK)
-        assert list(kernels.LinearTimeKernels(Mixer).replacements) == ["torch_chunk_gated_delta_rule"]
+    for package, replaced in (("stand_in_fla", False), ("not_installed_fla", True)):
+        bound = use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule", package)(torch_chunk_gated_delta_rule)
+        monkeypatch.setitem(namespace, "torch_chunk_gated_delta_rule", bound)
+        assert bool(kernels.LinearTimeKernels(Mixer).replacements) is replaced, package
