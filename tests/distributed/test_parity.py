@@ -150,13 +150,12 @@ def _matrix():
           for world, sp, stage, family, suffix, model, extra in [
               (2, 2, 3, "qwen3_5_text", "", "", {}),
               (4, 4, 2, "olmo_hybrid", "", "", {}),
-              (2, 2, 2, "kimi_linear", "", "", {}),
               (4, 4, 3, "kimi_linear", "", "", {}),
               (4, 2, 2, "bamba", "-accumulate2-clip", "", {
                   "batch_size": 1, "trainer_kwargs": {"accumulate_grad_batches": 2, "gradient_clip_val": 1.2}}),
               (4, 2, 3, "bamba", "-lora", "+lora", {}),
-              (2, 2, 2, "jamba", "-lora", "+lora", {}),
-              (2, 2, 3, "kimi_linear", "-lora", "+lora", {}),
+              (2, 2, 3, "jamba", "-lora", "+lora", {}),
+              (2, 2, 2, "kimi_linear", "-lora", "+lora", {}),
               (4, 4, 2, "mamba", "", "", {}),
               (4, 2, 3, "mamba", "", "", {}),
               (4, 4, 2, "lfm2", "", "", {}),
