@@ -1,7 +1,7 @@
 """peft's LoRA on the linears of token mixers split by heads (lightning_ulysses/mixers/lora.py), in one process.
 
 peft puts an adapted linear inside a layer of its own, which is no `torch.nn.Linear`: the families' declarations
-recognised only bare linears, so LoRA on a Kimi, Mamba, LFM2 or MiniMax mixer sent it to whole rows. Here: every
+recognised only bare linears, so LoRA on a Kimi, Mamba, LFM2, MiniMax or RecurrentGemma mixer sent it to whole rows. Here: every
 mixer kind with LoRA on each of its linears is declared a split; at SP 1 on packed rows (where the split's local view
 runs, one document at a time, its linears sliced through their adapters' parts) it equals the adapted mixer run on
 each document alone, output and every gradient; what cannot go through a slice is named, with the fix. Exactness
@@ -23,7 +23,8 @@ from tests.distributed.families import family_model
 
 # peft refuses LoRA on Mamba models' `out_proj` and `conv1d` (mamba_ssm's fused kernels read their weights)
 PEFT_REFUSES = {"mamba": ("out_proj",)}
-FAMILIES = ("qwen3_5_text", "olmo_hybrid", "kimi_linear", "bamba", "jamba", "mamba", "lfm2", "minimax")
+FAMILIES = ("qwen3_5_text", "olmo_hybrid", "kimi_linear", "bamba", "jamba", "mamba", "lfm2", "minimax",
+            "recurrent_gemma")
 LENGTH = 8
 PACKED = torch.cat([torch.arange(3), torch.arange(5)])[None].expand(2, -1)  # two documents per row: 3 and 5 tokens
 
@@ -39,12 +40,12 @@ def _adapted_mixer(family: str, **config):
     return path, mixer, [name for name, module in mixer.named_modules() if hasattr(module, "base_layer")]
 
 
-def _call(mixer, hidden: torch.Tensor, start: int = 0) -> torch.Tensor:
+def _call(mixer, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     parameters = inspect.signature(type(mixer).forward).parameters
     kwargs = {name: None for name in ("attention_mask", "position_embeddings")
               if name in parameters and parameters[name].default is inspect.Parameter.empty}
-    if "position_ids" in parameters:
-        kwargs["position_ids"] = torch.arange(start, start + hidden.size(1))[None].expand(hidden.size(0), -1)
+    if "position_ids" in parameters:  # (RecurrentGemma's block restarts its recurrence where they are 0)
+        kwargs["position_ids"] = positions
     output = mixer(hidden, **kwargs)
     return output[0] if isinstance(output, tuple) else output
 
@@ -70,14 +71,14 @@ def test_lora_runs_through_the_split_exactly(family):
     weights = torch.randn(2, LENGTH, 1, generator=generator)
     trained = {name: p for name, p in mixer.named_parameters() if p.requires_grad}
     assert any("lora_" in name for name in trained)
-    expected = torch.cat([_call(mixer, hidden[:, :3]), _call(mixer, hidden[:, 3:])], dim=1)
+    expected = torch.cat([_call(mixer, hidden[:, :3], PACKED[:, :3]), _call(mixer, hidden[:, 3:], PACKED[:, 3:])], dim=1)
     (expected * weights).sum().backward()
     expected_grads = {name: p.grad.clone() for name, p in trained.items() if p.grad is not None}
     mixer.zero_grad()
     handles, whole_rows = install_mixers([(path, mixer)], None, positions=lambda: PACKED)
     assert handles and not whole_rows
     try:
-        output = _call(mixer, hidden)
+        output = _call(mixer, hidden, PACKED)
         (output * weights).sum().backward()
     finally:
         for handle in handles:
