@@ -7,6 +7,8 @@ Each mixer found in a model (`hf.token_mixer_modules`) runs one of two ways:
   heads (or channels) divide by the SP size: its work and activations are `1/SP` of the whole layer's on every
   rank — with a ring too, over all `ulysses × ring` SP ranks (ranks.py);
 - on whole rows (whole_rows.py), the last resort, otherwise: exact, but the layer's work does not shrink.
+peft's LoRA layers on a mixer's linears go through its split (lora.py: called as they are where the split exchanges
+a projection, sliced in their parts where it slices a weight); what cannot is named, and the mixer runs on whole rows.
 `install_mixers` says which mixers took the last resort and why, so that the caller warns with the cost.
 """
 
@@ -16,7 +18,8 @@ from typing import Callable
 
 import torch
 
-from lightning_ulysses.mixers import gated_deltanet, kimi_delta, lightning_attention, mamba, mamba2, rg_lru, short_conv
+from lightning_ulysses.mixers import (gated_deltanet, kimi_delta, lightning_attention, lora, mamba, mamba2, rg_lru,
+                                     short_conv)
 from lightning_ulysses.mixers.arguments import PackedDocuments
 from lightning_ulysses.mixers.head_split import HeadSplitMixer, MixerSplit
 from lightning_ulysses.mixers.ranks import SequenceRanks
@@ -36,7 +39,7 @@ def split_of(module: torch.nn.Module, parts: int) -> MixerSplit | None:
 def runs_split(module: torch.nn.Module, parts: int) -> bool:
     """Whether `install_mixers` splits `module` over `parts` SP ranks (else: whole rows, or as it is at SP 1)."""
     split = split_of(module, parts)
-    return split is not None and split.units % parts == 0
+    return split is not None and split.units % parts == 0 and lora.why_not_split(module, split) is None
 
 
 def _outside_splits(mixers: list[tuple[str, torch.nn.Module]], parts: int) -> list[tuple[str, torch.nn.Module]]:
@@ -68,12 +71,15 @@ def install_mixers(mixers: list[tuple[str, torch.nn.Module]], group, ring_group=
     for path, module in _outside_splits(mixers, parts):
         split = split_of(module, parts)
         if runs_split(module, parts):
-            handles.append(HeadSplitMixer(module, path, split, ranks, decoding, documents).install(module))
+            handles.append(HeadSplitMixer(module, path, lora.through_adapters(module, split), ranks, decoding,
+                                          documents).install(module))
             continue
         if parts == 1:
             continue
         if split is None:
             why = f"no head split over {parts} ranks is declared for it"
+        elif (adapters := lora.why_not_split(module, split)) is not None:  # peft's layers on a linear it slices
+            why = adapters
         else:
             why = f"its {split.units} heads/channels do not divide by the SP size {parts}"
         whole_rows.append(f"{path} ({type(module).__name__}): {why}")

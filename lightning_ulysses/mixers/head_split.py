@@ -54,6 +54,7 @@ from lightning_ulysses.fences._deepspeed_private import Z3_LEAF_ATTRIBUTE, mark_
 from lightning_ulysses.mixers.arguments import CACHE_ARGUMENTS, PackedDocuments, shard_padding_mask, whole_row_argument
 from lightning_ulysses.mixers.channels import ChannelExchange, ChannelLayout, Replicated, Shared
 from lightning_ulysses.mixers.kernels import LinearTimeKernels
+from lightning_ulysses.mixers.lora import is_plain_lora
 from lightning_ulysses.mixers.ranks import SequenceRanks
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
@@ -175,18 +176,29 @@ class SumOfPartialProducts(_StandIn):
     """A linear whose input channels are per unit and whose output every unit reads, in a local view
     (`MixerSplit.replaced` with its weight's input channels sliced in `MixerSplit.parameters`): this rank's partial
     product, summed over the SP group in float32 (as one matmul over every channel accumulates; a few channels); its
-    bias added once, by the group's first rank."""
+    bias added once, by the group's first rank. A peft LoRA layer around the linear (mixers/lora.py: its base
+    weight's and `lora_A`'s input channels sliced) runs as it is, its base layer's bias on the first rank only."""
 
-    def __init__(self, linear: torch.nn.Linear, ranks: SequenceRanks):
+    def __init__(self, linear: torch.nn.Module, ranks: SequenceRanks):
         super().__init__()
+        first = ranks.rank == 0
+        self.ranks, self.adapted = ranks, None
+        if is_plain_lora(linear):
+            if not first:
+                base = _bare_copy(linear.base_layer)
+                base._parameters["bias"] = None
+                linear._modules["base_layer"] = base  # (`linear` is the view's own copy)
+            self.adapted = linear
+            return
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"SumOfPartialProducts stands in for a torch.nn.Linear, not {type(linear).__name__}")
         # (kept under other names than `weight` and `bias`: code that reads those would read a part as if it were all)
-        self.weight_part, self.ranks = linear.weight, ranks
-        self.bias_once = linear.bias if ranks.rank == 0 else None
+        self.weight_part = linear.weight
+        self.bias_once = linear.bias if first else None
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        partial = torch.nn.functional.linear(rows, self.weight_part, self.bias_once)
+        partial = (torch.nn.functional.linear(rows, self.weight_part, self.bias_once) if self.adapted is None
+                   else self.adapted(rows))
         return sum_over_ranks(partial.float(), self.ranks).to(partial.dtype)
 
 

@@ -17,6 +17,7 @@ import torch
 
 from lightning_ulysses.mixers.channels import ChannelLayout, Replicated
 from lightning_ulysses.mixers.head_split import MixerSplit
+from lightning_ulysses.mixers.lora import base_linear
 
 _LINEARS = ("q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "g_b_proj", "o_proj", "forget_gate.f_a_proj",
             "forget_gate.f_b_proj")
@@ -25,7 +26,7 @@ _LINEARS = ("q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "g_b_proj", "o_p
 def matches(module: torch.nn.Module) -> bool:
     def linear(path: str) -> bool:
         try:
-            return isinstance(module.get_submodule(path), torch.nn.Linear)
+            return base_linear(module.get_submodule(path)) is not None
         except AttributeError:
             return False
 
@@ -37,8 +38,8 @@ def matches(module: torch.nn.Module) -> bool:
 def split(module: torch.nn.Module, parts: int) -> MixerSplit:
     heads, width = module.num_heads, module.head_dim
     per_head = ChannelLayout(heads, (width,))
-    low_rank = ChannelLayout(heads, (Replicated(module.g_a_proj.out_features),))
-    forget_low_rank = ChannelLayout(heads, (Replicated(module.forget_gate.f_a_proj.out_features),))
+    low_rank = ChannelLayout(heads, (Replicated(base_linear(module.g_a_proj).out_features),))
+    forget_low_rank = ChannelLayout(heads, (Replicated(base_linear(module.forget_gate.f_a_proj).out_features),))
     convolution = ChannelLayout(heads, (width, width, width))
     parameters = {"conv1d.weight": (0, convolution), "g_b_proj.weight": (0, per_head),
                   "forget_gate.f_b_proj.weight": (0, per_head), "forget_gate.dt_bias": (0, per_head),

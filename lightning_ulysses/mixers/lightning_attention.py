@@ -13,13 +13,14 @@ import torch
 
 from lightning_ulysses.mixers.channels import ChannelLayout
 from lightning_ulysses.mixers.head_split import MixerSplit
+from lightning_ulysses.mixers.lora import base_linear
 from lightning_ulysses.mixers.mamba2 import norm_over_ranks
 
 
 def matches(module: torch.nn.Module) -> bool:
     linears = ("qkv_proj", "output_gate", "out_proj")
     norm = getattr(module, "norm", None)
-    return (all(isinstance(getattr(module, name, None), torch.nn.Linear) for name in linears)
+    return (all(base_linear(getattr(module, name, None)) is not None for name in linears)
             and all(hasattr(module, name) for name in ("num_attention_heads", "head_dim", "block_size", "slope_rate",
                                                        "query_decay", "key_decay", "diagonal_decay"))
             and type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon"))

@@ -22,15 +22,17 @@ import torch
 
 from lightning_ulysses.mixers.channels import ChannelLayout
 from lightning_ulysses.mixers.head_split import MixerSplit, SumOfPartialProducts
+from lightning_ulysses.mixers.lora import base_linear
 
 
 def matches(module: torch.nn.Module) -> bool:
     channels = getattr(module, "intermediate_size", None)
-    linears = [getattr(module, name, None) for name in ("in_proj", "x_proj", "dt_proj", "out_proj")]
-    return (isinstance(channels, int) and all(isinstance(linear, torch.nn.Linear) for linear in linears)
+    in_proj, x_proj, dt_proj, out_proj = (base_linear(getattr(module, name, None))
+                                          for name in ("in_proj", "x_proj", "dt_proj", "out_proj"))
+    return (isinstance(channels, int) and all(linear is not None for linear in (in_proj, x_proj, dt_proj, out_proj))
             and isinstance(getattr(module, "conv1d", None), torch.nn.Conv1d) and module.conv1d.groups == channels
-            and hasattr(module, "A_log") and hasattr(module, "D") and module.in_proj.out_features == 2 * channels
-            and module.x_proj.in_features == channels and module.dt_proj.out_features == channels)
+            and hasattr(module, "A_log") and hasattr(module, "D") and in_proj.out_features == 2 * channels
+            and x_proj.in_features == channels and dt_proj.out_features == channels)
 
 
 def split(module: torch.nn.Module, parts: int) -> MixerSplit:

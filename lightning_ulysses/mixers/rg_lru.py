@@ -15,13 +15,14 @@ import torch
 
 from lightning_ulysses.mixers.channels import ChannelLayout
 from lightning_ulysses.mixers.head_split import MixerSplit
+from lightning_ulysses.mixers.lora import base_linear
 
 _GATES = ("input_gate_weight", "input_gate_bias", "recurrent_gate_weight", "recurrent_gate_bias")
 
 
 def matches(module: torch.nn.Module) -> bool:
     lru = getattr(module, "rg_lru", None)
-    return (all(isinstance(getattr(module, name, None), torch.nn.Linear) for name in ("linear_x", "linear_y", "linear_out"))
+    return (all(base_linear(getattr(module, name, None)) is not None for name in ("linear_x", "linear_y", "linear_out"))
             and isinstance(getattr(module, "conv_1d", None), torch.nn.Conv1d) and lru is not None
             and all(hasattr(lru, name) for name in ("num_attention_heads", "block_width", "recurrent_param", *_GATES)))
 

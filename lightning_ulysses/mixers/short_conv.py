@@ -11,12 +11,13 @@ import torch
 
 from lightning_ulysses.mixers.channels import ChannelLayout
 from lightning_ulysses.mixers.head_split import MixerSplit
+from lightning_ulysses.mixers.lora import base_linear
 
 
 def matches(module: torch.nn.Module) -> bool:
     conv = getattr(module, "conv", None)
-    in_proj = getattr(module, "in_proj", None)
-    return (isinstance(conv, torch.nn.Conv1d) and isinstance(in_proj, torch.nn.Linear)
+    in_proj = base_linear(getattr(module, "in_proj", None))
+    return (isinstance(conv, torch.nn.Conv1d) and in_proj is not None
             and conv.groups == conv.in_channels == conv.out_channels and in_proj.out_features == 3 * conv.in_channels
             and hasattr(module, "out_proj"))
 

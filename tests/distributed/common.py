@@ -93,7 +93,9 @@ def build_model(kind: str, num_key_value_heads: int, reference: bool = False, pr
     if kind.startswith("family:"):  # a tiny model of a transformers family (tests/distributed/families.py)
         from tests.distributed.families import family_model
 
-        return family_model(kind.removeprefix("family:"))  # its own head counts (GQA 4:2 where it has GQA)
+        name, _, adapters = kind.removeprefix("family:").partition("+")
+        model = family_model(name)  # its own head counts (GQA 4:2 where it has GQA)
+        return tiny_lora(model, MIXER_LORA_TARGETS[name]) if adapters == "lora" else model
     if kind == "gpt":
         return tiny_gpt(num_key_value_heads)
     model = tiny_llama(num_key_value_heads, attn_implementation="eager" if reference else "sdpa")
@@ -204,13 +206,22 @@ def save_pretrained_once(kind: str, num_key_value_heads: int, folder: str, rank:
         time.sleep(0.1)
 
 
-def tiny_lora(model):
-    """A PEFT LoRA model: frozen base weights, adapters on attention and MLP projections (seeded, so every build
-    of it starts from the same adapter weights)."""
+# `family:<name>+lora` kinds: LoRA on every linear of the family's token mixers that are not attention. A mixer split
+# by heads (lightning_ulysses/mixers/) calls the peft layers of its exchanged projections through stand-ins, and
+# slices those whose weights it slices in their parts (mixers/lora.py): Mamba's dt_proj by its output channels and
+# x_proj by its input channels (a sum of partial products), Kimi's g_b_proj and f_b_proj by their output channels.
+MIXER_LORA_TARGETS = {"bamba": ["in_proj", "out_proj"], "jamba": ["in_proj", "x_proj", "dt_proj", "out_proj"],
+                      "kimi_linear": ["q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "g_b_proj", "f_a_proj",
+                                      "f_b_proj", "o_proj"]}
+
+
+def tiny_lora(model, target_modules=("q_proj", "v_proj", "down_proj")):
+    """A PEFT LoRA model: frozen base weights, adapters on `target_modules` (by default attention and MLP
+    projections; seeded, so every build of it starts from the same adapter weights)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(1)
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(target_modules))
     return get_peft_model(model, config)
 
 

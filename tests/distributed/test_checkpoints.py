@@ -196,6 +196,7 @@ def test_export_writes_a_state_dict_and_a_pretrained_model_with_identical_output
         assert torch.equal(exported(tokens).logits, expected(tokens).logits)
 
 
+HYBRID = "family:jamba"
 # A SIGTERM inside a gradient-accumulation window (world 2, SP 2, 6 batches of 2 per epoch, 2 batches per step).
 # Under SLURM (auto-requeue), its requeue signal SIGUSR1 reaching one rank inside a window. A SIGTERM that reaches
 # only one rank (rank 0, then rank 1) while it is inside a batch.
@@ -210,6 +211,13 @@ ACCUMULATION_CASES = [
      "root": "accumulate_sigusr1", "slurm": True},
     *[{"name": f"one_rank_{rank}", "sp": 2, "batch_size": 2, "steps": 4, "sigterm_in_batch": 1, "sigterm_ranks": [rank]}
       for rank in (0, 1)],
+    # A hybrid whose Mamba mixers are split by channels (mixers/mamba.py) and whose MoE layers hold experts: saved by
+    # ModelCheckpoint mid-epoch, resumed at SP 2 and at SP 1 × DP 2 (the same global batch).
+    {"name": "jamba", "model": HYBRID, "sp": 2, "batch_size": 2, "steps": STEPS, "save_every": SAVE_AT},
+    {"name": "jamba_resumed", "model": HYBRID, "sp": 2, "batch_size": 2, "steps": STEPS,
+     "resume": f"jamba/step={SAVE_AT}.ckpt"},
+    {"name": "jamba_to_sp1", "model": HYBRID, "sp": 1, "batch_size": 1, "steps": STEPS,
+     "resume": f"jamba/step={SAVE_AT}.ckpt"},
 ]
 # In the shared 2-rank launch (pool.py).
 SIGNAL_JOB = shared(2, "signals", WORKERS / "resume.py", {"cases": ACCUMULATION_CASES})
@@ -247,6 +255,25 @@ def test_slurm_requeue_signal_to_one_rank_saves_on_every_rank_at_the_step_bounda
     assert resumed[2] == full[2]
     for name, value in results[0]["accumulate"]["weights"].items():
         assert torch.equal(results[0]["accumulate_sigusr1_resumed"]["weights"][name], value)
+
+
+def test_a_hybrid_with_split_mixers_resumes_exactly(accumulation_runs):
+    # Its mixers' forward is routed through the split and they are ZeRO-3 leaves (mixers/head_split.py): neither may
+    # change what is saved or restored.
+    results = accumulation_runs
+    full, resumed = steps(results, "jamba"), steps(results, "jamba_resumed")
+    assert sorted(resumed) == list(range(SAVE_AT, STEPS))
+    for step in resumed:  # same samples, losses, RNG draws and epoch, bit for bit
+        assert resumed[step] == full[step], step
+    for name, value in results[0]["jamba"]["weights"].items():
+        assert torch.equal(results[0]["jamba_resumed"]["weights"][name], value), name
+    # at another split: the same samples, the same losses within float rounding and the weights within 1e-4
+    after = steps(results, "jamba_to_sp1")
+    assert sorted(after) == list(range(SAVE_AT, STEPS))
+    for step in after:
+        assert after[step]["samples"] == full[step]["samples"]
+        assert abs(sum(after[step]["losses"]) / 2 - sum(full[step]["losses"]) / 2) < 1e-5
+    assert max_relative_weight_error(results, "jamba_to_sp1", "jamba") < 1e-4
 
 
 @pytest.mark.parametrize("signalled_rank", [0, 1])

@@ -2,8 +2,9 @@
 
 One 4-rank launch:
 - the strategy (Trainer, SGD, 3 steps) on packed rows from the recipes' `PackedTokenRows`: HF Llama with 1 KV
-  head at SP 2 × DP 2 (ZeRO-2) and the native GPT at SP 4 (ZeRO-3); losses within 1e-5 and weights within 1e-4
-  of the update of a single-process fp32 reference that runs every document alone;
+  head at SP 2 × DP 2 (ZeRO-2) and the native GPT at SP 4 (ZeRO-3), and hybrids whose mixers are split by heads
+  (Nemotron-H's Mamba2 at SP 4 on ZeRO-3, Qwen3.5's Gated DeltaNet at SP 2 × DP 2 on ZeRO-2); losses within 1e-5
+  and weights within 1e-4 of the update of a single-process fp32 reference that runs every document alone;
 - at SP 2 (two groups inside the world) and SP 4: the attention core's output and q/k/v gradients (sdpa, MHA and
   GQA, packed rows with and without padding; flex_attention forward), and HF Llama (MHA, MQA) and native GPT
   loss, logits and gradients on a batch of two differently packed rows, within 1e-5.
@@ -28,6 +29,11 @@ STRATEGY_CASES = [
     # SP 1 keeps documents apart like SP N (Hugging Face's sdpa alone attends across them: its default
     # use_cache=True creates a cache in training, which turns its packed-row detection off).
     {"name": "llama-gqa-zero2-sp1-dp4", "model": "llama", "kv_heads": 2, "sp": 1, "stage": 2},
+    # Hybrids whose token mixers are split by heads run each packed document on its own (mixers/head_split.py): a
+    # Mamba2 family (the convolution and the scan restart) at SP 4 on ZeRO-3, a Gated-DeltaNet family at SP 2 × DP 2
+    # on ZeRO-2.
+    {"name": "nemotron_h-zero3-sp4", "model": "family:nemotron_h", "kv_heads": 2, "sp": 4, "stage": 3},
+    {"name": "qwen3_5_text-zero2-sp2-dp2", "model": "family:qwen3_5_text", "kv_heads": 2, "sp": 2, "stage": 2},
 ]
 STRATEGY_CASES = [dict(case, data="packed", steps=STEPS, batch_size=BATCH_SIZE, seq_len=SEQ_LEN, lr=LR)
                   for case in STRATEGY_CASES]
@@ -85,3 +91,5 @@ def test_strategy_trains_packed_rows_like_documents_alone(results, case):
     reference = reference_training(case["kv_heads"], SEQ_LEN, steps, lr=LR, kind=case["model"], dataset=dataset,
                                    replica_loss=_documents_alone_loss)
     assert_training_matches(ranks, reference)
+    if case["model"].startswith("family:"):  # its mixers ran split by heads (on whole rows packed rows are refused)
+        assert all(rank["token_mixers"] and set(rank["token_mixers"].values()) == {"split"} for rank in ranks)

@@ -139,6 +139,30 @@ def _matrix():
         _case(4, 2, 2, "gqa", suffix="-gpt_oss-labels_are_input_ids", model="family:gpt_oss",
               step="labels_are_input_ids"),
         _case(4, 2, 3, "gqa", suffix="-mistral-bf16-mixed", model="family:mistral", precision="bf16-mixed"),
+        # Hybrid families whose token mixers are split by heads (lightning_ulysses/mixers/), with `model(**batch)` and
+        # nothing more (their default cache made in training): every mixer kind under ZeRO-2 and under ZeRO-3 (Gated
+        # DeltaNet, KDA, Mamba2, Mamba1, short convolution, lightning attention), at SP 4 where the heads allow, at
+        # SP 2 × DP 2, accumulating and clipped (Mamba2), in bf16-mixed (short convolution), and LoRA on every linear
+        # of a Mamba2, a Mamba and a KDA mixer (`MIXER_LORA_TARGETS`: called through the split's stand-ins, or sliced
+        # in their parts). Packed rows: test_packing.py; a save and an exact resume: test_checkpoints.py.
+        *[_case(world, sp, stage, "gqa", suffix=f"-{family}{suffix}", model=f"family:{family}{model}",
+                split_mixers=True, **extra)
+          for world, sp, stage, family, suffix, model, extra in [
+              (2, 2, 3, "qwen3_5_text", "", "", {}),
+              (4, 4, 2, "olmo_hybrid", "", "", {}),
+              (4, 4, 3, "kimi_linear", "", "", {}),
+              (4, 2, 2, "bamba", "-accumulate2-clip", "", {
+                  "batch_size": 1, "trainer_kwargs": {"accumulate_grad_batches": 2, "gradient_clip_val": 1.2}}),
+              (4, 2, 3, "bamba", "-lora", "+lora", {}),
+              (2, 2, 3, "jamba", "-lora", "+lora", {}),
+              (2, 2, 2, "kimi_linear", "-lora", "+lora", {}),
+              (4, 4, 2, "mamba", "", "", {}),
+              (4, 2, 3, "mamba", "", "", {}),
+              (4, 4, 2, "lfm2", "", "", {}),
+              (4, 2, 3, "lfm2", "", "", {}),
+              (2, 2, 3, "lfm2", "-bf16-mixed", "", {"precision": "bf16-mixed"}),
+              (2, 2, 3, "minimax", "", "", {}),
+              (4, 4, 2, "minimax", "", "", {})]],
         # Pretrained weights (`save_pretrained`, then `from_pretrained`): loaded in configure_model under ZeRO-3
         # straight into the partitions (pretrained.py), untied, tied, partly frozen, and through the recipes'
         # PretrainedCausalLM with YaRN scaling; under ZeRO-2 and ZeRO-0 in configure_model (no zero.Init); and in
@@ -188,8 +212,8 @@ def _results_for(world_size: int, tmp_path_factory) -> list[dict]:
 
 
 CLAIMS = ("routing", "shards", "losses", "weights", "evaluation", "replicas", "tying", "export", "checkpoint_export",
-          "groups", "engines", "resume_refused", "refused")
-_APPLIES = {"refused": lambda case: case.get("refused"),"evaluation": lambda case: case.get("validate"), "export": lambda case: case.get("export"),
+          "groups", "engines", "resume_refused", "refused", "split_mixers")
+_APPLIES = {"refused": lambda case: case.get("refused"), "split_mixers": lambda case: case.get("split_mixers"),"evaluation": lambda case: case.get("validate"), "export": lambda case: case.get("export"),
             "resume_refused": lambda case: case.get("resume_inside_window"),
             "checkpoint_export": lambda case: case.get("checkpoint_export"),
             "tying": lambda case: case.get("model", "").startswith("pretrained")}
@@ -458,6 +482,13 @@ def _check_resume_refused(case: dict, ranks: list[dict], steps) -> None:
         assert "every_n_train_steps" in refusal, refusal
 
 
+def _check_split_mixers(case: dict, ranks: list[dict], steps) -> None:
+    """Every token mixer of the hybrid that is not attention trained split by heads on every rank (none fell back to
+    whole rows, whose work does not shrink with SP: exact too, so the other claims would not tell)."""
+    for rank in ranks:
+        assert rank["token_mixers"] and set(rank["token_mixers"].values()) == {"split"}, rank["token_mixers"]
+
+
 def _check_refused(case: dict, ranks: list[dict], steps) -> None:
     """A loss computed from this rank's shard alone is refused at the first backward, on every rank, naming the fix;
     no optimizer step ran (one forward, the weights as they were built)."""
@@ -470,7 +501,7 @@ def _check_refused(case: dict, ranks: list[dict], steps) -> None:
 _CHECKS = {"refused": _check_refused, "resume_refused": _check_resume_refused, "shards": _check_shards, "losses": _check_losses, "weights": _check_weights,
            "evaluation": _check_evaluation, "replicas": _check_replicas, "tying": _check_tying,
            "export": _check_export, "checkpoint_export": _check_checkpoint_export, "groups": _check_groups,
-           "engines": _check_engines}
+           "engines": _check_engines, "split_mixers": _check_split_mixers}
 
 
 def check_bf16_against_fp32(ranks: list[dict], reference: dict) -> None:

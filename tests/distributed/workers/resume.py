@@ -104,7 +104,7 @@ def run(case: dict, workdir: Path, world_size: int) -> dict:
 
 def train(case: dict, workdir: Path, world_size: int) -> dict:
     torch.manual_seed(0)
-    module = ResumableLM(num_key_value_heads=2, lr=0.2)
+    module = ResumableLM(num_key_value_heads=2, lr=0.2, kind=case.get("model", "llama"))
     initial = {name: p.detach().clone() for name, p in module.model.named_parameters()}
     callbacks = [CaptureWeights()]
     if case.get("save_every"):

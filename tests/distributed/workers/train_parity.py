@@ -31,6 +31,12 @@ class CaptureWeights(L.Callback):
             pl_module.final_weights = {name: p.detach().clone() for name, p in params.items()}
         # Which modules trained with a wrapped forward (the memory features), seen before teardown undoes them.
         pl_module.wrapped_modules = sorted({type(m).__name__ for m in pl_module.model.modules() if "forward" in m.__dict__})
+        # How each token mixer that is not attention trained: split by heads (its forward routed through the split,
+        # mixers/head_split.py) or not (on whole rows, by hooks)
+        from lightning_ulysses.hf import token_mixer_modules
+
+        pl_module.token_mixers = {path: "split" if "forward" in mixer.__dict__ else "whole rows"
+                                  for path, mixer in token_mixer_modules(pl_module.model)}
         # Decoder layers DeepSpeed gathers whole (ZeRO-3 leaves: it points their parameters at them)
         from lightning_ulysses.memory import _decoder_layers
 
@@ -264,6 +270,7 @@ def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None) 
         "weights": weights if dist.get_rank() == 0 else None,
         "weights_checksum": sum(w.double().abs().sum().item() for w in weights.values()),
         "wrapped_modules": module.wrapped_modules,
+        "token_mixers": module.token_mixers,
         "mlps_deferrable": module.mlps_deferrable,
         "leaf_layers": module.leaf_layers,
         "tied_embeddings": module.tied_embeddings,
