@@ -21,6 +21,7 @@ The table in docs/model-families.md is rendered from the outcome; the test fails
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -276,4 +277,11 @@ def test_the_table_is_up_to_date(outcome):
     if os.environ.get("LIGHTNING_ULYSSES_WRITE_FAMILIES"):
         TABLE.parent.mkdir(exist_ok=True)
         TABLE.write_text(text)
-    assert TABLE.exists() and TABLE.read_text() == text, "rewrite with LIGHTNING_ULYSSES_WRITE_FAMILIES=1"
+    # (the outcomes, not the transformers release that generated them: the same table must hold for every release
+    # the dependency allows, so a newer release that changes a row fails here, one that changes nothing does not)
+    assert TABLE.exists() and _without_version(TABLE.read_text()) == _without_version(text), \
+        "rewrite with LIGHTNING_ULYSSES_WRITE_FAMILIES=1"
+
+
+def _without_version(table: str) -> str:
+    return re.sub(r"\(transformers [0-9][^)]*\)", "(transformers)", table, count=1)
