@@ -16,6 +16,18 @@ from lightning_ulysses.training.loss import sequence_parallel_cross_entropy
 
 __version__ = "0.1.0"
 
+# The modules users import by their short names (the README's API table) live in the folders of their layers; each
+# is also importable by its short name, so code written against `lightning_ulysses.metrics` & co. keeps working.
+import sys as _sys  # noqa: E402
+
+from lightning_ulysses.integration import callbacks, inference  # noqa: E402
+from lightning_ulysses.planning import planner  # noqa: E402
+from lightning_ulysses.training import metrics, optim  # noqa: E402
+
+for _module in (callbacks, inference, planner, metrics, optim):
+    _sys.modules.setdefault(f"{__name__}.{_module.__name__.rpartition('.')[2]}", _module)
+del _module, _sys
+
 if UlyssesDeepSpeedStrategy.strategy_name not in StrategyRegistry:
     UlyssesDeepSpeedStrategy.register_strategies(StrategyRegistry)
 

@@ -298,3 +298,13 @@ def test_function_level_imports_are_found(tmp_path, monkeypatch):
     monkeypatch.setitem(MODULES, f"{PACKAGE}.lazy", module)
     found = [entry for entry in function_level_imports() if entry[0] == f"{PACKAGE}.lazy"]
     assert found == [(f"{PACKAGE}.lazy", 2, "from lightning_ulysses.training.loss import IGNORE_INDEX")]
+
+
+def test_the_modules_users_import_by_their_short_names_still_import():
+    # the README's API table names these by their short paths; their modules moved into the layers' folders
+    import importlib
+
+    for short, layered in (("metrics", "training.metrics"), ("optim", "training.optim"),
+                           ("inference", "integration.inference"), ("planner", "planning.planner"),
+                           ("callbacks", "integration.callbacks")):
+        assert importlib.import_module(f"{PACKAGE}.{short}") is importlib.import_module(f"{PACKAGE}.{layered}")
