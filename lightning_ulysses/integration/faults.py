@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -327,12 +327,12 @@ class RunFaults:
             self.watchdog.stop()
             self.watchdog = None
 
-    def on_exception(self, exception: BaseException, trainer: "pl.Trainer", environment: Any, is_global_zero: bool,
-                     groups_built: bool) -> None:
+    def on_exception(self, exception: BaseException, trainer: Callable[[], "pl.Trainer"], environment: Any,
+                     is_global_zero: bool, groups_built: bool) -> None:
         """A scheduler's signal, raised on every rank at the same step boundary (`SchedulerSignals.agree`): all ranks
         save together. Anything else: the other ranks leave at once, naming this one (`on_rank_exception`)."""
         if isinstance(exception, SIGTERMException) and groups_built:
-            self.signals.save_and_requeue(trainer, environment, is_global_zero)
+            self.signals.save_and_requeue(trainer(), environment, is_global_zero)
         else:
             on_rank_exception(self.watchdog, exception)
 

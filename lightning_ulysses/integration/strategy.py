@@ -410,7 +410,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._parallel.failed = True  # the groups are not released at this run's teardown (`ParallelRun.release`)
-        self._faults.on_exception(exception, self.lightning_module.trainer, self.cluster_environment,
+        # (the trainer read only where a signal is saved: an exception may come before the module is attached)
+        self._faults.on_exception(exception, lambda: self.lightning_module.trainer, self.cluster_environment,
                                   self.is_global_zero, groups_built=self._parallel.groups is not None)
         super().on_exception(exception)
 

@@ -16,7 +16,7 @@ CASES = {
     "heads_not_divisible": ({"ring_size": 1}, "ValueError", ["num_attention_heads(3) is not divisible by sequence_parallel_size(2)", "Use a sequence_parallel_size in [1, 3]", "Use a ring_size in [2]"]),
     "kv_heads_incompatible": ({"ring_size": 1}, "ValueError", ["num_key_value_heads(3) and sequence_parallel_size(2) must divide one another", "Use a ring_size in [2]"]),
     "opaque_attention_on_ring": ({"ring_size": 2}, "ValueError", ["UlyssesAttention(..., causal=True)", "ring_size=1"]),
-    "mixer_on_ring": ({"ring_size": 2}, "NotImplementedError", ["Lfm2ForCausalLM has token mixers that are not attention", "ring_size=1"]),
+    "mixer_on_ring": ({"ring_size": 2}, "NotImplementedError", ["RecurrentGemmaForCausalLM has token mixers that are not attention", "cannot split by their heads", "ring_size=1"]),
     "no_attention_to_wrap": ({}, "ValueError", ["no Hugging Face PreTrainedModel and no lightning_ulysses.UlyssesAttention", "UlyssesAttention(F.scaled_dot_product_attention)"]),
     "length_not_divisible": ({"stage": 2}, "ValueError", ["sequence length 15 is not divisible by sequence_parallel_size(2)", "pad_to_multiple_of=2", "sequence_padding='pad'"]),
     "tuple_batch": ({"stage": 1}, "TypeError", ["must be a dict with at least 'input_ids'", "got list"]),
