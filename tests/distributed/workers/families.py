@@ -186,6 +186,20 @@ def _outermost_mixer_kinds(pristine) -> dict:
     return kinds
 
 
+def _on_whole_rows(module, pristine, seed: int):
+    """A mixer's reference: hidden states and output weights drawn from `seed`, a copy of the layer run on the whole
+    rows in one process (its work counted): (hidden, weights, output, input gradient, work)."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(2, SEQ_LEN, pristine.config.get_text_config().hidden_size, generator=generator)
+    weights = torch.randn(2, SEQ_LEN, 1, generator=generator)
+    whole = hidden.clone().requires_grad_(True)
+    reference = copy.deepcopy(module)
+    with _Work(reference) as work:
+        expected = _first(reference(whole, **_call_kwargs(reference, whole)))
+        (expected * weights).sum().backward()
+    return hidden, weights, expected, whole.grad, work
+
+
 def mixer_errors(pristine, sp_groups: dict) -> dict:
     """{sp: {path: {...}}} for the first token mixer of each kind: one layer run on its shard as the strategy runs it
     (`install_mixers`: split by heads, or on whole rows) against the same layer on the whole rows in one process:
@@ -197,14 +211,7 @@ def mixer_errors(pristine, sp_groups: dict) -> dict:
         group, rank = groups.sequence_parallel_group, groups.sequence_parallel_rank
         results[sp] = {}
         for path, module in kinds.values():
-            generator = torch.Generator().manual_seed(11)
-            hidden = torch.randn(2, SEQ_LEN, pristine.config.get_text_config().hidden_size, generator=generator)
-            weights = torch.randn(2, SEQ_LEN, 1, generator=generator)
-            whole = hidden.clone().requires_grad_(True)
-            reference = copy.deepcopy(module)
-            with _Work(reference) as whole_work:
-                expected = _first(reference(whole, **_call_kwargs(reference, whole)))
-                (expected * weights[..., :1]).sum().backward()
+            hidden, weights, expected, whole_grad, whole_work = _on_whole_rows(module, pristine, seed=11)
             mine = copy.deepcopy(module)
             handles, whole_rows = install_mixers([(path, mine)], group)
             split = split_of(mine, sp)
@@ -219,7 +226,7 @@ def mixer_errors(pristine, sp_groups: dict) -> dict:
             results[sp][path] = {
                 "packed_refusal": packed,
                 "output_error": (output - expected[:, cut]).abs().max().item(),
-                "gradient_error": (shard.grad - whole.grad[:, cut]).abs().max().item(),
+                "gradient_error": (shard.grad - whole_grad[:, cut]).abs().max().item(),
                 "ran": "whole rows" if whole_rows else "split", "work": work.totals(), "whole_work": whole_work.totals(),
                 "projections": [] if whole_rows else [*split.inputs, split.output[0]],
             }
@@ -233,13 +240,7 @@ def mixer_ring_errors(pristine, groups) -> dict:
     kinds, results = _outermost_mixer_kinds(pristine), {}
     order, rank = ShardOrder.of_groups(groups.ulysses_group, groups.ring_group)
     for path, module in kinds.values():
-        generator = torch.Generator().manual_seed(13)
-        hidden = torch.randn(2, SEQ_LEN, pristine.config.get_text_config().hidden_size, generator=generator)
-        weights = torch.randn(2, SEQ_LEN, 1, generator=generator)
-        whole = hidden.clone().requires_grad_(True)
-        reference = copy.deepcopy(module)
-        expected = _first(reference(whole, **_call_kwargs(reference, whole)))
-        (expected * weights).sum().backward()
+        hidden, weights, expected, whole_grad, _ = _on_whole_rows(module, pristine, seed=13)
         mine = copy.deepcopy(module)
         handles, whole_rows = install_mixers([(path, mine)], groups.ulysses_group, groups.ring_group)
         positions = order.positions(SEQ_LEN, rank)
@@ -251,7 +252,7 @@ def mixer_ring_errors(pristine, groups) -> dict:
             for handle in handles:
                 handle.remove()
         results[path] = {"output_error": (output - expected[:, positions]).abs().max().item(),
-                         "gradient_error": (shard.grad - whole.grad[:, positions]).abs().max().item(),
+                         "gradient_error": (shard.grad - whole_grad[:, positions]).abs().max().item(),
                          "ran": "whole rows" if whole_rows else "split"}
     return results
 
