@@ -51,7 +51,9 @@ def run(args) -> tuple[list[float], dict]:
                or key in ("max_position_embeddings", "rope_theta")}
     module = Module(HuggingFaceCausalLM("llama", attn_implementation="sdpa", **options))
     if args.variant == "auto":
-        kwargs = {"memory": {"auto": True, "seq_len": args.seq}}
+        kwargs = {"memory": {"auto": True, "seq_len": args.seq},
+                  "sdpa_kernel_priority": "auto" if args.sdpa_kernel_priority == "auto"
+                  else args.sdpa_kernel_priority.split(",")}
     else:
         kwargs = {"memory": memory_options(args.features), "sdpa_kernel_priority": ["cudnn"],
                   "sub_group_size": args.sub_group_size}
@@ -78,6 +80,8 @@ def main() -> None:
     parser.add_argument("--features", default="none", help="hand: plan.memory_options syntax (ac,offload,mlp,...)")
     parser.add_argument("--offload-optimizer", type=float, default=0.0, help="hand: optimizer share on the host")
     parser.add_argument("--sub-group-size", type=int, default=10**9, help="hand: ZeRO-3 sub_group_size")
+    parser.add_argument("--sdpa-kernel-priority", default="auto",
+                        help="auto: the strategy's choice; else names, comma-separated (e.g. cudnn, or fa4,cudnn)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--offload-copies", choices=["overlapped", "compute-stream"], default="overlapped",

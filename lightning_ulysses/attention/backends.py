@@ -21,11 +21,13 @@ import contextlib
 import functools
 import importlib
 import importlib.util
+import types
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from lightning_ulysses.attention import fa4
 from lightning_ulysses.attention.documents import AttentionPattern, DocumentMask, allowed_mask, mask_mod
 
 BACKENDS = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -79,6 +81,8 @@ def local_attention(
 
 
 def _sdpa(query, key, value, documents, is_causal, scale, dropout_p, pattern=None):
+    if _fa4_first[0] and fa4_serves(query, dropout_p, pattern):
+        return _flash(query, key, value, _FA4_BACKEND, documents, is_causal, scale, dropout_p, pattern)
     # Left-padding queries get an empty row: SDPA (torch >= 2.5) returns zeros there, with finite gradients.
     if pattern is not None:  # a dense mask, as transformers' own sdpa mask for windows and chunks
         mask = allowed_mask(query.size(0), query.size(2), documents, is_causal, pattern, query.device)
@@ -106,14 +110,14 @@ def _flash(query, key, value, backend, documents, is_causal, scale, dropout_p, p
                 " bf16-true), or use the 'sdpa' backend."
             )
         query, key, value = (t.to(torch.get_autocast_dtype(query.device.type)) for t in (query, key, value))
-    kernels = importlib.import_module(_FLASH_MODULES[backend])
+    kernels = _FA4_KERNELS if backend == _FA4_BACKEND else importlib.import_module(_FLASH_MODULES[backend])
     options = {"softmax_scale": scale, "causal": is_causal}
     if pattern is not None and pattern.sliding_window is not None:
         # kv > q - window: the window_size (left, right) of the kernels, as transformers' flash path passes it
         options["window_size"] = (pattern.sliding_window - 1, pattern.sliding_window - 1)
     if dropout_p:
-        if backend == "flash_attention_3":
-            raise ValueError("flash_attention_3 has no attention dropout: set the model's attention dropout to 0.")
+        if backend != "flash_attention_2":
+            raise ValueError(f"{backend} has no attention dropout: set the model's attention dropout to 0.")
         options["dropout_p"] = dropout_p
     # The kernels take [batch, seq, heads, dim] (and handle GQA themselves).
     query, key, value = (t.transpose(1, 2) for t in (query, key, value))
@@ -126,7 +130,8 @@ def _flash(query, key, value, backend, documents, is_causal, scale, dropout_p, p
     flat = [t.reshape(batch * seq, *t.shape[2:]) for t in (query, key, value)]
     if kept is not None:
         flat = [t.index_select(0, kept) for t in flat]
-    output = kernels.flash_attn_varlen_func(*flat, cu_seqlens, cu_seqlens, longest, longest, **options)
+    output = kernels.flash_attn_varlen_func(*flat, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                            max_seqlen_q=longest, max_seqlen_k=longest, **options)
     output = output[0] if isinstance(output, tuple) else output
     if kept is not None:  # padding positions: zeros, as in transformers' flash path
         output = output.new_zeros(batch * seq, *output.shape[1:]).index_copy(0, kept, output)
@@ -161,6 +166,43 @@ def _flex(query, key, value, documents, is_causal, scale, dropout_p, pattern=Non
 # SDPA's kernels by the names `sdpa_kernel_priority` takes.
 SDPA_KERNELS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
                 "math": "MATH"}
+# Besides SDPA's own kernels, `sdpa_kernel_priority` takes "fa4": FlashAttention's CuTe kernels (the `flash-attn-4`
+# wheel's `flash_attn.cute`) for the calls they serve exactly (`fa4_serves`); every other call goes to SDPA in the
+# order of the other names. On one H200, causal GQA forward + backward at 128K: 515 TFLOP/s against cuDNN's 455
+# (benchmarks/results/2026-12-04-h200-attention-kernels/). Held for the duration of `sdpa_priority`, as SDPA's own
+# order is, so that a recompute in the backward takes the kernel its forward took.
+FA4 = "fa4"
+_FA4_BACKEND = "flash_attention_4"  # how `_flash` names it (not a backend users choose: SDPA's calls go to it)
+# FA4 through its one operator (attention/fa4.py), with the flash modules' two entry points
+_FA4_KERNELS = types.SimpleNamespace(
+    flash_attn_func=lambda q, k, v, softmax_scale, causal, window_size=None: fa4.attend(
+        q, k, v, None, 0, softmax_scale, causal, window_size),
+    flash_attn_varlen_func=lambda q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+    causal, window_size=None: fa4.attend(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, causal, window_size),
+)
+# Process-wide, as torch's own SDPA priority is, and for the same reason: autograd runs the backward (and with it a
+# checkpointed layer's recompute) in threads of its own, which a thread's or a context's setting would not reach.
+_fa4_first = [False]
+
+
+def fa4_installed() -> bool:
+    """Whether FlashAttention's CuTe kernels can be imported (`pip install flash-attn-4`)."""
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except ModuleNotFoundError:  # no `flash_attn` package at all
+        return False
+
+
+def fa4_serves(query: torch.Tensor, dropout_p: float, pattern: Optional[AttentionPattern]) -> bool:
+    """Whether the FA4 kernels compute this call exactly as SDPA would: a CUDA GPU, fp16/bf16 inputs (or under
+    autocast), no dropout, no chunked attention (sliding windows they take), a head dim they take (8-256, a multiple
+    of 8). Otherwise the call stays with SDPA."""
+    if not query.is_cuda or dropout_p or (pattern is not None and pattern.chunk_size is not None):
+        return False
+    if query.dtype not in (torch.float16, torch.bfloat16) and not torch.is_autocast_enabled(query.device.type):
+        return False
+    head_dim = query.size(-1)
+    return 8 <= head_dim <= 256 and head_dim % 8 == 0
 
 
 def check_sdpa_kernel_priority(names) -> Optional[tuple[str, ...]]:
@@ -168,10 +210,13 @@ def check_sdpa_kernel_priority(names) -> Optional[tuple[str, ...]]:
     if names is None:
         return None
     names = (names,) if isinstance(names, str) else tuple(names)
-    unknown = [name for name in names if name not in SDPA_KERNELS]
+    unknown = [name for name in names if name not in SDPA_KERNELS and name != FA4]
     if not names or unknown or len(set(names)) != len(names):
-        raise ValueError(f"sdpa_kernel_priority must list distinct SDPA kernels from {list(SDPA_KERNELS)} in order of"
-                         f" preference (or be None for torch's order), got {list(names)}.")
+        raise ValueError(f"sdpa_kernel_priority must list distinct SDPA kernels from {[FA4, *SDPA_KERNELS]} in order"
+                         f" of preference (or be None for torch's order), got {list(names)}.")
+    if FA4 in names and not fa4_installed():
+        raise ImportError("sdpa_kernel_priority names 'fa4', whose kernels are not installed: `pip install"
+                          " flash-attn-4`, or leave 'fa4' out.")
     return names
 
 
@@ -184,6 +229,9 @@ def sdpa_priority(names: Optional[tuple[str, ...]]):
     """
     if names is None:
         return contextlib.nullcontext()
+    if FA4 in names:  # FA4 before SDPA's kernels (wherever it is named: it is not one of SDPA's to order)
+        rest = tuple(name for name in names if name != FA4)
+        return _fa4_before(sdpa_priority(rest or None))
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     # The kernels not named follow, as far as they are enabled: a kernel switched off process-wide (e.g.
@@ -193,6 +241,16 @@ def sdpa_priority(names: Optional[tuple[str, ...]]):
     order = [*names, *(name for name in SDPA_KERNELS if name not in names and enabled[name]())]
     return _restoring_priority(sdpa_kernel([getattr(SDPBackend, SDPA_KERNELS[name]) for name in order],
                                            set_priority=True))
+
+
+@contextlib.contextmanager
+def _fa4_before(context):
+    previous, _fa4_first[0] = _fa4_first[0], True
+    try:
+        with context:
+            yield
+    finally:
+        _fa4_first[0] = previous
 
 
 @contextlib.contextmanager

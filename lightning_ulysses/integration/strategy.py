@@ -86,8 +86,9 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             (`memory_choice`) and confirmed by the first steps (`memory_confirmation`).
         start_method: `None`: Lightning's script launch; `"fork"`: forked ranks, for notebooks (`notebook.py`).
         heartbeat_timeout: seconds after which a silent rank makes the others exit (status 75) naming it; `None`: off.
-        sdpa_kernel_priority: SDPA kernels tried first, in order. `"auto"` (default): cuDNN first on Hopper GPUs;
-            `None`: torch's order.
+        sdpa_kernel_priority: SDPA kernels tried first, in order (`"fa4"`: FlashAttention-4's kernels where they
+            serve a call exactly). `"auto"` (default): on Hopper GPUs FA4 first where installed, then cuDNN; `None`:
+            torch's order.
         overlap_head_groups: head groups pipelined so that all-to-alls overlap attention; exact; 1 (default): none.
         check_batches: `"first"` (default), `"every"` or `"never"`: batches checked to be the same over the SP group.
         exchange: the all-to-alls' transport: `"nccl"` (default; gloo on CPU), `"copy_engine"` (peer copies into

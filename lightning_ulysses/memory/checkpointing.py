@@ -33,17 +33,20 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_ulysses.attention import fa4  # noqa: F401  (registers the operator recorded below)
 from lightning_ulysses.fences import _deepspeed_private as deepspeed_private
 from lightning_ulysses.memory.tiled_mlp import TiledMLP, deferred_recompute, tiled_mlps
 from lightning_ulysses.parallel.views import view_key
 
 # The fused attention kernels whose outputs `keep_attention_outputs` records (what F.scaled_dot_product_attention
-# dispatches to on CUDA and CPU). The math fallback decomposes into ordinary ops and simply runs again.
+# dispatches to on CUDA and CPU, and FlashAttention-4's operator: attention/fa4.py). The math fallback decomposes
+# into ordinary ops and simply runs again.
 _ATTENTION_KERNELS = frozenset(
-    getattr(torch.ops.aten, name).default
-    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
-                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
-    if hasattr(torch.ops.aten, name)
+    [getattr(torch.ops.aten, name).default
+     for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
+                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
+     if hasattr(torch.ops.aten, name)]
+    + [torch.ops.lightning_ulysses.fa4_attention.default]
 )
 
 

@@ -38,6 +38,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from lightning_ulysses.attention.backends import FA4, fa4_installed
 from lightning_ulysses.adapters.native_model import NativeCausalLM
 from lightning_ulysses.memory import MemoryOptions, fused_elementwise_applies
 from lightning_ulysses.parallel.run_spec import LIGHTNING_SUB_GROUP_SIZE, RunSpec
@@ -183,15 +184,23 @@ def _available_host_bytes() -> float:
     return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
+# What `sdpa_kernel_priority="auto"` may pick, from the least to the most demanding: every rank takes the least any
+# rank can run (`decide` agrees on it with one all-reduce).
+_AUTO_PRIORITIES: tuple[Optional[tuple[str, ...]], ...] = (None, ("cudnn",), (FA4, "cudnn"))
+
+
 def auto_sdpa_kernel(device) -> Optional[tuple[str, ...]]:
-    """`sdpa_kernel_priority="auto"`: cuDNN first on Hopper (measured on the H200: causal GQA forward + backward at
-    461-469 TFLOP/s against flash's 278-280, `benchmarks/results/2026-11-29-h200-long-sequence/`), torch's own order
-    on other GPUs (not measured) and on CPU (where the priority is ignored)."""
+    """`sdpa_kernel_priority="auto"`: on Hopper, FlashAttention-4's CuTe kernels first where installed, then cuDNN
+    (measured on the H200, causal GQA forward + backward at 128K: FA4 515 TFLOP/s, cuDNN 455, flash 276:
+    `benchmarks/results/2026-12-04-h200-attention-kernels/`); torch's own order on other GPUs (not measured) and on
+    CPU (where the priority is ignored)."""
     import torch
 
     if getattr(device, "type", "cpu") != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
         return None
-    return ("cudnn",) if torch.cuda.get_device_capability(device)[0] == 9 else None
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return None
+    return (FA4, "cudnn") if fa4_installed() else ("cudnn",)
 
 
 def _configured_offload(run: RunSpec) -> Optional[tuple[float, int]]:
@@ -269,8 +278,9 @@ class AutoChoice:
             shown = f"{value:.0%}" if name == "offload_optimizer" else str(value)
             lines.append(f"  {name:<26}{shown:<8}{reason}")
         lines.append(f"  {'sdpa kernel':<26}{self.kernel or 'torch':<8}"
-                     + ("cuDNN first (Hopper, measured fastest)" if self.kernel == "cudnn"
-                        else "torch's own order"))
+                     + {"cudnn": "cuDNN first (Hopper, measured fastest)",
+                        FA4: "FlashAttention-4 first, then cuDNN (Hopper, measured fastest)"}.get(
+                         self.kernel, "torch's own order"))
         tokens = s.seq_len * s.micro_batch
         lines.append(f"  predicted: device peak {best.plan.gpu_total / GIB:.2f} GiB, host peak"
                      f" {best.plan.host_total / GIB:.2f} GiB, step {best.time.total:.3f} s"
@@ -604,12 +614,12 @@ def decide(request: Union[MemoryOptions, AutoMemory], run: RunSpec, models: Sequ
     memory_auto, kernel_auto = isinstance(request, AutoMemory), kernel_priority == "auto"
     device = run.device
     device_free, host_free = request.free_bytes(device, local_ranks) if memory_auto else (0, 0)
-    cudnn = float(kernel_auto and auto_sdpa_kernel(device) == ("cudnn",))
-    agreed = torch.tensor([device_free, host_free, cudnn], dtype=torch.float64, device=device)
+    level = float(_AUTO_PRIORITIES.index(auto_sdpa_kernel(device)) if kernel_auto else 0)
+    agreed = torch.tensor([device_free, host_free, level], dtype=torch.float64, device=device)
     if reduce:
         torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
-    device_free, host_free, cudnn = agreed.tolist()
-    priority = (("cudnn",) if cudnn else None) if kernel_auto else kernel_priority
+    device_free, host_free, level = agreed.tolist()
+    priority = _AUTO_PRIORITIES[int(level)] if kernel_auto else kernel_priority
     if not memory_auto:
         return priority, None
     # inductor needs Triton for GPU code; the model must have parts `fused_elementwise` recognises

@@ -73,8 +73,9 @@ class DeviceSpeeds:
 H200 = DeviceSpeeds(
     name="NVIDIA H200",
     matmul_flops=720e12,
-    attention_forward_flops={"cudnn": 620e12, "flash": 339e12, "efficient": 177e12, "math": 44e12},
-    attention_backward_flops={"cudnn": 413e12, "flash": 256e12, "efficient": 108e12, "math": 27e12},
+    # "fa4": FlashAttention-4's CuTe kernels at 128K (`benchmarks/results/2026-12-04-h200-attention-kernels/`)
+    attention_forward_flops={"fa4": 644e12, "cudnn": 620e12, "flash": 339e12, "efficient": 177e12, "math": 44e12},
+    attention_backward_flops={"fa4": 468e12, "cudnn": 413e12, "flash": 256e12, "efficient": 108e12, "math": 27e12},
     host_link_bytes=100e9,
     gpu_adam_elements=60e9,
     cpu_adam_elements=1.2e9,
