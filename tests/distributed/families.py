@@ -64,6 +64,20 @@ FAMILIES = {
 }
 
 
+# Hybrids whose mixers' units do not divide by SP 2 or 4 (`family_model("<family>@uneven")`): each rank then takes
+# ⌈U/SP⌉ or ⌊U/SP⌋ of them (lightning_ulysses/mixers/channels.py). Gated DeltaNet with 6 value heads reading 3 key
+# heads (SP 4: 2, 2, 1, 1 value heads, ranks 2 and 3 reading one key head; SP 2: 3 and 3, each rank's reading two
+# key heads unequally, so one key-head copy per value head), Qwen3.5's with 3 and 3; Mamba2 with 6 heads in 3 groups
+# of B and C (the same cuts) and its norm's groups across ranks; LFM2's short convolution over 30 channels (8, 8, 7,
+# 7; 15, 15); Mamba over 96 channels at... (see UNEVEN).
+UNEVEN = {
+    "qwen3_next": {"linear_num_key_heads": 3, "linear_num_value_heads": 6},
+    "qwen3_5_text": {"linear_num_key_heads": 3, "linear_num_value_heads": 3},
+    "mamba2": {"num_heads": 6, "n_groups": 3, "head_dim": 16, "expand": 3},
+    "lfm2": {"layer_types": ["conv", "full_attention"], "hidden_size": 30, "head_dim": 8},
+}
+
+
 def tiny_config(model_type: str, **overrides):
     default = AutoConfig.for_model(model_type)
     settings = {key: value for key, value in _SMALL.items()  # derived read-only settings (properties) stay derived
@@ -89,9 +103,12 @@ def tiny_model(model_type: str, attn_implementation: str = "sdpa", seed: int = 0
 
 
 def family_model(name: str):
-    """The tiny model of family `name` with the matrix's settings (`FAMILIES`), in sdpa, or in eager where
-    transformers allows only that (GPT-OSS, Gemma 2, ...)."""
+    """The tiny model of family `name` with the matrix's settings (`FAMILIES`; `<family>@uneven`: with `UNEVEN`'s),
+    in sdpa, or in eager where transformers allows only that (GPT-OSS, Gemma 2, ...)."""
+    name, _, variant = name.partition("@")
     overrides = {key: value for key, value in FAMILIES.get(name, {}).items() if key not in ("eval", "float64")}
+    if variant:
+        overrides.update({"uneven": UNEVEN}[variant][name])
     try:
         return tiny_model(name, "sdpa", **overrides)
     except ValueError as error:
