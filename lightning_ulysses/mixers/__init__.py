@@ -57,6 +57,19 @@ def left_on_whole_rows(mixers: list[tuple[str, torch.nn.Module]], parts: int) ->
     return [(path, module) for path, module in _outside_splits(mixers, parts) if not runs_split(module, parts)]
 
 
+def why_on_whole_rows(module: torch.nn.Module, parts: int) -> str | None:
+    """Why `module` runs on whole rows over `parts` SP ranks (what the warning says); None when it runs split."""
+    if runs_split(module, parts):
+        return None
+    split = split_of(module, parts)
+    if split is None:
+        return f"no head split over {parts} ranks is declared for it"
+    if (adapters := lora.why_not_split(module, split)) is not None:  # peft's layers on a linear it slices
+        return adapters
+    return (f"its {split.units} heads/channels are fewer than the {parts} SP ranks (a rank would hold none of them;"
+            " each unit's recurrence runs whole on one rank)")
+
+
 def install_mixers(mixers: list[tuple[str, torch.nn.Module]], group, ring_group=None,
                    decoding: Callable[[], bool] = lambda: False, transport=None,
                    positions: Callable[[], torch.Tensor | None] = lambda: None) -> tuple[list, list[str]]:
@@ -72,20 +85,13 @@ def install_mixers(mixers: list[tuple[str, torch.nn.Module]], group, ring_group=
     documents = PackedDocuments(positions, ranks.gather)
     handles, whole_rows = [], []
     for path, module in _outside_splits(mixers, parts):
-        split = split_of(module, parts, ranks.rank)
         if runs_split(module, parts):
+            split = split_of(module, parts, ranks.rank)
             handles.append(HeadSplitMixer(module, path, lora.through_adapters(module, split), ranks, decoding,
                                           documents).install(module))
             continue
         if parts == 1:
             continue
-        if split is None:
-            why = f"no head split over {parts} ranks is declared for it"
-        elif (adapters := lora.why_not_split(module, split)) is not None:  # peft's layers on a linear it slices
-            why = adapters
-        else:
-            why = (f"its {split.units} heads/channels are fewer than the {parts} SP ranks (a rank would hold none:"
-                   " a unit's recurrence runs on one rank)")
-        whole_rows.append(f"{path} ({type(module).__name__}): {why}")
+        whole_rows.append(f"{path} ({type(module).__name__}): {why_on_whole_rows(module, parts)}")
         handles += WholeRowsMixer(module, path, group, ring_group, decoding, documents).attach(module)
     return handles, whole_rows

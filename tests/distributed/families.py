@@ -65,16 +65,16 @@ FAMILIES = {
 
 
 # Hybrids whose mixers' units do not divide by SP 2 or 4 (`family_model("<family>@uneven")`): each rank then takes
-# ⌈U/SP⌉ or ⌊U/SP⌋ of them (lightning_ulysses/mixers/channels.py). Gated DeltaNet with 6 value heads reading 3 key
-# heads (SP 4: 2, 2, 1, 1 value heads, ranks 2 and 3 reading one key head; SP 2: 3 and 3, each rank's reading two
-# key heads unequally, so one key-head copy per value head), Qwen3.5's with 3 and 3; Mamba2 with 6 heads in 3 groups
-# of B and C (the same cuts) and its norm's groups across ranks; LFM2's short convolution over 30 channels (8, 8, 7,
-# 7; 15, 15); Mamba over 96 channels at... (see UNEVEN).
+# ⌈U/SP⌉ or ⌊U/SP⌋ of them (lightning_ulysses/mixers/channels.py). Gated DeltaNet with 9 value heads reading 3 key
+# heads, and Mamba2 with 9 heads reading 3 groups of B and C: at SP 2 (5 and 4 heads) each rank's heads read two
+# groups unequally (one copy of its group per head), at SP 4 (3, 2, 2, 2) rank 2's read one head of each of two
+# groups, and the norm's groups span ranks; Qwen3.5's 3 value and 3 key heads split at SP 2 (2 and 1) and are fewer
+# than 4 ranks (whole rows); LFM2's short convolution over 31 channels (16, 15; 8, 8, 8, 7).
 UNEVEN = {
-    "qwen3_next": {"linear_num_key_heads": 3, "linear_num_value_heads": 6},
+    "qwen3_next": {"linear_num_key_heads": 3, "linear_num_value_heads": 9},
     "qwen3_5_text": {"linear_num_key_heads": 3, "linear_num_value_heads": 3},
-    "mamba2": {"num_heads": 6, "n_groups": 3, "head_dim": 16, "expand": 3},
-    "lfm2": {"layer_types": ["conv", "full_attention"], "hidden_size": 30, "head_dim": 8},
+    "mamba2": {"num_heads": 9, "n_groups": 3, "head_dim": 8, "hidden_size": 36, "expand": 2},
+    "lfm2": {"layer_types": ["conv", "full_attention"], "hidden_size": 31, "head_dim": 8},
 }
 
 

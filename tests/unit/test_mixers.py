@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_ulysses.hf import token_mixer_modules
-from lightning_ulysses.mixers import install_mixers, mamba2
+from lightning_ulysses.mixers import install_mixers, left_on_whole_rows, mamba2, split_of, why_on_whole_rows
 from tests.distributed.families import family_model, tiny_model
 
 MAMBA2_FAMILIES = ("mamba2", "bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2")
@@ -149,3 +149,36 @@ def test_a_split_mamba_mixer_never_takes_the_fused_kernel_path(family, monkeypat
             handle.remove()
     assert len(calls) == int(fused_path), family  # the split view does not take it
     torch.testing.assert_close(output, unfused)
+
+
+def test_only_a_mixer_with_fewer_units_than_ranks_runs_on_whole_rows_and_says_why():
+    # Qwen3.5's Gated DeltaNet with 3 value heads (3 key heads): split unevenly over 2 ranks (2 and 1 heads), on
+    # whole rows over 4 (a rank would hold no head), with the reason in the warning; over 3 ranks, one head each.
+    model = family_model("qwen3_5_text@uneven")
+    mixers = token_mixer_modules(model)
+    assert left_on_whole_rows(mixers, 2) == left_on_whole_rows(mixers, 3) == []
+    assert [path for path, _ in left_on_whole_rows(mixers, 4)] == [path for path, _ in mixers]
+    assert why_on_whole_rows(mixers[0][1], 2) is None
+    assert "its 3 heads/channels are fewer than the 4 SP ranks" in why_on_whole_rows(mixers[0][1], 4)
+    split = [split_of(mixers[0][1], 2, rank) for rank in range(2)]
+    assert [s.attributes["num_v_heads"] for s in split] == [2, 1]
+    assert [s.attributes["num_k_heads"] for s in split] == [2, 1]
+
+
+def test_gated_deltanet_value_heads_split_unevenly_with_the_key_heads_they_read():
+    # Qwen3-Next's in_proj_qkvz is grouped by key head: [query | key | its value heads' values | their gates]. With
+    # 9 value heads over 3 key heads (3 each) at SP 4 (3, 2, 2, 2 value heads), rank 2's value heads 5 and 6 read key
+    # heads 1 and 2, one each: its view holds 2 key heads of one value head each.
+    mixer = token_mixer_modules(family_model("qwen3_next@uneven"))[0][1]
+    split = split_of(mixer, 4, 2)
+    assert (split.attributes["num_k_heads"], split.attributes["num_v_heads"]) == (2, 2)
+    key, value = mixer.head_k_dim, mixer.head_v_dim
+    block = 2 * key + 3 * 2 * value  # one key head's block of in_proj_qkvz
+    channels = split.inputs["in_proj_qkvz"].local_channels(2, 4)
+    expected = []
+    for key_head, within in ((1, 2), (2, 0)):  # value head 5 is key head 1's third, 6 is key head 2's first
+        start = key_head * block
+        expected += [*range(start, start + 2 * key),  # its query and key
+                     *range(start + 2 * key + within * value, start + 2 * key + (within + 1) * value),  # the value
+                     *range(start + 2 * key + (3 + within) * value, start + 2 * key + (4 + within) * value)]  # gate
+    assert channels.tolist() == expected

@@ -27,6 +27,7 @@ from lightning_ulysses.adapters import position_rule_of
 from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.hf import token_mixer_modules, validate_hf_model
 from lightning_ulysses.mixers import install_mixers, left_on_whole_rows, split_of
+from lightning_ulysses.mixers.channels import unit_range
 from lightning_ulysses.parallel.layout import ParallelLayout, SequenceParallelGroups, ShardOrder
 from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss
 from tests.distributed.common import relative_gradient_error
@@ -58,8 +59,9 @@ def family_batches() -> dict[str, dict]:
 
 
 def build(family: dict):
-    """(model, attention implementation) or the reason it cannot be built small here."""
-    name, overrides = family["family"], family.get("overrides", {})
+    """(model, attention implementation) or the reason it cannot be built small here (`<family>@<variant>`: the
+    family's model with the variant's overrides, which the spec carries)."""
+    name, overrides = family["family"].partition("@")[0], family.get("overrides", {})
     if family.get("float64"):
         return tiny_model(name, "sdpa", **overrides).double(), "sdpa"
     try:
@@ -214,7 +216,7 @@ def mixer_errors(pristine, sp_groups: dict) -> dict:
             hidden, weights, expected, whole_grad, whole_work = _on_whole_rows(module, pristine, seed=11)
             mine = copy.deepcopy(module)
             handles, whole_rows = install_mixers([(path, mine)], group)
-            split = split_of(mine, sp)
+            split = split_of(mine, sp, rank)
             cut = slice(rank * SEQ_LEN // sp, (rank + 1) * SEQ_LEN // sp)
             shard = hidden[:, cut].clone().requires_grad_(True)
             with _Work(mine) as work:
@@ -229,6 +231,8 @@ def mixer_errors(pristine, sp_groups: dict) -> dict:
                 "gradient_error": (shard.grad - whole_grad[:, cut]).abs().max().item(),
                 "ran": "whole rows" if whole_rows else "split", "work": work.totals(), "whole_work": whole_work.totals(),
                 "projections": [] if whole_rows else [*split.inputs, split.output[0]],
+                "units": split.units if split else None,
+                "local_units": len(unit_range(split.units, sp, rank)) if split else None,
             }
     return results
 
