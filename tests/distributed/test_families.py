@@ -309,8 +309,9 @@ def render(ranks: list[dict]) -> str:
         " the tiny recipe could not build it here.",
         "",
         "*Token mixers* (linear attention, state-space layers, short convolutions): *split by heads*: each rank runs"
-        " its share of the heads (or channels) on whole rows, 1/SP of the layer's work; *whole rows*: every rank runs"
-        " the whole layer (exact, but its work does not shrink with SP).",
+        " its share of the heads (or channels) on whole rows, 1/SP of the layer's work (⌈U/SP⌉ or ⌊U/SP⌋ of its U"
+        " heads where SP does not divide them); *whole rows*: every rank runs the whole layer (exact, but its work"
+        " does not shrink with SP).",
         "",
         "| family | SP 2 | SP 4 | token mixers | why |",
         "| --- | --- | --- | --- | --- |",
