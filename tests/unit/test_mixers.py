@@ -154,7 +154,7 @@ def test_a_split_mamba_mixer_never_takes_the_fused_kernel_path(family, monkeypat
 def test_only_a_mixer_with_fewer_units_than_ranks_runs_on_whole_rows_and_says_why():
     # Qwen3.5's Gated DeltaNet with 3 value heads (3 key heads): split unevenly over 2 ranks (2 and 1 heads), on
     # whole rows over 4 (a rank would hold no head), with the reason in the warning; over 3 ranks, one head each.
-    model = family_model("qwen3_5_text@uneven")
+    model = tiny_model("qwen3_5_text", linear_num_key_heads=3, linear_num_value_heads=3)
     mixers = token_mixer_modules(model)
     assert left_on_whole_rows(mixers, 2) == left_on_whole_rows(mixers, 3) == []
     assert [path for path, _ in left_on_whole_rows(mixers, 4)] == [path for path, _ in mixers]
