@@ -44,6 +44,7 @@ def _spec() -> dict:
                      for name, overrides in ((name, dict(o)) for name, o in FAMILIES.items())]
         + [{"family": f"{name}@uneven", "overrides": {**FAMILIES[name], **UNEVEN[name]}, "mixers": True,
             "layers_only": name not in UNEVEN_MATRIX} for name in UNEVEN],
+        "transport_mixers": list(TRANSPORT_MIXERS),
         "training_cases": [
             {"name": f"{family}_zero{stage}", "model": f"family:{family}", "kv_heads": 2, "sp": 2, "stage": stage,
              "steps": 3, "batch_size": 2, "seq_len": 12}
@@ -85,6 +86,10 @@ SPLIT_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid
 # DeltaNet grouped by key head (Qwen3-Next's in_proj_qkvz), Mamba2 with groups of B and C, a short convolution; the
 # other declared families' mixers (and the other Gated DeltaNet and Mamba2 layouts) layer by layer and on a ring.
 UNEVEN_MATRIX = ("qwen3_next", "mamba2", "lfm2")
+
+# Split mixers also exchanged through the copy engine's transport (emulated on gloo) at SP 4: evenly (every piece
+# equal: the transport moves them) and unevenly (unequal pieces: the collective, which takes per-rank sizes).
+TRANSPORT_MIXERS = {"lfm2": True, "qwen3_next@uneven": False}  # name: whether the transport moves its pieces
 
 # Families whose token mixers that are not attention are also checked layer by layer (`mixer_errors`): one layer of
 # each kind on its shard against the same layer on the whole rows, output and input gradient.
@@ -237,6 +242,15 @@ def test_an_uneven_split_gives_each_rank_only_its_units_work(outcome, family):
             assert max(flops) > min(flops), (name, sp, flops)  # ⌊U/SP⌋-unit ranks do less than ⌈U/SP⌉-unit ones
             saved = sum(layer["work"]["saved_bytes"] for layer in layers)
             assert saved <= 1.4 * whole["saved_bytes"], (name, sp, saved, whole["saved_bytes"])
+
+
+def test_a_split_mixer_takes_the_copy_engine_for_equal_pieces_and_the_collective_for_unequal_ones(outcome):
+    for name, moved in TRANSPORT_MIXERS.items():
+        for path in outcome[0]["mixer_transports"][name]:
+            layers = [rank["mixer_transports"][name][path] for rank in outcome]
+            assert max(max(layer["output_error"], layer["gradient_error"]) for layer in layers) < 1e-5, (name, path)
+            # (forward and backward: both exchanges of each projection, or none)
+            assert all((layer["transport_launches"] > 0) == moved for layer in layers), (name, path, layers)
 
 
 def classify(ranks: list[dict], family: str, sp: int) -> tuple[str, str]:

@@ -261,6 +261,39 @@ def mixer_ring_errors(pristine, groups) -> dict:
     return results
 
 
+def mixer_transport_errors(pristine, groups) -> dict:
+    """{path: {...}} for the first token mixer of each kind split over `groups` with the copy-engine exchange
+    (emulated on gloo: `EmulatedCopyTransport`) against the same layer on the whole rows: output and input-gradient
+    errors, and how many exchanges the transport moved (equal pieces only; unequal ones take the collective)."""
+    from lightning_ulysses.attention.copy_engine import EmulatedCopyTransport
+
+    class Counted(EmulatedCopyTransport):
+        launches = 0
+
+        def launch(self, *args, **kwargs):
+            Counted.launches += 1
+            return super().launch(*args, **kwargs)
+
+    kinds, results = _outermost_mixer_kinds(pristine), {}
+    sp, rank = groups.sequence_parallel_world_size, groups.sequence_parallel_rank
+    cut = slice(rank * SEQ_LEN // sp, (rank + 1) * SEQ_LEN // sp)
+    for path, module in kinds.values():
+        hidden, weights, expected, whole_grad, _ = _on_whole_rows(module, pristine, seed=17)
+        mine, Counted.launches = copy.deepcopy(module), 0
+        handles, _ = install_mixers([(path, mine)], groups.sequence_parallel_group, transport=Counted())
+        shard = hidden[:, cut].clone().requires_grad_(True)
+        try:
+            output = _first(mine(shard, **_call_kwargs(mine, shard, cut)))
+            (output * weights[:, cut]).sum().backward()
+        finally:
+            for handle in handles:
+                handle.remove()
+        results[path] = {"output_error": (output - expected[:, cut]).abs().max().item(),
+                         "gradient_error": (shard.grad - whole_grad[:, cut]).abs().max().item(),
+                         "transport_launches": Counted.launches}
+    return results
+
+
 def _packed_refusal(module, path: str, group, cut: slice, shard: torch.Tensor) -> str:
     """What a mixer left on whole rows says when the model's positions hold packed documents ("" if nothing)."""
     mine = copy.deepcopy(module)
@@ -379,6 +412,9 @@ def run(spec: dict, workdir: Path) -> None:
             if ring_groups is not None:
                 output.setdefault("mixer_rings", {})[family["family"]] = mixer_ring_errors(build(family)[0],
                                                                                            ring_groups)
+            if family["family"] in spec.get("transport_mixers", ()):
+                output.setdefault("mixer_transports", {})[family["family"]] = mixer_transport_errors(
+                    build(family)[0], sp_groups[max(sp_groups)])
         output["seconds"][family["family"]] = time.monotonic() - start
         if dist.get_rank() == 0:  # progress in the launch's log
             print(f"{family['family']}: {output['families'].get(family['family'], 'layers')}"
