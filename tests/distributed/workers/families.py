@@ -247,18 +247,26 @@ def mixer_ring_errors(pristine, groups) -> dict:
         hidden, weights, expected, whole_grad, _ = _on_whole_rows(module, pristine, seed=13)
         mine = copy.deepcopy(module)
         handles, whole_rows = install_mixers([(path, mine)], groups.ulysses_group, groups.ring_group)
-        positions = order.positions(SEQ_LEN, rank)
-        shard = hidden[:, positions].clone().requires_grad_(True)
-        try:
-            output = _first(mine(shard, **_call_kwargs(mine, shard, positions)))
-            (output * weights[:, positions]).sum().backward()
-        finally:
-            for handle in handles:
-                handle.remove()
-        results[path] = {"output_error": (output - expected[:, positions]).abs().max().item(),
-                         "gradient_error": (shard.grad - whole_grad[:, positions]).abs().max().item(),
+        reference = (hidden, weights, expected, whole_grad)
+        results[path] = {**_installed_errors(mine, handles, reference, order.positions(SEQ_LEN, rank)),
                          "ran": "whole rows" if whole_rows else "split"}
     return results
+
+
+def _installed_errors(mine, handles, reference: tuple, tokens) -> dict:
+    """Output and input-gradient errors of `mine` (its mixers installed: `handles`, removed after) run on the
+    `tokens` of the rows (a slice, or positions), against `reference` = `_on_whole_rows`' (hidden, weights, output,
+    input gradient)."""
+    hidden, weights, expected, whole_grad = reference
+    shard = hidden[:, tokens].clone().requires_grad_(True)
+    try:
+        output = _first(mine(shard, **_call_kwargs(mine, shard, tokens)))
+        (output * weights[:, tokens]).sum().backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {"output_error": (output - expected[:, tokens]).abs().max().item(),
+            "gradient_error": (shard.grad - whole_grad[:, tokens]).abs().max().item()}
 
 
 def mixer_transport_errors(pristine, groups) -> dict:
@@ -281,16 +289,8 @@ def mixer_transport_errors(pristine, groups) -> dict:
         hidden, weights, expected, whole_grad, _ = _on_whole_rows(module, pristine, seed=17)
         mine, Counted.launches = copy.deepcopy(module), 0
         handles, _ = install_mixers([(path, mine)], groups.sequence_parallel_group, transport=Counted())
-        shard = hidden[:, cut].clone().requires_grad_(True)
-        try:
-            output = _first(mine(shard, **_call_kwargs(mine, shard, cut)))
-            (output * weights[:, cut]).sum().backward()
-        finally:
-            for handle in handles:
-                handle.remove()
-        results[path] = {"output_error": (output - expected[:, cut]).abs().max().item(),
-                         "gradient_error": (shard.grad - whole_grad[:, cut]).abs().max().item(),
-                         "transport_launches": Counted.launches}
+        results[path] = {**_installed_errors(mine, handles, (hidden, weights, expected, whole_grad), cut),
+                          "transport_launches": Counted.launches}
     return results
 
 
