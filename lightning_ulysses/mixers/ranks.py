@@ -33,14 +33,14 @@ class _ExchangePieces(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group, receive_shapes, *pieces):
         ctx.group, ctx.send_shapes = group, [piece.shape for piece in pieces]
-        return _exchange(group, pieces, receive_shapes)
+        return _all_to_all_pieces(group, pieces, receive_shapes)
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, None, *_exchange(ctx.group, grads, ctx.send_shapes))
+        return (None, None, *_all_to_all_pieces(ctx.group, grads, ctx.send_shapes))
 
 
-def _exchange(group, pieces, receive_shapes) -> tuple[torch.Tensor, ...]:
+def _all_to_all_pieces(group, pieces, receive_shapes) -> tuple[torch.Tensor, ...]:
     sends = [piece.numel() for piece in pieces]
     receives = [shape.numel() for shape in map(torch.Size, receive_shapes)]
     flat = torch.cat([piece.reshape(-1) for piece in pieces])
