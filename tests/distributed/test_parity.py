@@ -149,7 +149,8 @@ def _matrix():
         # of a Mamba2, a Mamba and a KDA mixer (`MIXER_LORA_TARGETS`: called through the split's stand-ins, or sliced
         # in their parts). Mixers whose units do not divide by SP (`@uneven`, families.py `UNEVEN`: ⌈U/SP⌉ or ⌊U/SP⌋
         # units per rank): Gated DeltaNet's 9 value heads over 3 key heads at SP 4 on ZeRO-3 and on a ring (below),
-        # Mamba2's 9 heads in 3 groups at SP 2 × DP 2 on ZeRO-2, a short convolution's 31 channels at SP 4 on ZeRO-2.
+        # Mamba2's 9 heads in 3 groups at SP 2 × DP 2 on ZeRO-2, a short convolution's 31 channels at SP 4 on ZeRO-2,
+        # KDA's 5 heads with LoRA on every linear at SP 2.
         # Packed rows: test_packing.py; a save and an exact resume: test_checkpoints.py.
         *[_case(world, sp, stage, "gqa", suffix=f"-{family}{suffix}", model=f"family:{family}{model}",
                 split_mixers=True, **extra)
@@ -161,7 +162,7 @@ def _matrix():
                   "batch_size": 1, "trainer_kwargs": {"accumulate_grad_batches": 2, "gradient_clip_val": 1.2}}),
               (4, 2, 3, "bamba", "-lora", "+lora", {}),
               (2, 2, 3, "jamba", "-lora", "+lora", {}),
-              (2, 2, 2, "kimi_linear", "-lora", "+lora", {}),
+              (2, 2, 2, "kimi_linear", "-uneven-lora", "@uneven+lora", {}),  # 5 heads: 3 and 2, LoRA sliced so
               (4, 4, 2, "mamba", "", "", {}),
               (4, 2, 3, "mamba", "", "", {}),
               (4, 4, 2, "lfm2", "", "", {}),
