@@ -151,9 +151,9 @@ def validate_hf_model(model: PreTrainedModel, sequence_parallel_size: int, ring_
         if ring_size > 1 and whole_rows:
             raise NotImplementedError(
                 f"{type(model).__name__} has token mixers that are not attention ({whole_rows[0]}) and cannot split by"
-                f" their heads over {sequence_parallel_size * ring_size} SP ranks; such mixers run on whole rows under"
-                " pure Ulysses only: use ring_size=1 (a sequence_parallel_size the heads divide), or train with"
-                " sequence_parallel_size=1.")
+                f" their heads over {sequence_parallel_size * ring_size} SP ranks (fewer heads than ranks, or no"
+                " declared split); such mixers run on whole rows under pure Ulysses only: use ring_size=1, fewer SP"
+                " ranks than the mixer has heads, or train with sequence_parallel_size=1.")
     if sharded and backend not in (*BACKENDS, "eager"):
         raise ValueError(
             f"{type(model).__name__} uses attn_implementation={backend!r}, which sequence parallelism cannot wrap"

@@ -3,10 +3,12 @@ under sequence parallelism.
 
 Each mixer found in a model (`hf.token_mixer_modules`) runs one of two ways:
 - split by heads (head_split.py), the Ulysses way, when its family declares how (one small file per family:
-  gated_deltanet.py, short_conv.py, mamba2.py, mamba.py, kimi_delta.py, lightning_attention.py, rg_lru.py) and its
-  heads (or channels) divide by the SP size: its work and activations are `1/SP` of the whole layer's on every
-  rank — with a ring too, over all `ulysses × ring` SP ranks (ranks.py);
-- on whole rows (whole_rows.py), the last resort, otherwise: exact, but the layer's work does not shrink.
+  gated_deltanet.py, short_conv.py, mamba2.py, mamba.py, kimi_delta.py, lightning_attention.py, rg_lru.py) and it
+  has at least as many heads (or channels) as SP ranks: each rank takes ⌈U/SP⌉ or ⌊U/SP⌋ of its U units
+  (channels.py `unit_range`), so its work and activations shrink with SP (`1/SP` of the whole layer's where SP
+  divides U) — with a ring too, over all `ulysses × ring` SP ranks (ranks.py);
+- on whole rows (whole_rows.py), the last resort, otherwise (no declaration, fewer units than ranks, or a peft
+  adapter the split cannot slice): exact, but the layer's work does not shrink.
 peft's LoRA layers on a mixer's linears go through its split (lora.py: called as they are where the split exchanges
 a projection, sliced in their parts where it slices a weight); what cannot is named, and the mixer runs on whole rows.
 `install_mixers` says which mixers took the last resort and why, so that the caller warns with the cost.
@@ -25,21 +27,22 @@ from lightning_ulysses.mixers.head_split import HeadSplitMixer, MixerSplit
 from lightning_ulysses.mixers.ranks import SequenceRanks
 from lightning_ulysses.mixers.whole_rows import WholeRowsMixer
 
-# Per family: `matches(module)` recognises its mixer by structure, `split(module, parts)` declares the split (or
-# None where it cannot split over `parts` ranks).
+# Per family: `matches(module)` recognises its mixer by structure, `split(module, parts, rank)` declares the split
+# as rank `rank` of `parts` sees it.
 FAMILIES = (gated_deltanet, short_conv, mamba2, mamba, kimi_delta, lightning_attention, rg_lru)
 
 
-def split_of(module: torch.nn.Module, parts: int) -> MixerSplit | None:
-    """The declared split of `module` over `parts` ranks, or None when no family declares one for `parts` ranks."""
+def split_of(module: torch.nn.Module, parts: int, rank: int = 0) -> MixerSplit | None:
+    """The declared split of `module` over `parts` ranks as rank `rank` sees it (its units, layouts and paths are
+    every rank's), or None when no family declares one."""
     family = next((family for family in FAMILIES if family.matches(module)), None)
-    return None if family is None else family.split(module, parts)
+    return None if family is None else family.split(module, parts, rank)
 
 
 def runs_split(module: torch.nn.Module, parts: int) -> bool:
     """Whether `install_mixers` splits `module` over `parts` SP ranks (else: whole rows, or as it is at SP 1)."""
     split = split_of(module, parts)
-    return split is not None and split.units % parts == 0 and lora.why_not_split(module, split) is None
+    return split is not None and split.units >= parts and lora.why_not_split(module, split) is None
 
 
 def _outside_splits(mixers: list[tuple[str, torch.nn.Module]], parts: int) -> list[tuple[str, torch.nn.Module]]:
@@ -52,6 +55,19 @@ def _outside_splits(mixers: list[tuple[str, torch.nn.Module]], parts: int) -> li
 def left_on_whole_rows(mixers: list[tuple[str, torch.nn.Module]], parts: int) -> list[tuple[str, torch.nn.Module]]:
     """The mixers of `mixers` that `install_mixers` would run on whole rows over `parts` SP ranks."""
     return [(path, module) for path, module in _outside_splits(mixers, parts) if not runs_split(module, parts)]
+
+
+def why_on_whole_rows(module: torch.nn.Module, parts: int) -> str | None:
+    """Why `module` runs on whole rows over `parts` SP ranks (what the warning says); None when it runs split."""
+    if runs_split(module, parts):
+        return None
+    split = split_of(module, parts)
+    if split is None:
+        return f"no head split over {parts} ranks is declared for it"
+    if (adapters := lora.why_not_split(module, split)) is not None:  # peft's layers on a linear it slices
+        return adapters
+    return (f"its {split.units} heads/channels are fewer than the {parts} SP ranks (a rank would hold none of them;"
+            " each unit's recurrence runs whole on one rank)")
 
 
 def install_mixers(mixers: list[tuple[str, torch.nn.Module]], group, ring_group=None,
@@ -69,19 +85,13 @@ def install_mixers(mixers: list[tuple[str, torch.nn.Module]], group, ring_group=
     documents = PackedDocuments(positions, ranks.gather)
     handles, whole_rows = [], []
     for path, module in _outside_splits(mixers, parts):
-        split = split_of(module, parts)
         if runs_split(module, parts):
+            split = split_of(module, parts, ranks.rank)
             handles.append(HeadSplitMixer(module, path, lora.through_adapters(module, split), ranks, decoding,
                                           documents).install(module))
             continue
         if parts == 1:
             continue
-        if split is None:
-            why = f"no head split over {parts} ranks is declared for it"
-        elif (adapters := lora.why_not_split(module, split)) is not None:  # peft's layers on a linear it slices
-            why = adapters
-        else:
-            why = f"its {split.units} heads/channels do not divide by the SP size {parts}"
-        whole_rows.append(f"{path} ({type(module).__name__}): {why}")
+        whole_rows.append(f"{path} ({type(module).__name__}): {why_on_whole_rows(module, parts)}")
         handles += WholeRowsMixer(module, path, group, ring_group, decoding, documents).attach(module)
     return handles, whole_rows

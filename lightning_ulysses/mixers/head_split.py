@@ -5,14 +5,17 @@ heads, exactly as attention does; so the same trick applies. With the hidden sta
 
 1. the mixer's input projections run on this rank's shard (`seq/P` tokens, every channel);
 2. one all-to-all per projection turns their outputs into every token of this rank's units (heads or channels):
-   `[batch, seq/P, C]` → `[batch, seq, C/P]` (channels/ChannelExchange);
+   `[batch, seq/P, C]` → `[batch, seq, C_r]` (channels/ChannelExchange), `C_r` the channels of rank r's units:
+   ⌈U/P⌉ or ⌊U/P⌋ of the mixer's U units, contiguous, in rank order (the even split is the case where they are
+   equal; an uneven one exchanges pieces of per-rank sizes);
 3. the mixer's own forward runs unchanged on those whole rows, with its head counts, per-head parameters and
    convolution weights narrowed to this rank's units (so it calls the same kernels as the unprepared model: the
    flash-linear-attention and causal-conv1d ones where installed, transformers' PyTorch fallbacks elsewhere, or our
    linear-time one where that fallback is quadratic in length: kernels.py);
 4. before its output projection, a second all-to-all returns every channel of this rank's tokens.
 
-Every projection, convolution, recurrence and activation of the layer is then `1/P` of the whole layer's, per rank.
+Every projection of the layer then sees `seq/P` tokens on every rank, and its convolution, recurrence and
+activations are ⌈U/P⌉ or ⌊U/P⌋ units' of the whole layer's U (`1/P` of it where P divides U).
 
 How it is done without copying a family's forward: for each call, a *local view* of the module is made (a shallow
 copy: the module itself is never changed) whose input projections are stand-ins that project this rank's shard and
@@ -23,8 +26,8 @@ the whole rows' shape `[batch, seq, 0]` in place of the hidden states: the famil
 masks it, then hands it to a projection stand-in, which ignores it and projects the real shard.
 
 Per family, all of this is a declaration (`MixerSplit`), kept in one small file per family (gated_deltanet.py,
-short_conv.py, mamba2.py, ...); a mixer without one, or whose units do not divide by the SP size, runs
-on whole rows (whole_rows.py) with a warning that names the cost.
+short_conv.py, mamba2.py, ...); a mixer without one, or with fewer units than SP ranks, runs on whole rows
+(whole_rows.py) with a warning that names the cost.
 
 A submodule whose computation spans units on different ranks (Mamba2's gated RMSNorm when a norm group holds the
 heads of several ranks) is replaced in the view by a stand-in its family makes (`MixerSplit.replaced`); such a
@@ -63,9 +66,12 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_a
 
 @dataclass(frozen=True)
 class MixerSplit:
-    """How one token mixer splits over `parts` ranks: what a family declares (module docstring).
+    """How one token mixer splits over `parts` ranks, seen from one of them: what a family declares (module
+    docstring) for rank `rank` (`split(module, parts, rank)`: the layouts are every rank's, the attributes this
+    rank's).
 
-    `units`: how many units (heads, channels) the mixer has; the SP size must divide it.
+    `units`: how many units (heads, channels) the mixer has; at least the SP size (rank r takes
+    `channels.unit_range(units, parts, r)`: ⌈units/P⌉ or ⌊units/P⌋ of them).
     `inputs`: submodule path → the layout of its output channels; run on the shard, exchanged to head rows.
     `output`: (submodule path, the layout of its input channels); exchanged back to the shard before it runs.
     `parameters`: parameter (or buffer) path → (dimension, layout): this rank's slice along that dimension.

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_ulysses.mixers.channels import ChannelLayout, Replicated
+from lightning_ulysses.mixers.channels import ChannelLayout, Replicated, unit_range
 from lightning_ulysses.mixers.head_split import MixerSplit
 from lightning_ulysses.mixers.lora import base_linear
 
@@ -35,7 +35,7 @@ def matches(module: torch.nn.Module) -> bool:
             and all(hasattr(module.forget_gate, name) for name in ("A_log", "dt_bias")))
 
 
-def split(module: torch.nn.Module, parts: int) -> MixerSplit:
+def split(module: torch.nn.Module, parts: int, rank: int) -> MixerSplit:
     heads, width = module.num_heads, module.head_dim
     per_head = ChannelLayout(heads, (width,))
     low_rank = ChannelLayout(heads, (Replicated(base_linear(module.g_a_proj).out_features),))
@@ -46,7 +46,7 @@ def split(module: torch.nn.Module, parts: int) -> MixerSplit:
                   "forget_gate.A_log": (2, ChannelLayout(heads, (1,)))}  # [1, 1, heads, 1]
     if module.conv1d.bias is not None:
         parameters["conv1d.bias"] = (0, convolution)
-    local = heads // parts
+    local = len(unit_range(heads, parts, rank))
     channels = local * width
     return MixerSplit(
         units=heads,

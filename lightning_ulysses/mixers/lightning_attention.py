@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_ulysses.mixers.channels import ChannelLayout
+from lightning_ulysses.mixers.channels import ChannelLayout, unit_range
 from lightning_ulysses.mixers.head_split import MixerSplit
 from lightning_ulysses.mixers.lora import base_linear
 from lightning_ulysses.mixers.mamba2 import norm_over_ranks
@@ -26,11 +26,12 @@ def matches(module: torch.nn.Module) -> bool:
             and type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon"))
 
 
-def split(module: torch.nn.Module, parts: int) -> MixerSplit:
+def split(module: torch.nn.Module, parts: int, rank: int) -> MixerSplit:
     heads, width = module.num_attention_heads, module.head_dim
     per_head = ChannelLayout(heads, (width,))
     one_per_head = ChannelLayout(heads, (1,))
-    local = heads // parts
+    mine = unit_range(heads, parts, rank)
+    local = len(mine)
     return MixerSplit(
         units=heads,
         inputs={"qkv_proj": ChannelLayout(heads, (3 * width,)), "output_gate": per_head},
@@ -38,7 +39,7 @@ def split(module: torch.nn.Module, parts: int) -> MixerSplit:
         parameters={"slope_rate": (0, one_per_head), "query_decay": (0, one_per_head),  # [heads, block, 1]
                     "key_decay": (0, one_per_head), "diagonal_decay": (1, one_per_head),  # [1, heads, block, block]
                     "norm.weight": (0, per_head)},
-        replaced={"norm": norm_over_ranks(heads * width, 1, local * width)} if parts > 1 else {},
+        replaced={"norm": norm_over_ranks(heads * width, 1, range(mine.start * width, mine.stop * width))} if parts > 1 else {},
         attributes={"num_attention_heads": local},
         masks_input=False,
     )

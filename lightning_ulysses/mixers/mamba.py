@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_ulysses.mixers.channels import ChannelLayout
+from lightning_ulysses.mixers.channels import ChannelLayout, unit_range
 from lightning_ulysses.mixers.head_split import MixerSplit, SumOfPartialProducts
 from lightning_ulysses.mixers.lora import base_linear
 
@@ -35,7 +35,7 @@ def matches(module: torch.nn.Module) -> bool:
             and x_proj.in_features == channels and dt_proj.out_features == channels)
 
 
-def split(module: torch.nn.Module, parts: int) -> MixerSplit:
+def split(module: torch.nn.Module, parts: int, rank: int) -> MixerSplit:
     channels = module.intermediate_size
     per_channel = ChannelLayout(channels, (1,))
     parameters = {name: (0, per_channel) for name in ("conv1d.weight", "A_log", "D", "dt_proj.weight")}
@@ -43,7 +43,7 @@ def split(module: torch.nn.Module, parts: int) -> MixerSplit:
     for bias in ("conv1d.bias", "dt_proj.bias"):
         if module.get_submodule(bias.split(".")[0]).bias is not None:
             parameters[bias] = (0, per_channel)
-    local = channels // parts
+    local = len(unit_range(channels, parts, rank))
     return MixerSplit(
         units=channels,
         inputs={"in_proj": ChannelLayout(channels, (1, 1))},

@@ -3,14 +3,16 @@
 One linear projects `[z | x | B | C | dt]`: a gate and an input of `head_dim` channels per head, B and C of
 `state_size` channels per *group* (`n_groups` groups; head `h` reads group `h // (num_heads / n_groups)`, so each
 group serves a contiguous range of heads) and one step per head; a depthwise convolution runs over `[x | B | C]`;
-`A_log`, `D` and `dt_bias` hold one value per head. The unit is a head: a rank takes a contiguous range of heads and
-the groups of B and C those heads read (`Shared`): whole groups when `n_groups` divides by the SP size, else the one
-group its heads all read, which the ranks beside it take too (every rank, for the usual `n_groups = 1`): that
-group's channels are then projected once but exchanged to, and convolved on, each rank that reads it.
+`A_log`, `D` and `dt_bias` hold one value per head. The unit is a head: a rank takes a contiguous range of heads
+(⌈heads/SP⌉ or ⌊heads/SP⌋ of them) and the groups of B and C those heads read (`Shared`, channels.py `slots`):
+whole groups where its heads are whole groups, the one group its heads all read (every rank, for the usual
+`n_groups = 1`), or — where its heads read unequal parts of two groups — one copy of its group per head. A group
+read by several ranks is projected once but exchanged to, and convolved on, each rank that reads it.
 
-The gated RMSNorm over the scan's output normalises each group of `intermediate_size / n_groups` channels. When the
-groups divide by the SP size a rank holds whole groups and the norm runs unchanged; else a group spans ranks, and
-the view's norm is a stand-in whose sum of squares is summed over the SP group (`_GatedRMSNormOverRanks`).
+The gated RMSNorm over the scan's output normalises each group of `intermediate_size / n_groups` channels. When
+every rank holds whole groups the norm runs unchanged (Falcon-H1's counting this rank's groups); else a group
+spans ranks, and the view's norm is a stand-in whose sum of squares is summed over the SP group
+(`_GatedRMSNormOverRanks`): the same choice on every rank, since the stand-in's sum is a collective.
 Falcon-H1 also multiplies its input by `ssm_in_multiplier` (done on the shard) and the projection by its muP
 vector (a buffer sliced like the projection), and its norm may be absent or gate after normalising.
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lightning_ulysses.mixers.channels import ChannelLayout, Shared
+from lightning_ulysses.mixers.channels import ChannelLayout, Shared, unit_range
 from lightning_ulysses.mixers.head_split import MixerSplit, sum_over_ranks
 
 _STRUCTURE = ("in_proj", "conv1d", "out_proj", "norm", "A_log", "D", "dt_bias", "num_heads", "head_dim", "n_groups",
@@ -42,16 +44,15 @@ def matches(module: torch.nn.Module) -> bool:
             and tuple(module.A_log.shape) == (heads,))
 
 
-def split(module: torch.nn.Module, parts: int) -> MixerSplit | None:
+def split(module: torch.nn.Module, parts: int, rank: int) -> MixerSplit:
     heads, width, groups, state = module.num_heads, module.head_dim, module.n_groups, module.ssm_state_size
-    if groups % parts and parts % groups:
-        return None  # the ranks would read different numbers of groups: whole rows
-    local_heads, local_groups = heads // parts, max(groups // parts, 1)
-    local_inner, local_conv = local_heads * width, local_heads * width + 2 * local_groups * state
-    group_channels = Shared(groups, state)
-    projection = ChannelLayout(heads, (width, width, group_channels, group_channels, 1))
-    convolution = ChannelLayout(heads, (width, group_channels, group_channels))
+    group_channels = Shared(state)
+    projection = ChannelLayout(heads, (width, width, group_channels, group_channels, 1), groups)
+    convolution = ChannelLayout(heads, (width, group_channels, group_channels), groups)
     per_head, inner = ChannelLayout(heads, (1,)), ChannelLayout(heads, (width,))
+    mine = unit_range(heads, parts, rank)
+    local_heads, local_groups = len(mine), len(projection.slots(rank, parts))
+    local_inner, local_conv = local_heads * width, local_heads * width + 2 * local_groups * state
     parameters = {"conv1d.weight": (0, convolution), "A_log": (0, per_head), "D": (0, per_head),
                   "dt_bias": (0, per_head)}
     if module.conv1d.bias is not None:
@@ -67,11 +68,14 @@ def split(module: torch.nn.Module, parts: int) -> MixerSplit | None:
     replaced = {}
     if getattr(module.norm, "weight", None) is not None:  # (Falcon-H1 may have none: a gate alone)
         parameters["norm.weight"] = (0, inner)
-        if groups % parts == 0:
+        per_group = heads // groups
+        if all(len(heads_of) % per_group == 0 and heads_of.start % per_group == 0
+               for heads_of in (unit_range(heads, parts, other) for other in range(parts))):  # whole groups
             if hasattr(module.norm, "norm_before_gate"):  # Falcon-H1's norm counts its groups, the others' size them
-                attributes["norm.n_groups"] = local_groups
+                attributes["norm.n_groups"] = local_heads // per_group
         else:
-            replaced["norm"] = norm_over_ranks(module.intermediate_size // groups, groups, local_inner)
+            replaced["norm"] = norm_over_ranks(per_group * width, groups,
+                                               range(mine.start * width, mine.stop * width))
     return MixerSplit(
         units=heads,
         inputs={"in_proj": projection},
@@ -83,13 +87,13 @@ def split(module: torch.nn.Module, parts: int) -> MixerSplit | None:
     )
 
 
-def norm_over_ranks(group_size: int, groups: int, local_channels: int):
+def norm_over_ranks(group_size: int, groups: int, channels: range):
     """The `MixerSplit.replaced` factory of an RMS norm over `groups` groups of `group_size` channels whose groups span
-    ranks (each rank holding `local_channels` consecutive channels); also MiniMax's norm over every head (one group)."""
+    ranks, for the rank holding the consecutive `channels` (its heads' channels); also MiniMax's norm over every head
+    (one group)."""
 
     def make(norm: torch.nn.Module, ranks: SequenceRanks) -> torch.nn.Module:
-        first = ranks.rank * local_channels  # heads are split contiguously, so are their channels
-        return _GatedRMSNormOverRanks(norm, ranks, torch.arange(first, first + local_channels) // group_size,
+        return _GatedRMSNormOverRanks(norm, ranks, torch.arange(channels.start, channels.stop) // group_size,
                                       group_size, groups)
 
     return make

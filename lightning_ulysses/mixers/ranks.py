@@ -7,10 +7,12 @@ here, so each collective runs in two stages over the two sub-groups, SP rank `ri
 (`ShardOrder.of_groups`), and the rows are put in natural order afterwards: with a ring, the shards are cut
 zig-zag (`ShardOrder`), so gathering them in SP-rank order gives the row in "shard order".
 
-`to_head_rows`: `[batch, seq/P, P, C/P]` (piece `p` of the channels is SP rank `p`'s) → every token, natural
-order, of this rank's piece `[batch, seq, C/P]`; `to_shard` is its inverse. Over the ring dimension first the
-Ulysses all-to-all (pieces `(r, u)` → Ulysses rank `u`), then the ring's (→ ring rank `r`): the received tokens are
-in SP-rank order.
+The ranks may hold different numbers of channels (`widths[q]`: SP rank q's; a mixer whose units do not divide by
+the SP size gives some ranks one unit more: channels.py), so the exchanges move pieces of per-rank sizes:
+`to_head_rows`: `[batch, seq/P, Σ widths]` (SP rank q's channels, rank after rank) → every token, natural order, of
+this rank's channels `[batch, seq, widths[rank]]`; `to_shard` is its inverse. Over a ring, first the Ulysses
+exchange (the channels of SP ranks `(r, u)`, for every ring rank r, → Ulysses rank `u`), then the ring's (→ ring
+rank `r`): the received tokens are in SP-rank order.
 """
 
 from __future__ import annotations
@@ -19,7 +21,32 @@ import torch
 import torch.distributed as dist
 
 from lightning_ulysses.attention.all_to_all import all_gather_sequence, all_to_all
+from lightning_ulysses.attention.copy_engine import CollectiveTransport
 from lightning_ulysses.parallel.layout import ShardOrder
+
+
+class _ExchangePieces(torch.autograd.Function):
+    """Piece p to rank p of `group`, one piece back from each: `all_to_all_single` with per-rank split sizes
+    (gloo and NCCL both take unequal and empty splits; gloo's list `all_to_all` takes equal pieces only:
+    docs/internals.md). Its backward is the same exchange of the gradients, the other way."""
+
+    @staticmethod
+    def forward(ctx, group, receive_shapes, *pieces):
+        ctx.group, ctx.send_shapes = group, [piece.shape for piece in pieces]
+        return _all_to_all_pieces(group, pieces, receive_shapes)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *_all_to_all_pieces(ctx.group, grads, ctx.send_shapes))
+
+
+def _all_to_all_pieces(group, pieces, receive_shapes) -> tuple[torch.Tensor, ...]:
+    sends = [piece.numel() for piece in pieces]
+    receives = [shape.numel() for shape in map(torch.Size, receive_shapes)]
+    flat = torch.cat([piece.reshape(-1) for piece in pieces])
+    received = flat.new_empty(sum(receives))
+    dist.all_to_all_single(received, flat, receives, sends, group=group)
+    return tuple(part.view(shape) for part, shape in zip(received.split(receives), receive_shapes))
 
 
 class SequenceRanks:
@@ -32,6 +59,7 @@ class SequenceRanks:
         self.ulysses_size, self.ring_size = sizes
         self.transport = transport
         self.order, self.rank = ShardOrder.of_groups(self.ulysses, self.ring)
+        self.ulysses_rank, self.ring_rank = self.rank % self.ulysses_size, self.rank // self.ulysses_size
         self.size = self.order.sequence_parallel_size
         self._natural: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -43,25 +71,64 @@ class SequenceRanks:
             self._natural[key] = (torch.argsort(shard_order).to(device), shard_order.to(device))
         return self._natural[key]
 
-    def to_head_rows(self, pieces: torch.Tensor) -> torch.Tensor:
-        batch, length, parts, width = pieces.shape
+    def _exchange(self, pieces: list[torch.Tensor], receive_shapes: list, group) -> list[torch.Tensor]:
+        """Piece p to rank p of `group`; returns the piece from each rank (of `receive_shapes`). Equal pieces on the
+        Ulysses group go through its transport (a copy engine moves equal pieces only), the others through
+        `all_to_all_single` with split sizes."""
+        if group is None:
+            return list(pieces)
+        equal = len({piece.shape for piece in pieces} | {torch.Size(shape) for shape in receive_shapes}) == 1
+        if group is self.ulysses and equal and self.transport is not None \
+                and not isinstance(self.transport, CollectiveTransport):
+            return list(all_to_all(torch.stack(pieces), group, 0, 0, transport=self.transport).unbind(0))
+        return list(_ExchangePieces.apply(group, [tuple(shape) for shape in receive_shapes], *pieces))
+
+    def _grid(self, widths: list[int]) -> list[list[int]]:
+        """`widths` by (ring rank, Ulysses rank)."""
+        return [widths[ring * self.ulysses_size:(ring + 1) * self.ulysses_size] for ring in range(self.ring_size)]
+
+    def to_head_rows(self, shard: torch.Tensor, widths: list[int]) -> torch.Tensor:
+        """`[batch, seq/P, Σ widths]`, SP rank q's `widths[q]` channels rank after rank → `[batch, seq, widths[rank]]`."""
+        batch, length, _ = shard.shape
+        mine = widths[self.rank]
+        grid = self._grid(widths)
+        pieces = shard.split(widths, dim=-1)  # SP rank q = ring · ulysses_size + u
+        # to Ulysses rank u: the channels of (r, u) for every ring rank r
+        to_ulysses = [torch.cat([pieces[ring * self.ulysses_size + u] for ring in range(self.ring_size)], dim=-1)
+                      for u in range(self.ulysses_size)]
+        ours = sum(row[self.ulysses_rank] for row in grid)
+        received = self._exchange(to_ulysses, [(batch, length, ours)] * self.ulysses_size, self.ulysses)
         if self.ring is None:
-            rows = all_to_all(pieces, self.ulysses, scatter_dim=2, gather_dim=1, transport=self.transport)
-            return rows.reshape(batch, length * parts, width)
-        grid = pieces.reshape(batch, length, self.ring_size, self.ulysses_size, width)
-        grid = all_to_all(grid, self.ulysses, scatter_dim=3, gather_dim=1, transport=self.transport)
-        rows = all_to_all(grid, self.ring, scatter_dim=2, gather_dim=1).reshape(batch, length * parts, width)
+            return torch.cat(received, dim=1)
+        # each Ulysses peer's channels of (r, my u) for every r → ring rank r, the peers' tokens in Ulysses order
+        by_ring = [piece.split([row[self.ulysses_rank] for row in grid], dim=-1) for piece in received]
+        to_ring = [torch.cat([parts[ring] for parts in by_ring], dim=1) for ring in range(self.ring_size)]
+        rows = torch.cat(self._exchange(to_ring, [(batch, self.ulysses_size * length, mine)] * self.ring_size,
+                                        self.ring), dim=1)
         return rows.index_select(1, self._permutations(rows.size(1), rows.device)[0])
 
-    def to_shard(self, rows: torch.Tensor) -> torch.Tensor:
-        batch, length, width = rows.shape
-        if self.ring is None:
-            return all_to_all(rows.reshape(batch, length, 1, width), self.ulysses, scatter_dim=1, gather_dim=2,
-                              transport=self.transport)
-        rows = rows.index_select(1, self._permutations(length, rows.device)[1])
-        grid = all_to_all(rows.reshape(batch, length, 1, 1, width), self.ring, scatter_dim=1, gather_dim=2)
-        grid = all_to_all(grid, self.ulysses, scatter_dim=1, gather_dim=3, transport=self.transport)
-        return grid.reshape(batch, length // self.size, self.size, width)
+    def to_shard(self, rows: torch.Tensor, widths: list[int]) -> torch.Tensor:
+        """`[batch, seq, widths[rank]]` → `[batch, seq/P, Σ widths]`: the inverse of `to_head_rows`."""
+        batch, whole, mine = rows.shape
+        length = whole // self.size
+        grid = self._grid(widths)
+        if self.ring is not None:
+            rows = rows.index_select(1, self._permutations(whole, rows.device)[1])
+            # to ring rank r: the tokens of SP ranks (r, u) for every u; from ring rank r: (my r, u)'s tokens of its
+            # channels
+            received = self._exchange(list(rows.split(self.ulysses_size * length, dim=1)),
+                                      [(batch, self.ulysses_size * length, grid[ring][self.ulysses_rank])
+                                       for ring in range(self.ring_size)], self.ring)
+            by_ulysses = [piece.split(length, dim=1) for piece in received]
+            to_ulysses = [torch.cat([parts[u] for parts in by_ulysses], dim=-1) for u in range(self.ulysses_size)]
+        else:
+            to_ulysses = list(rows.split(length, dim=1))
+        received = self._exchange(to_ulysses, [(batch, length, sum(row[u] for row in grid))
+                                               for u in range(self.ulysses_size)], self.ulysses)
+        # from Ulysses rank u: the channels of (r, u) for every r, ring rank after ring rank
+        by_ring = [piece.split([row[u] for row in grid], dim=-1) for u, piece in enumerate(received)]
+        return torch.cat([by_ring[u][ring] for ring in range(self.ring_size) for u in range(self.ulysses_size)],
+                         dim=-1)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum `tensor` over every SP rank, in place."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_ulysses.mixers.channels import ChannelLayout
+from lightning_ulysses.mixers.channels import ChannelLayout, unit_range
 from lightning_ulysses.mixers.head_split import MixerSplit
 from lightning_ulysses.mixers.lora import base_linear
 
@@ -27,10 +27,11 @@ def matches(module: torch.nn.Module) -> bool:
             and all(hasattr(lru, name) for name in ("num_attention_heads", "block_width", "recurrent_param", *_GATES)))
 
 
-def split(module: torch.nn.Module, parts: int) -> MixerSplit:
+def split(module: torch.nn.Module, parts: int, rank: int) -> MixerSplit:
     heads, width = module.rg_lru.num_attention_heads, module.rg_lru.block_width
     per_channel, per_head = ChannelLayout(heads, (width,)), ChannelLayout(heads, (1,))
-    local = heads // parts * width
+    local_heads = len(unit_range(heads, parts, rank))
+    local = local_heads * width
     parameters = {"conv_1d.weight": (0, per_channel), "rg_lru.recurrent_param": (0, per_channel),
                   **{f"rg_lru.{name}": (0, per_head) for name in _GATES}}
     if module.conv_1d.bias is not None:
@@ -40,7 +41,7 @@ def split(module: torch.nn.Module, parts: int) -> MixerSplit:
         inputs={"linear_x": per_channel, "linear_y": per_channel},
         output=("linear_out", per_channel),
         parameters=parameters,
-        attributes={"lru_width": local, "rg_lru.num_attention_heads": heads // parts, "conv_1d.in_channels": local,
+        attributes={"lru_width": local, "rg_lru.num_attention_heads": local_heads, "conv_1d.in_channels": local,
                     "conv_1d.out_channels": local, "conv_1d.groups": local,
                     # a view runs whole rows from no state: the model's cache set-up gives the module itself states
                     # of every head, which the view starts afresh for its heads

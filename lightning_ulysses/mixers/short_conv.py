@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_ulysses.mixers.channels import ChannelLayout
+from lightning_ulysses.mixers.channels import ChannelLayout, unit_range
 from lightning_ulysses.mixers.head_split import MixerSplit
 from lightning_ulysses.mixers.lora import base_linear
 
@@ -22,13 +22,13 @@ def matches(module: torch.nn.Module) -> bool:
             and hasattr(module, "out_proj"))
 
 
-def split(module: torch.nn.Module, parts: int) -> MixerSplit:
+def split(module: torch.nn.Module, parts: int, rank: int) -> MixerSplit:
     channels = module.conv.in_channels
     per_channel = ChannelLayout(channels, (1,))
     parameters = {"conv.weight": (0, per_channel)}
     if module.conv.bias is not None:
         parameters["conv.bias"] = (0, per_channel)
-    local = channels // parts
+    local = len(unit_range(channels, parts, rank))
     return MixerSplit(
         units=channels,
         inputs={"in_proj": ChannelLayout(channels, (1, 1, 1))},

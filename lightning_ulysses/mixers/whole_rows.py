@@ -19,7 +19,8 @@ whole as for a mixer split by heads (arguments.py: padding masks, positions, a c
 any other argument shaped like this shard is refused by name rather than guessed.
 
 This is the last resort (mixers/__init__.py): mixers whose family declares how to split them by heads run split
-(head_split.py) unless their units do not divide by the SP size or the sequence also passes around a ring.
+(head_split.py) unless they have fewer units than SP ranks (a rank would hold none) or a peft adapter the split
+cannot slice.
 """
 
 from __future__ import annotations

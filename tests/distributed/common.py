@@ -95,7 +95,7 @@ def build_model(kind: str, num_key_value_heads: int, reference: bool = False, pr
 
         name, _, adapters = kind.removeprefix("family:").partition("+")
         model = family_model(name)  # its own head counts (GQA 4:2 where it has GQA)
-        return tiny_lora(model, MIXER_LORA_TARGETS[name]) if adapters == "lora" else model
+        return tiny_lora(model, MIXER_LORA_TARGETS[name.partition("@")[0]]) if adapters == "lora" else model
     if kind == "gpt":
         return tiny_gpt(num_key_value_heads)
     model = tiny_llama(num_key_value_heads, attn_implementation="eager" if reference else "sdpa")

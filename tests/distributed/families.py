@@ -64,6 +64,28 @@ FAMILIES = {
 }
 
 
+# Hybrids whose mixers' units do not divide by SP 2 or 4 (`family_model("<family>@uneven")`): each rank then takes
+# ⌈U/SP⌉ or ⌊U/SP⌋ of them (lightning_ulysses/mixers/channels.py). Gated DeltaNet with 9 value heads reading 3 key
+# heads, and Mamba2 with 9 heads reading 3 groups of B and C: at SP 2 (5 and 4 heads) each rank's heads read two
+# groups unequally (one copy of its group per head), at SP 4 (3, 2, 2, 2) rank 2's read one head of each of two
+# groups, and the norm's groups span ranks; LFM2's short convolution over 31 channels (16, 15; 8, 8, 8, 7). The
+# others split 5 heads (3, 2; 2, 1, 1, 1) or Mamba's 35 channels (18, 17; 9, 9, 9, 8); Qwen3.5's and OLMo-hybrid's
+# 5 value heads read 5 key heads (one each), Falcon-H1's 9 heads 3 groups, with its own gated norm.
+UNEVEN = {
+    "qwen3_next": {"linear_num_key_heads": 3, "linear_num_value_heads": 9},
+    "mamba2": {"num_heads": 9, "n_groups": 3, "head_dim": 8, "hidden_size": 36, "expand": 2},
+    "lfm2": {"layer_types": ["conv", "full_attention"], "hidden_size": 31, "head_dim": 8},
+    "qwen3_5_text": {"linear_num_key_heads": 5, "linear_num_value_heads": 5},
+    "olmo_hybrid": {"linear_num_key_heads": 5, "linear_num_value_heads": 5},
+    "falcon_h1": {"mamba_n_heads": 9, "mamba_d_ssm": 72, "mamba_n_groups": 3, "mamba_d_head": 8},
+    "kimi_linear": {"linear_num_heads": 5},
+    "mamba": {"intermediate_size": 35},
+    "minimax": {"num_attention_heads": 5, "num_key_value_heads": 1, "head_dim": 8},
+    "recurrent_gemma": {"num_attention_heads": 5, "num_key_value_heads": 1, "hidden_size": 40, "lru_width": 40,
+                        "head_dim": 8},
+}
+
+
 def tiny_config(model_type: str, **overrides):
     default = AutoConfig.for_model(model_type)
     settings = {key: value for key, value in _SMALL.items()  # derived read-only settings (properties) stay derived
@@ -89,9 +111,12 @@ def tiny_model(model_type: str, attn_implementation: str = "sdpa", seed: int = 0
 
 
 def family_model(name: str):
-    """The tiny model of family `name` with the matrix's settings (`FAMILIES`), in sdpa, or in eager where
-    transformers allows only that (GPT-OSS, Gemma 2, ...)."""
+    """The tiny model of family `name` with the matrix's settings (`FAMILIES`; `<family>@uneven`: with `UNEVEN`'s),
+    in sdpa, or in eager where transformers allows only that (GPT-OSS, Gemma 2, ...)."""
+    name, _, variant = name.partition("@")
     overrides = {key: value for key, value in FAMILIES.get(name, {}).items() if key not in ("eval", "float64")}
+    if variant:
+        overrides.update({"uneven": UNEVEN}[variant][name])
     try:
         return tiny_model(name, "sdpa", **overrides)
     except ValueError as error:

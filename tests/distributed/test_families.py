@@ -25,7 +25,7 @@ import re
 
 import pytest
 
-from tests.distributed.families import FAMILIES, SEQ_LEN, tiny_config
+from tests.distributed.families import FAMILIES, SEQ_LEN, UNEVEN, tiny_config
 from tests.distributed.harness import ROOT
 from tests.distributed.pool import shared
 from tests.distributed.reference import assert_training_matches, reference_training
@@ -41,7 +41,10 @@ def _spec() -> dict:
         "families": [{"family": name, "eval": overrides.pop("eval", False), "float64": overrides.pop("float64", False),
                       "overrides": overrides, "left_padded": name in LEFT_PADDED,
                       "mixers": name in MIXER_FAMILIES}
-                     for name, overrides in ((name, dict(o)) for name, o in FAMILIES.items())],
+                     for name, overrides in ((name, dict(o)) for name, o in FAMILIES.items())]
+        + [{"family": f"{name}@uneven", "overrides": {**FAMILIES[name], **UNEVEN[name]}, "mixers": True,
+            "layers_only": name not in UNEVEN_MATRIX} for name in UNEVEN],
+        "transport_mixers": list(TRANSPORT_MIXERS),
         "training_cases": [
             {"name": f"{family}_zero{stage}", "model": f"family:{family}", "kv_heads": 2, "sp": 2, "stage": stage,
              "steps": 3, "batch_size": 2, "seq_len": 12}
@@ -78,6 +81,15 @@ MEMORY = {"activation_checkpointing": True, "offload_activations": True, "tiled_
 SPLIT_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lfm2", "mamba2", "bamba", "nemotron_h",
                   "falcon_h1", "granitemoehybrid", "zamba2", "mamba", "falcon_mamba", "jamba", "kimi_linear", "minimax",
                   "recurrent_gemma")
+
+# Hybrids whose mixers' units do not divide by SP 2 or 4 (families.py `UNEVEN`), through the whole matrix: a Gated
+# DeltaNet grouped by key head (Qwen3-Next's in_proj_qkvz), Mamba2 with groups of B and C, a short convolution; the
+# other declared families' mixers (and the other Gated DeltaNet and Mamba2 layouts) layer by layer and on a ring.
+UNEVEN_MATRIX = ("qwen3_next", "mamba2", "lfm2")
+
+# Split mixers also exchanged through the copy engine's transport (emulated on gloo) at SP 4: evenly (every piece
+# equal: the transport moves them) and unevenly (unequal pieces: the collective, which takes per-rank sizes).
+TRANSPORT_MIXERS = {"lfm2": True, "qwen3_next@uneven": False}  # name: whether the transport moves its pieces
 
 # Families whose token mixers that are not attention are also checked layer by layer (`mixer_errors`): one layer of
 # each kind on its shard against the same layer on the whole rows, output and input gradient.
@@ -180,6 +192,67 @@ def test_a_split_mixer_does_one_sp_th_of_the_work_on_every_rank(outcome):
                         assert rows[0] * sp == rows[1] == SEQ_LEN, (family, sp, path, projection, rows)
 
 
+@pytest.mark.parametrize("family", list(UNEVEN))
+def test_mixers_whose_units_do_not_divide_split_unevenly_and_exactly(outcome, family):
+    # ⌈U/SP⌉ or ⌊U/SP⌋ units per rank (mixers/channels.py), exchanged in pieces of per-rank sizes (mixers/ranks.py):
+    # the model on plain, padded and packed rows at SP 2 and 4 (`UNEVEN_MATRIX`), each mixer layer on its own, and
+    # on a ring (Ulysses 2 × ring 2, zig-zag shards), all split and all exact.
+    name = f"{family}@uneven"
+    for sp in SIZES:
+        if family in UNEVEN_MATRIX:
+            assert classify(outcome, name, sp) == ("exact", ""), (name, sp, classify(outcome, name, sp))
+            expected = ["plain", "padded"] + (["packed"] if family != "mamba2" else [])  # (Mamba2 takes no positions)
+            assert outcome[0]["families"][name][sp]["batches"] == expected, (name, sp)
+        for path in outcome[0]["mixers"][name][sp]:
+            layers = [rank["mixers"][name][sp][path] for rank in outcome]
+            assert {layer["ran"] for layer in layers} == {"split"}, (name, sp, path)
+            assert max(max(layer["output_error"], layer["gradient_error"]) for layer in layers) < 1e-5, (name, sp)
+            units = layers[0]["units"]
+            assert units % sp != 0, (name, sp, units)  # (the variant does not divide, or it tests nothing new)
+            assert [layer["local_units"] for layer in layers] == \
+                [-(-units // sp) if rank % sp < units % sp else units // sp for rank in range(len(outcome))], (name, sp)
+    for path in outcome[0]["mixer_rings"][name]:
+        layers = [rank["mixer_rings"][name][path] for rank in outcome]
+        assert {layer["ran"] for layer in layers} == {"split"}, (name, path)
+        assert max(max(layer["output_error"], layer["gradient_error"]) for layer in layers) < 1e-5, (name, path)
+
+
+@pytest.mark.parametrize("family", list(UNEVEN))
+def test_an_uneven_split_gives_each_rank_only_its_units_work(outcome, family):
+    # Each rank's projections see seq/SP rows; its convolution and recurrence run on its ⌈U/SP⌉ or ⌊U/SP⌋ units
+    # alone: no rank does more than the ⌈U/SP⌉ units' share of the whole layer's FLOPs, the ranks with fewer units
+    # do less, and together they do the layer once, plus the key heads (groups of B and C) that several ranks'
+    # value heads (heads) read, convolved on each, once per head where a rank's heads read two groups unequally.
+    # Measured, FLOPs and saved bytes of all ranks over the whole layer's: the short convolution 1.0 and 1.10 at
+    # SP 4; Qwen3-Next's 1.008 and 1.06 at SP 2, 1.003 and 1.03 at SP 4; Mamba2's 1.05 and 1.32 at SP 2 (5 and 4
+    # heads, each with its own copy of B and C), 1.017 and 1.17 at SP 4.
+    name = f"{family}@uneven"
+    for sp in SIZES:
+        for path in outcome[0]["mixers"][name][sp]:
+            layers = [rank["mixers"][name][sp][path] for rank in outcome[:sp]]  # (ranks 0..sp-1: one SP group)
+            whole = layers[0]["whole_work"]
+            units = layers[0]["units"]
+            flops = [layer["work"]["flops"] for layer in layers]
+            most = -(-units // sp) / units  # the largest rank's share (the projections' seq/SP rows are within it)
+            for layer in layers:
+                assert layer["work"]["flops"] <= 1.04 * most * whole["flops"], (name, sp, layer["work"], whole)
+                for projection in layer["projections"]:
+                    assert layer["work"]["rows"][projection] * sp == whole["rows"][projection] == SEQ_LEN
+            assert whole["flops"] <= sum(flops) <= 1.06 * whole["flops"], (name, sp, flops, whole["flops"])
+            assert max(flops) > min(flops), (name, sp, flops)  # ⌊U/SP⌋-unit ranks do less than ⌈U/SP⌉-unit ones
+            saved = sum(layer["work"]["saved_bytes"] for layer in layers)
+            assert saved <= 1.4 * whole["saved_bytes"], (name, sp, saved, whole["saved_bytes"])
+
+
+def test_a_split_mixer_takes_the_copy_engine_for_equal_pieces_and_the_collective_for_unequal_ones(outcome):
+    for name, moved in TRANSPORT_MIXERS.items():
+        for path in outcome[0]["mixer_transports"][name]:
+            layers = [rank["mixer_transports"][name][path] for rank in outcome]
+            assert max(max(layer["output_error"], layer["gradient_error"]) for layer in layers) < 1e-5, (name, path)
+            # (forward and backward: both exchanges of each projection, or none)
+            assert all((layer["transport_launches"] > 0) == moved for layer in layers), (name, path, layers)
+
+
 def classify(ranks: list[dict], family: str, sp: int) -> tuple[str, str]:
     outcomes = [rank["families"][family][sp] for rank in ranks]
     status = {o["status"] for o in outcomes}
@@ -252,8 +325,9 @@ def render(ranks: list[dict]) -> str:
         " the tiny recipe could not build it here.",
         "",
         "*Token mixers* (linear attention, state-space layers, short convolutions): *split by heads*: each rank runs"
-        " its share of the heads (or channels) on whole rows, 1/SP of the layer's work; *whole rows*: every rank runs"
-        " the whole layer (exact, but its work does not shrink with SP).",
+        " its share of the heads (or channels) on whole rows, 1/SP of the layer's work (⌈U/SP⌉ or ⌊U/SP⌋ of its U"
+        " heads where SP does not divide them); *whole rows*: every rank runs the whole layer (exact, but its work"
+        " does not shrink with SP).",
         "",
         "| family | SP 2 | SP 4 | token mixers | why |",
         "| --- | --- | --- | --- | --- |",

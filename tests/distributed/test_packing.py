@@ -34,6 +34,8 @@ STRATEGY_CASES = [
     # on ZeRO-2.
     {"name": "nemotron_h-zero3-sp4", "model": "family:nemotron_h", "kv_heads": 2, "sp": 4, "stage": 3},
     {"name": "qwen3_5_text-zero2-sp2-dp2", "model": "family:qwen3_5_text", "kv_heads": 2, "sp": 2, "stage": 2},
+    # ... and split unevenly (families.py `UNEVEN`: 9 value heads over 3 key heads, 3, 2, 2, 2 per rank)
+    {"name": "qwen3_next-uneven-zero3-sp4", "model": "family:qwen3_next@uneven", "kv_heads": 2, "sp": 4, "stage": 3},
 ]
 STRATEGY_CASES = [dict(case, data="packed", steps=STEPS, batch_size=BATCH_SIZE, seq_len=SEQ_LEN, lr=LR)
                   for case in STRATEGY_CASES]

@@ -109,6 +109,9 @@ def _matrix():
         # A hybrid on a ring: its attention's K/V blocks pass around the ring, its Gated-DeltaNet mixers split by
         # heads over all four SP ranks (mixers/ranks.py)
         _case(4, 4, 3, "gqa", suffix="-qwen3_next-ring2", model="family:qwen3_next", strategy_kwargs={"ring_size": 2}),
+        # ... its value heads split unevenly over the four (3, 2, 2, 2 of 9): two-stage exchanges of per-rank sizes
+        _case(4, 4, 2, "gqa", suffix="-qwen3_next-uneven-ring2", model="family:qwen3_next@uneven",
+              strategy_kwargs={"ring_size": 2}, split_mixers=True),
         # Label idioms: labels=input_ids and labels built in the step are read as Hugging Face reads them
         # (unshifted), at SP 1 (DP 2), SP 2 and SP 2 x DP 2; the batch's own labels with the strategy's loss.
         *[_case(world, sp, stage, "mqa", suffix=f"-{step}", step=step)
@@ -144,7 +147,11 @@ def _matrix():
         # DeltaNet, KDA, Mamba2, Mamba1, short convolution, lightning attention), at SP 4 where the heads allow, at
         # SP 2 × DP 2, accumulating and clipped (Mamba2), in bf16-mixed (short convolution), and LoRA on every linear
         # of a Mamba2, a Mamba and a KDA mixer (`MIXER_LORA_TARGETS`: called through the split's stand-ins, or sliced
-        # in their parts). Packed rows: test_packing.py; a save and an exact resume: test_checkpoints.py.
+        # in their parts). Mixers whose units do not divide by SP (`@uneven`, families.py `UNEVEN`: ⌈U/SP⌉ or ⌊U/SP⌋
+        # units per rank): Gated DeltaNet's 9 value heads over 3 key heads at SP 4 on ZeRO-3 and on a ring (below),
+        # Mamba2's 9 heads in 3 groups at SP 2 × DP 2 on ZeRO-2, a short convolution's 31 channels at SP 4 on ZeRO-2,
+        # KDA's 5 heads with LoRA on every linear at SP 2.
+        # Packed rows: test_packing.py; a save and an exact resume: test_checkpoints.py.
         *[_case(world, sp, stage, "gqa", suffix=f"-{family}{suffix}", model=f"family:{family}{model}",
                 split_mixers=True, **extra)
           for world, sp, stage, family, suffix, model, extra in [
@@ -155,14 +162,17 @@ def _matrix():
                   "batch_size": 1, "trainer_kwargs": {"accumulate_grad_batches": 2, "gradient_clip_val": 1.2}}),
               (4, 2, 3, "bamba", "-lora", "+lora", {}),
               (2, 2, 3, "jamba", "-lora", "+lora", {}),
-              (2, 2, 2, "kimi_linear", "-lora", "+lora", {}),
+              (2, 2, 2, "kimi_linear", "-uneven-lora", "@uneven+lora", {}),  # 5 heads: 3 and 2, LoRA sliced so
               (4, 4, 2, "mamba", "", "", {}),
               (4, 2, 3, "mamba", "", "", {}),
               (4, 4, 2, "lfm2", "", "", {}),
               (4, 2, 3, "lfm2", "", "", {}),
               (2, 2, 3, "lfm2", "-bf16-mixed", "", {"precision": "bf16-mixed"}),
               (2, 2, 3, "minimax", "", "", {}),
-              (4, 4, 2, "minimax", "", "", {})]],
+              (4, 4, 2, "minimax", "", "", {}),
+              (4, 4, 3, "qwen3_next", "-uneven", "@uneven", {}),
+              (4, 2, 2, "mamba2", "-uneven", "@uneven", {}),
+              (4, 4, 2, "lfm2", "-uneven", "@uneven", {})]],
         # Pretrained weights (`save_pretrained`, then `from_pretrained`): loaded in configure_model under ZeRO-3
         # straight into the partitions (pretrained.py), untied, tied, partly frozen, and through the recipes'
         # PretrainedCausalLM with YaRN scaling; under ZeRO-2 and ZeRO-0 in configure_model (no zero.Init); and in

@@ -96,7 +96,7 @@ def test_at_sp_1_an_inline_attention_family_keeps_its_own_attention_exactly(over
 
 
 def test_a_ring_refuses_token_mixers_that_cannot_split_by_their_heads():
-    # whole-rows mixers run under pure Ulysses only: RecurrentGemma's 4 RG-LRU heads do not split over 4 x 2 ranks
+    # whole-rows mixers run under pure Ulysses only: RecurrentGemma's 4 RG-LRU heads are fewer than 4 x 2 ranks
     model = tiny_model("recurrent_gemma", block_types=["recurrent", "attention"])
     with pytest.raises(NotImplementedError, match="ring_size=1"):
         validate_hf_model(model, 4, ring_size=2)

@@ -1,5 +1,6 @@
 """Token mixers split by heads (lightning_ulysses/mixers/), what the 4-rank family matrix cannot show on CPU: the
-path a split Mamba2 mixer takes where mamba_ssm's fused kernel is installed (GPU), and where its groups cannot split.
+path a split Mamba2 mixer takes where mamba_ssm's fused kernel is installed (GPU), and which groups (B and C, key
+heads) each rank's heads read when they split unevenly.
 
 One process at SP 1, where a declared split is installed too: a row of one document runs through the mixer itself
 (its fused kernel kept), packed rows through the local view and its stand-ins, one document at a time, as at any SP
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from lightning_ulysses.hf import token_mixer_modules
-from lightning_ulysses.mixers import install_mixers, mamba2
+from lightning_ulysses.mixers import install_mixers, left_on_whole_rows, mamba2, split_of, why_on_whole_rows
 from tests.distributed.families import family_model, tiny_model
 
 MAMBA2_FAMILIES = ("mamba2", "bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2")
@@ -75,8 +76,8 @@ def test_a_split_view_that_would_take_a_fused_path_is_refused(monkeypatch):
     _fused_kernel(monkeypatch, mixer)
     declared = mamba2.split
 
-    def in_training(module, parts):
-        split = declared(module, parts)
+    def in_training(module, parts, rank):
+        split = declared(module, parts, rank)
         return type(split)(**{**split.__dict__, "attributes": {
             name: value for name, value in split.attributes.items() if name != "training"}})
 
@@ -90,18 +91,31 @@ def test_a_split_view_that_would_take_a_fused_path_is_refused(monkeypatch):
             handle.remove()
 
 
-def test_mamba2_groups_split_with_the_heads_or_are_shared_or_the_mixer_runs_on_whole_rows():
+def test_mamba2_groups_split_with_the_heads_or_are_shared_or_copied_per_head():
     mixer = token_mixer_modules(tiny_model("mamba2", "eager", num_heads=12, n_groups=3, expand=3))[0][1]
-    # 3 groups of 4 heads: over 3 ranks, one each; over 6, two ranks read each group; over 2 or 4 a rank's heads
-    # would read parts of two groups, unlike its neighbour's: whole rows
-    assert mamba2.split(mixer, 3).attributes["n_groups"] == 1
-    assert mamba2.split(mixer, 6).attributes["n_groups"] == 1
-    assert mamba2.split(mixer, 2) is None and mamba2.split(mixer, 4) is None
-    conv = mamba2.split(mixer, 6).parameters["conv1d.weight"][1]
+    # 3 groups of 4 heads: over 3 ranks, one each; over 6, two ranks read each group; over 2, rank 0's 6 heads read
+    # 4 of group 0 and 2 of group 1 (unequal: one copy of its group per head); over 5 (3, 3, 2, 2, 2 heads), rank 1's
+    # heads 3-5 read group 0 once and group 1 twice (copies), rank 2's heads 6-7 group 1 alone
+    def groups_of(parts: int, rank: int) -> int:
+        return mamba2.split(mixer, parts, rank).attributes["n_groups"]
+
+    assert [groups_of(3, rank) for rank in range(3)] == [1, 1, 1]
+    assert [groups_of(6, rank) for rank in range(6)] == [1] * 6
+    assert [groups_of(2, rank) for rank in range(2)] == [6, 6]
+    assert [groups_of(5, rank) for rank in range(5)] == [1, 3, 1, 1, 1]
+    assert [mamba2.split(mixer, 5, rank).attributes["num_heads"] for rank in range(5)] == [3, 3, 2, 2, 2]
+    conv = mamba2.split(mixer, 6, 0).parameters["conv1d.weight"][1]
     state, inner = mixer.ssm_state_size, mixer.intermediate_size
     x = 2 * mixer.head_dim  # the rank's 2 heads' channels of x, then its group's of B
     b_of_rank = [conv.local_channels(rank, 6)[x:x + state] for rank in range(6)]
     assert [int(channels[0]) - inner for channels in b_of_rank] == [0, 0, state, state, 2 * state, 2 * state]
+    x = 3 * mixer.head_dim  # over 5 ranks, rank 1: heads 3, 4, 5 read groups 0, 1, 1: three copies of B's channels
+    b_of_rank_1 = conv.local_channels(1, 5)[x:x + 3 * state].view(3, state)[:, 0] - inner
+    assert b_of_rank_1.tolist() == [0, state, state]
+    # the norm's groups (4 heads each) are whole on every rank over 3 ranks only: there it runs unchanged, elsewhere
+    # its sums of squares are summed over the ranks
+    assert "norm" not in mamba2.split(mixer, 3, 0).replaced
+    assert all("norm" in mamba2.split(mixer, parts, 0).replaced for parts in (2, 5, 6))
 
 
 @pytest.mark.parametrize("family", ("mamba", "falcon_mamba"))
@@ -135,3 +149,36 @@ def test_a_split_mamba_mixer_never_takes_the_fused_kernel_path(family, monkeypat
             handle.remove()
     assert len(calls) == int(fused_path), family  # the split view does not take it
     torch.testing.assert_close(output, unfused)
+
+
+def test_only_a_mixer_with_fewer_units_than_ranks_runs_on_whole_rows_and_says_why():
+    # Qwen3.5's Gated DeltaNet with 3 value heads (3 key heads): split unevenly over 2 ranks (2 and 1 heads), on
+    # whole rows over 4 (a rank would hold no head), with the reason in the warning; over 3 ranks, one head each.
+    model = tiny_model("qwen3_5_text", linear_num_key_heads=3, linear_num_value_heads=3)
+    mixers = token_mixer_modules(model)
+    assert left_on_whole_rows(mixers, 2) == left_on_whole_rows(mixers, 3) == []
+    assert [path for path, _ in left_on_whole_rows(mixers, 4)] == [path for path, _ in mixers]
+    assert why_on_whole_rows(mixers[0][1], 2) is None
+    assert "its 3 heads/channels are fewer than the 4 SP ranks" in why_on_whole_rows(mixers[0][1], 4)
+    split = [split_of(mixers[0][1], 2, rank) for rank in range(2)]
+    assert [s.attributes["num_v_heads"] for s in split] == [2, 1]
+    assert [s.attributes["num_k_heads"] for s in split] == [2, 1]
+
+
+def test_gated_deltanet_value_heads_split_unevenly_with_the_key_heads_they_read():
+    # Qwen3-Next's in_proj_qkvz is grouped by key head: [query | key | its value heads' values | their gates]. With
+    # 9 value heads over 3 key heads (3 each) at SP 4 (3, 2, 2, 2 value heads), rank 2's value heads 5 and 6 read key
+    # heads 1 and 2, one each: its view holds 2 key heads of one value head each.
+    mixer = token_mixer_modules(family_model("qwen3_next@uneven"))[0][1]
+    split = split_of(mixer, 4, 2)
+    assert (split.attributes["num_k_heads"], split.attributes["num_v_heads"]) == (2, 2)
+    key, value = mixer.head_k_dim, mixer.head_v_dim
+    block = 2 * key + 3 * 2 * value  # one key head's block of in_proj_qkvz
+    channels = split.inputs["in_proj_qkvz"].local_channels(2, 4)
+    expected = []
+    for key_head, within in ((1, 2), (2, 0)):  # value head 5 is key head 1's third, 6 is key head 2's first
+        start = key_head * block
+        expected += [*range(start, start + 2 * key),  # its query and key
+                     *range(start + 2 * key + within * value, start + 2 * key + (within + 1) * value),  # the value
+                     *range(start + 2 * key + (3 + within) * value, start + 2 * key + (4 + within) * value)]  # gate
+    assert channels.tolist() == expected

@@ -55,7 +55,7 @@ def test_a_mixer_with_lora_on_its_linears_is_split_by_heads(family):
     _, mixer, adapted = _adapted_mixer(family)
     assert adapted, family
     for parts in (1, 2, 4):
-        split = split_of(mixer, parts)
+        split = split_of(mixer, parts, 0)
         assert split is not None, (family, parts)
         assert lora.why_not_split(mixer, split) is None, (family, parts)
 
@@ -94,17 +94,17 @@ def test_what_cannot_go_through_a_slice_is_named_with_the_fix():
     # mask per rank on an input every rank holds whole; a LoRA bias on a sum of partial products would be added per
     # rank. Each sends its mixer to whole rows (exact) with the reason; the exchanged projections take any of them.
     _, kimi, _ = _adapted_mixer("kimi_linear", use_dora=True)
-    why = lora.why_not_split(kimi, split_of(kimi, 2))
+    why = lora.why_not_split(kimi, split_of(kimi, 2, 0))
     assert "not plain LoRA" in why and "out of the adapter's target_modules" in why, why
     _, kimi, _ = _adapted_mixer("kimi_linear", lora_dropout=0.1)
-    why = lora.why_not_split(kimi, split_of(kimi, 2))
+    why = lora.why_not_split(kimi, split_of(kimi, 2, 0))
     assert "lora_dropout=0" in why and ("g_b_proj" in why or "f_b_proj" in why), why
     _, jamba, _ = _adapted_mixer("jamba", lora_bias=True)
-    why = lora.why_not_split(jamba, split_of(jamba, 2))
+    why = lora.why_not_split(jamba, split_of(jamba, 2, 0))
     assert "lora_bias=True" in why and "x_proj" in why, why
     for config in ({"use_dora": True}, {"lora_dropout": 0.1, "lora_bias": True}):  # exchanged projections only
         _, lfm2, _ = _adapted_mixer("lfm2", **config)
-        assert lora.why_not_split(lfm2, split_of(lfm2, 2)) is None
+        assert lora.why_not_split(lfm2, split_of(lfm2, 2, 0)) is None
 
 
 def test_the_partial_products_of_a_lora_linear_sum_to_it_with_its_bias_once(monkeypatch):

@@ -130,8 +130,9 @@ def build(case):
         module = llama_module(num_heads=6, num_key_value_heads=3)
     elif kind == "mixer_on_ring":
         module = CausalLM(num_key_value_heads=1)
-        # 3 RG-LRU heads do not split over the 2 SP ranks of a ring of 2 (mixers that split run on a ring)
-        module.model = tiny_model("recurrent_gemma", block_types=["recurrent", "attention"], num_attention_heads=3,
+        # 1 RG-LRU head does not split over the 2 SP ranks of a ring of 2: fewer heads than ranks (mixers that split,
+        # evenly or not, run on a ring)
+        module.model = tiny_model("recurrent_gemma", block_types=["recurrent", "attention"], num_attention_heads=1,
                                   num_key_value_heads=1, hidden_size=24, lru_width=24, head_dim=8)
     elif kind in ("mask_only_bidirectional", "unknown_router_loss"):
         module = moe_module(kind)

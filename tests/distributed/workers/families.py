@@ -27,6 +27,7 @@ from lightning_ulysses.adapters import position_rule_of
 from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.hf import token_mixer_modules, validate_hf_model
 from lightning_ulysses.mixers import install_mixers, left_on_whole_rows, split_of
+from lightning_ulysses.mixers.channels import unit_range
 from lightning_ulysses.parallel.layout import ParallelLayout, SequenceParallelGroups, ShardOrder
 from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss
 from tests.distributed.common import relative_gradient_error
@@ -58,8 +59,9 @@ def family_batches() -> dict[str, dict]:
 
 
 def build(family: dict):
-    """(model, attention implementation) or the reason it cannot be built small here."""
-    name, overrides = family["family"], family.get("overrides", {})
+    """(model, attention implementation) or the reason it cannot be built small here (`<family>@<variant>`: the
+    family's model with the variant's overrides, which the spec carries)."""
+    name, overrides = family["family"].partition("@")[0], family.get("overrides", {})
     if family.get("float64"):
         return tiny_model(name, "sdpa", **overrides).double(), "sdpa"
     try:
@@ -214,7 +216,7 @@ def mixer_errors(pristine, sp_groups: dict) -> dict:
             hidden, weights, expected, whole_grad, whole_work = _on_whole_rows(module, pristine, seed=11)
             mine = copy.deepcopy(module)
             handles, whole_rows = install_mixers([(path, mine)], group)
-            split = split_of(mine, sp)
+            split = split_of(mine, sp, rank)
             cut = slice(rank * SEQ_LEN // sp, (rank + 1) * SEQ_LEN // sp)
             shard = hidden[:, cut].clone().requires_grad_(True)
             with _Work(mine) as work:
@@ -229,6 +231,8 @@ def mixer_errors(pristine, sp_groups: dict) -> dict:
                 "gradient_error": (shard.grad - whole_grad[:, cut]).abs().max().item(),
                 "ran": "whole rows" if whole_rows else "split", "work": work.totals(), "whole_work": whole_work.totals(),
                 "projections": [] if whole_rows else [*split.inputs, split.output[0]],
+                "units": split.units if split else None,
+                "local_units": len(unit_range(split.units, sp, rank)) if split else None,
             }
     return results
 
@@ -243,17 +247,50 @@ def mixer_ring_errors(pristine, groups) -> dict:
         hidden, weights, expected, whole_grad, _ = _on_whole_rows(module, pristine, seed=13)
         mine = copy.deepcopy(module)
         handles, whole_rows = install_mixers([(path, mine)], groups.ulysses_group, groups.ring_group)
-        positions = order.positions(SEQ_LEN, rank)
-        shard = hidden[:, positions].clone().requires_grad_(True)
-        try:
-            output = _first(mine(shard, **_call_kwargs(mine, shard, positions)))
-            (output * weights[:, positions]).sum().backward()
-        finally:
-            for handle in handles:
-                handle.remove()
-        results[path] = {"output_error": (output - expected[:, positions]).abs().max().item(),
-                         "gradient_error": (shard.grad - whole_grad[:, positions]).abs().max().item(),
+        reference = (hidden, weights, expected, whole_grad)
+        results[path] = {**_installed_errors(mine, handles, reference, order.positions(SEQ_LEN, rank)),
                          "ran": "whole rows" if whole_rows else "split"}
+    return results
+
+
+def _installed_errors(mine, handles, reference: tuple, tokens) -> dict:
+    """Output and input-gradient errors of `mine` (its mixers installed: `handles`, removed after) run on the
+    `tokens` of the rows (a slice, or positions), against `reference` = `_on_whole_rows`' (hidden, weights, output,
+    input gradient)."""
+    hidden, weights, expected, whole_grad = reference
+    shard = hidden[:, tokens].clone().requires_grad_(True)
+    try:
+        output = _first(mine(shard, **_call_kwargs(mine, shard, tokens)))
+        (output * weights[:, tokens]).sum().backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {"output_error": (output - expected[:, tokens]).abs().max().item(),
+            "gradient_error": (shard.grad - whole_grad[:, tokens]).abs().max().item()}
+
+
+def mixer_transport_errors(pristine, groups) -> dict:
+    """{path: {...}} for the first token mixer of each kind split over `groups` with the copy-engine exchange
+    (emulated on gloo: `EmulatedCopyTransport`) against the same layer on the whole rows: output and input-gradient
+    errors, and how many exchanges the transport moved (equal pieces only; unequal ones take the collective)."""
+    from lightning_ulysses.attention.copy_engine import EmulatedCopyTransport
+
+    class Counted(EmulatedCopyTransport):
+        launches = 0
+
+        def launch(self, *args, **kwargs):
+            Counted.launches += 1
+            return super().launch(*args, **kwargs)
+
+    kinds, results = _outermost_mixer_kinds(pristine), {}
+    sp, rank = groups.sequence_parallel_world_size, groups.sequence_parallel_rank
+    cut = slice(rank * SEQ_LEN // sp, (rank + 1) * SEQ_LEN // sp)
+    for path, module in kinds.values():
+        hidden, weights, expected, whole_grad, _ = _on_whole_rows(module, pristine, seed=17)
+        mine, Counted.launches = copy.deepcopy(module), 0
+        handles, _ = install_mixers([(path, mine)], groups.sequence_parallel_group, transport=Counted())
+        results[path] = {**_installed_errors(mine, handles, (hidden, weights, expected, whole_grad), cut),
+                          "transport_launches": Counted.launches}
     return results
 
 
@@ -368,15 +405,20 @@ def run(spec: dict, workdir: Path) -> None:
     ring_groups = sp_groups[4].with_ring_size(2) if 4 in sp_groups else None
     for family in spec["families"]:
         start = time.monotonic()
-        output["families"][family["family"]] = run_family(family, sp_groups)
+        if not family.get("layers_only"):  # (a variant whose mixers alone are checked: `mixer_errors` below)
+            output["families"][family["family"]] = run_family(family, sp_groups)
         if family.get("mixers"):
             output.setdefault("mixers", {})[family["family"]] = mixer_errors(build(family)[0], sp_groups)
             if ring_groups is not None:
                 output.setdefault("mixer_rings", {})[family["family"]] = mixer_ring_errors(build(family)[0],
                                                                                            ring_groups)
+            if family["family"] in spec.get("transport_mixers", ()):
+                output.setdefault("mixer_transports", {})[family["family"]] = mixer_transport_errors(
+                    build(family)[0], sp_groups[max(sp_groups)])
         output["seconds"][family["family"]] = time.monotonic() - start
         if dist.get_rank() == 0:  # progress in the launch's log
-            print(f"{family['family']}: {output['families'][family['family']]} ({output['seconds'][family['family']]:.1f} s)",
+            print(f"{family['family']}: {output['families'].get(family['family'], 'layers')}"
+                  f" ({output['seconds'][family['family']]:.1f} s)",
                   file=sys.stderr, flush=True)
     for groups in sp_groups.values():
         groups.release()
