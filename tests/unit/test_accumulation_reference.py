@@ -48,3 +48,17 @@ def test_reference_matches_lightning_own_accumulation(epochs, batches, limit, ma
     assert_weights_match(trained, reference)
     assert [record["loss"] for record in module.records] == pytest.approx(
         [loss[0] for loss in reference["losses"]], abs=1e-5)
+
+
+def test_weights_match_forgives_one_rounding_per_element_and_nothing_more():
+    """`assert_weights_match` counts each weight's difference beyond one fp32 rounding of that weight: a one-ulp
+    flip of one element passes; an update off by 1% (a scaling bug) fails, also on a weight whose update is a few
+    hundred ulps."""
+    initial = torch.linspace(0.2, 0.3, 64)
+    update = torch.full((64,), 2.4e-4 / 8)  # norm 2.4e-4, ~1000 ulps of a weight of 0.25
+    reference = {"initial": {"w": initial}, "final": {"w": initial - update}}
+    flipped = (initial - update).clone()
+    flipped[5] = torch.nextafter(flipped[5], torch.tensor(1.0))
+    assert_weights_match({"w": flipped}, reference)
+    with pytest.raises(AssertionError, match="beyond fp32 rounding"):
+        assert_weights_match({"w": initial - 1.01 * update}, reference)
