@@ -378,9 +378,13 @@ def _layers_saved_bytes_per_token(shape: ModelShape, e: int, m: MemoryOptions) -
 
 def _layer_backward_transient_per_token(shape: ModelShape, e: int) -> float:
     """Gradients alive while one layer runs backward: d(hidden) in and out, d(q, k, v), d(attention output); in a
-    hybrid, d(hidden) in and out and the gradients of its largest part (as large as what it keeps)."""
+    hybrid, d(hidden) in and out and 15% of what its largest part keeps: backward frees the saved chunks as it goes
+    (Qwen3-Next-like shape at 256K with layer checkpointing and a tiled MLP on the H200: 125.4 GiB peak, i.e. ~460 kB
+    per token for one Gated DeltaNet layer's recompute and backward, whose saved bytes are ~400 kB;
+    `benchmarks/results/2026-12-03-h200-delta-rule/qwen3_next.jsonl`)."""
     if shape.layers:
-        return 4 * e * shape.hidden_size + max(part.saved_bytes for layer in shape.layers for part in layer.parts)
+        return 4 * e * shape.hidden_size + 0.15 * max(part.saved_bytes for layer in shape.layers
+                                                      for part in layer.parts)
     h, kv = shape.hidden_size, shape.num_key_value_heads * shape.head_dim
     return e * (2 * h + h + 2 * kv + h)
 
