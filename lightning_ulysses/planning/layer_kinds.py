@@ -230,3 +230,16 @@ def hybrid_layers(config: Any) -> Optional[tuple[LayerKind, ...]]:
 def attention_layers(layers: tuple[LayerKind, ...]) -> int:
     """How many of `layers` hold a softmax attention."""
     return sum(1 for layer in layers if layer.mixer is not None and layer.mixer.attention_heads)
+
+
+def features_the_layers_refuse(layers: tuple[LayerKind, ...]) -> frozenset[str]:
+    """What the memory engine refuses on a hybrid of these layers, from its config alone (`plan=true`; a built model
+    is asked directly: `memory.features_refused_by`): the tiled MLP unless every layer has an `mlp` it tiles, the
+    low-memory norms and the fused elementwise kernels (the hybrids declared here have norms that are not
+    Llama-style: Qwen3-Next's `1 + weight`, Mamba2's grouped gated norm)."""
+    if not layers:
+        return frozenset()
+    refused = {"low_memory_norms", "fused_elementwise"}
+    if not all(layer.mlp is not None and layer.mlp.tiles for layer in layers):
+        refused.add("tiled_mlp")
+    return frozenset(refused)

@@ -121,10 +121,11 @@ class ModelShape:
                    tie_word_embeddings=config.tie_word_embeddings)
 
     @classmethod
-    def from_hf_config(cls, config, name: Optional[str] = None) -> "ModelShape":
+    def from_hf_config(cls, config, name: Optional[str] = None, hybrid: bool = True) -> "ModelShape":
         """Llama-style configs (SwiGLU MLP, RMSNorm, no biases), and hybrids whose layer kinds `layer_kinds` declares
-        (Gated DeltaNet and Mamba2 mixers, attention, dense and expert MLPs)."""
-        layers = hybrid_layers(config)
+        (Gated DeltaNet and Mamba2 mixers, attention, dense and expert MLPs; another hybrid raises `ValueError`).
+        `hybrid=False`: every layer taken as a Llama-style one (a rough count, for throughput logging)."""
+        layers = hybrid_layers(config) if hybrid else None
         if layers:
             return cls(name or config.model_type, len(layers), config.hidden_size,
                        getattr(config, "intermediate_size", None) or 0, config.num_attention_heads,

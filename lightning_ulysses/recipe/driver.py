@@ -31,6 +31,7 @@ from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.parallel.layout import ParallelLayout
 from lightning_ulysses.parallel.run_spec import LIGHTNING_SUB_GROUP_SIZE, RunSpec, split_ulysses_block
 from lightning_ulysses.planning import auto
+from lightning_ulysses.planning.layer_kinds import features_the_layers_refuse
 from lightning_ulysses.planning.planner import ModelShape, TrainingSetup, plan_memory
 
 _RUNTIME_ENVIRONMENT = {
@@ -339,9 +340,11 @@ def auto_choice(cfg: DictConfig, spec: Any, layout: ParallelLayout) -> tuple[Any
     shape = _shape(spec)
     try:
         # fused_elementwise as `python -m lightning_ulysses plan --auto`: a GPU with Triton, and Llama-style (gated)
-        # MLPs it fuses
+        # MLPs it fuses; a hybrid's layers refuse what `layer_kinds` says they refuse
+        refused = features_the_layers_refuse(shape.layers)
         return auto.choose(shape, request, described_run(cfg, layout, on_cuda), free, kernel=kernel,
-                           fused_elementwise=on_cuda and shape.gated_mlp), free_from
+                           fused_elementwise=on_cuda and shape.gated_mlp and "fused_elementwise" not in refused,
+                           refused=refused), free_from
     except ValueError as error:
         raise RecipeError(str(error)) from error
 

@@ -121,3 +121,19 @@ def test_auto_plans_a_qwen3_next_like_shape_at_128k_on_an_h200():
     assert 4 < flops[1] / flops[0] < 16
     steps = [predict_step_time(shape, TrainingSetup(seq_len=seq, memory=choice.memory)).total for seq in (32768, 131072)]
     assert 4 < steps[1] / steps[0] < 16
+
+
+def test_a_hybrid_without_declared_costs_is_refused_by_auto_and_counted_roughly_by_the_throughput_log():
+    """LFM2's short-convolution layers have no declared costs: auto refuses to plan them (naming the fix) rather than
+    plan them as attention layers; the throughput log still counts its FLOPs, as attention layers. A declared
+    hybrid's FLOPs count the experts a token reaches, not all of them."""
+    from lightning_ulysses.integration.callbacks import infer_model_shape, model_flops_per_sequence
+
+    config = transformers.Lfm2Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                                     num_hidden_layers=2, vocab_size=128, layer_types=["conv", "full_attention"])
+    with pytest.raises(ValueError, match="no costs declared for the token mixers of lfm2.*set the memory features"):
+        ModelShape.from_hf_config(config)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    assert not infer_model_shape(model).layers
+    qwen = ModelShape.from_hf_config(_qwen3_next_like())
+    assert model_flops_per_sequence(qwen, 4096) == model_flops_per_step(qwen, 4096) < 6 * qwen.num_parameters * 4096
