@@ -2,19 +2,25 @@
 
 For each shape (`conf/model/qwen3_next_like.yaml`, `conf/model/nemotron_h_like.yaml`):
 - **plain HF**: transformers as the user has it (its own PyTorch fallbacks of the delta rule and the SSD scan, no
-  flash-linear-attention or mamba kernels on the image), the model from `AutoModelForCausalLM.from_config`, fp32
-  weights under bf16 autocast and torch's fused AdamW (the bytes per parameter of the recipe's bf16-mixed ZeRO-3),
-  `model(input_ids=..., labels=...).loss.backward()` and a step; at 32K, then doubling until it runs out of memory;
+  flash-linear-attention or mamba kernels on the image; not our linear-time delta rule, which is the recipe's), the
+  model from `AutoModelForCausalLM.from_config`, fp32 weights under bf16 autocast and torch's fused AdamW (what
+  Lightning's bf16-mixed does, and the bytes per parameter of the recipe's ZeRO-3), `model(input_ids=...,
+  labels=...).loss.backward()` and an optimizer step; at 32K, then doubling until it runs out of memory — or, where
+  32K does not fit, halving down to 8K, and the recipe also runs at the longest length plain HF fits (the ratio);
 - **recipe**: `recipes/train.py experiment=<shape>_auto data.seq_len=L` (SP 1, `strategy.memory=auto`) at 32K,
   64K, 128K and 256K: tokens/s and peak from its `metrics.csv` (ThroughputCallback, the steps after the first) and
   auto's choice from its log.
 
 Each point runs in its own process with a time cap (`--point-cap` seconds; the whole call under `--budget`), so an
-out-of-memory or a slow point costs only itself. One JSON line per point: shape, variant, tokens, status, tokens/s,
+out-of-memory or a slow point costs only itself; points left when the budget is spent print "not run" (run them with
+`--shapes nemotron_h` in a second call). DeepSpeed's CPU Adam (which an offloading choice needs; 1-2 minutes to build
+on a fresh machine) builds in the background from the start, into `$OUT/torch_extensions`. One JSON line per point: shape, variant, tokens, status, tokens/s,
 step seconds, peak GiB, the model's FLOPs per step (`planning.step_time.model_flops_per_step`) and, for the recipe,
 auto's choice and predicted step.
 
-    python benchmarks/hybrid_auto.py                         # the GPU run (one H200; ~9 minutes at most)
+    # the GPU run (one H200, ~9 minutes at most; carry .whl: deepspeed, hydra-core, omegaconf)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 && python3 benchmarks/hybrid_auto.py
     python benchmarks/hybrid_auto.py --tiny                  # CPU, tiny widths, short rows: checks the plumbing
 """
 
@@ -74,7 +80,8 @@ def plain_point(shape: str, length: int, tiny: bool, steps: int) -> dict:
 
     device = "cpu" if tiny else "cuda"
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(hf_config(shape, tiny), attn_implementation="sdpa").to(device).train()
+    with torch.device(device):  # initialised where it trains (a CPU init of 1.5B parameters takes longer than a step)
+        model = AutoModelForCausalLM.from_config(hf_config(shape, tiny), attn_implementation="sdpa").train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
     tokens = torch.randint(0, model.config.vocab_size, (1, length), device=device)
     times = []
@@ -145,7 +152,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
     parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 65536, 131072, 262144])
     parser.add_argument("--steps", type=int, default=2, help="timed steps per point (after one warm-up step)")
-    parser.add_argument("--point-cap", type=float, default=100.0, help="seconds one point may take")
+    parser.add_argument("--point-cap", type=float, default=130.0, help="seconds one point may take")
     parser.add_argument("--budget", type=float, default=530.0, help="seconds the whole call may take")
     parser.add_argument("--tiny", action="store_true", help="CPU, tiny widths, 64- and 128-token rows")
     parser.add_argument("--out", default=os.environ.get("OUT", "outputs/hybrid_auto"))
@@ -167,26 +174,43 @@ def main() -> None:
     def cap() -> float:
         return min(args.point_cap, args.budget - (time.monotonic() - start))
 
+    def plain(shape: str, length: int) -> str:
+        command = [sys.executable, __file__, "--point", shape, str(length), "--steps", str(args.steps)]
+        command += ["--tiny"] if args.tiny else []
+        try:
+            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=cap(),
+                                  env={**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"})
+            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+            record = (json.loads(lines[-1]) if lines else
+                      {"status": "out of memory" if "OutOfMemoryError" in done.stderr else f"exit {done.returncode}",
+                       "error": done.stderr.strip().splitlines()[-1][:300] if done.stderr.strip() else ""})
+        except subprocess.TimeoutExpired:
+            record = {"status": "over the time cap"}
+        emit(shape, "plain_hf", length, record)
+        return record["status"]
+
+    if not args.tiny:  # DeepSpeed's CPU Adam (an offloading choice needs it) builds beside the first points
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(out / "torch_extensions"))
+        subprocess.Popen([sys.executable, "-c", "import torch; from deepspeed.ops.adam import DeepSpeedCPUAdam;"
+                          " DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(8))])"], cwd=ROOT,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for shape in args.shapes:
-        # plain HF: the first length, then doubling until it runs out of memory (or the time is spent)
-        length = lengths[0]
+        # plain HF: the first length, then doubling until it runs out of memory (or the time is spent); where the
+        # first does not fit, halving down to 8K, and the recipe runs at the longest that fits too (the ratio)
+        compared, length = [], lengths[0]
         while cap() > 10:
-            command = [sys.executable, __file__, "--point", shape, str(length), "--steps", str(args.steps)]
-            command += ["--tiny"] if args.tiny else []
-            try:
-                done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=cap(),
-                                      env={**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"})
-                lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-                record = (json.loads(lines[-1]) if lines else
-                          {"status": "out of memory" if "OutOfMemoryError" in done.stderr else f"exit {done.returncode}",
-                           "error": done.stderr.strip().splitlines()[-1][:300] if done.stderr.strip() else ""})
-            except subprocess.TimeoutExpired:
-                record = {"status": "over the time cap"}
-            emit(shape, "plain_hf", length, record)
-            if record["status"] != "ok" or (args.tiny and length >= lengths[-1]):
+            status = plain(shape, length)
+            if status == "ok":
+                compared.append(length)
+                if compared[0] < lengths[0] or (args.tiny and length >= lengths[-1]):
+                    break
+                length *= 2
+            elif compared or length <= min(8192, lengths[0]):
                 break
-            length *= 2
-        for length in lengths:
+            else:
+                length //= 2
+        extra = [length for length in compared if length < lengths[0]]
+        for length in extra + lengths:
             if cap() <= 10:
                 emit(shape, "recipe_auto", length, {"status": "not run: the call's time budget is spent"})
                 continue
