@@ -22,6 +22,10 @@ prints prediction against measurement). What the model counts:
   compute stream and beside it, one run each);
 - optimizer: GPU Adam per element kept on the GPU; CPU Adam per offloaded element (with its gradient and parameter
   copies); with any offload, ZeRO-3's 16-bit gradients of every element cross the host link;
+- hybrids (`layer_kinds`): each layer's parts' matmuls (an expert MLP: the experts a token reaches), causal attention
+  only in attention layers (`heads · head_dim` wide), and the recurrences' own FLOPs (`scan_flops`, forward ×3 with
+  backward, once more per recompute) at `DeviceSpeeds.scan_flops`, the rate of our PyTorch delta rule on the H200;
+  the Qwen3-Next-like shape's measured forward + backward steps are within 15% (`tests/unit/test_hybrid_shapes.py`);
 - a fixed cost per step (the hooks and launches that do not grow with the sequence);
 - the host: ZeRO-3's hooks and Python cost a fixed part per step and a part per decoder layer and pass (forward,
   backward, recompute); where that is longer than everything above, the step waits for the host (1B at 4K). On a
