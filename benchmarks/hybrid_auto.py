@@ -49,6 +49,11 @@ TINY = {"qwen3_next": {"hidden_size": 64, "num_attention_heads": 4, "head_dim": 
                        "chunk_size": 32, "intermediate_size": 96, "n_routed_experts": 4, "moe_intermediate_size": 32,
                        "moe_shared_expert_intermediate_size": 32, "vocab_size": 1024}}
 
+# --tiny: features pinned on (a tiny row needs none), so that the memory engine runs on every layer kind here as the
+# GPU run's choices will: layer checkpointing, the tiled MLP (Qwen3-Next's experts; Nemotron-H's blocks refuse it)
+TINY_PINNED = {"qwen3_next": "activation_checkpointing: true, tiled_mlp: true, tiled_logits_loss: true",
+               "nemotron_h": "activation_checkpointing: true, keep_attention_outputs: true, tiled_logits_loss: true"}
+
 
 def model_settings(shape: str, tiny: bool) -> dict:
     """The Hugging Face config keywords of `conf/model/<shape>_like.yaml` (with the tiny widths)."""
@@ -113,7 +118,8 @@ def recipe_point(shape: str, length: int, tiny: bool, steps: int, cap: float, ou
     if tiny:
         overrides += ["trainer=cpu", "trainer.devices=1", "trainer.max_steps=%d" % (steps + 1), "trainer.limit_val_batches=0",
                       "trainer.enable_checkpointing=false", "trainer.log_every_n_steps=1", "data.vocab_size=64",
-                      "~strategy.memory", "+strategy.memory={auto: true, free_memory: [8.0e9, 8.0e9]}"]
+                      "~strategy.memory", "+strategy.memory={auto: true, free_memory: [8.0e9, 8.0e9], %s}"
+                      % TINY_PINNED[shape]]
         overrides += [f"model.model.{key}={value}" for key, value in TINY[shape].items()]
     command = [sys.executable, str(ROOT / "recipes/train.py"), *overrides]
     try:
