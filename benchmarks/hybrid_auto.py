@@ -153,6 +153,20 @@ def _auto_choice(log: str) -> dict:
             "confirmed_step_s": confirmed and float(confirmed.group(1))}
 
 
+def environment() -> dict:
+    """The first JSON line: versions and device, read without initialising CUDA here (a context in this process
+    would take memory from the points' processes)."""
+    import torch
+    import transformers
+
+    try:
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        gpu = None
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "gpu": gpu or None}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
@@ -200,6 +214,7 @@ def main() -> None:
         subprocess.Popen([sys.executable, "-c", "import torch; from deepspeed.ops.adam import DeepSpeedCPUAdam;"
                           " DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(8))])"], cwd=ROOT,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    print(json.dumps(environment()), flush=True)
     for shape in args.shapes:
         # plain HF: the first length, then doubling until it runs out of memory (or the time is spent); where the
         # first does not fit, halving down to 8K, and the recipe runs at the longest that fits too (the ratio)
