@@ -167,9 +167,10 @@ def _get(config: Any, *names: str, default: Any = None) -> Any:
 
 
 def hybrid_layers(config: Any) -> Optional[tuple[LayerKind, ...]]:
-    """The layer kinds of a Hugging Face hybrid config (Gated DeltaNet + attention with dense or expert MLPs, as
-    Qwen3-Next; Mamba2 / attention / MLP / expert blocks, as Nemotron-H), or None for a config with attention layers
-    only (a Llama-style shape). Raises `ValueError` for a mixer whose costs are not declared here."""
+    """The layer kinds of a Hugging Face hybrid config (Gated DeltaNet + gated attention with dense or expert MLPs:
+    Qwen3-Next; Mamba2 / attention / MLP / expert blocks: Nemotron-H), or None for a config with attention layers
+    only (a Llama-style shape). Raises `ValueError` for any other hybrid: its costs are not declared (measured) here,
+    and planning it as something else would be silently wrong."""
     h, heads = config.hidden_size, config.num_attention_heads
     kv_heads = _get(config, "num_key_value_heads", default=heads)
     head_dim = _get(config, "head_dim", default=h // heads)
@@ -180,7 +181,9 @@ def hybrid_layers(config: Any) -> Optional[tuple[LayerKind, ...]]:
     if types is None or all(t in ("full_attention", "attention", "sliding_attention") for t in types):
         return None
     hybrid_norm = 8 * h + 4  # fp32 input and fp32 normalised values (Gemma-style) or 16-bit (Llama-style), + rstd
-    if hasattr(config, "linear_num_value_heads"):  # Gated DeltaNet (Qwen3-Next style decoder layers)
+    # Gated DeltaNet layers with Qwen3-Next's gated attention beside them (measured: Qwen3-Next; Qwen3.5's and
+    # OLMo-hybrid's layers differ in their projections and attention, not measured, so refused below)
+    if config.model_type == "qwen3_next":
         mixer = gated_deltanet(h, config.linear_num_key_heads, config.linear_key_head_dim,
                                config.linear_num_value_heads, config.linear_value_head_dim,
                                config.linear_conv_kernel_dim)
@@ -198,7 +201,9 @@ def hybrid_layers(config: Any) -> Optional[tuple[LayerKind, ...]]:
                    if moe else dense_mlp(h, config.intermediate_size, gated=True))
             layers.append(LayerKind(mixer if kind == "linear_attention" else attention, mlp, 2, hybrid_norm, h))
         return tuple(layers)
-    if hasattr(config, "mamba_num_heads") or hasattr(config, "mamba_n_heads"):  # Mamba2 blocks (Nemotron-H style)
+    # Mamba2 blocks that each hold one part (Nemotron-H). Bamba, Granite-MoE-hybrid, Falcon-H1 and Zamba2 also have
+    # Mamba2 mixers, but with an MLP (or attention beside them) in the same layer: not declared, so refused below.
+    if config.model_type == "nemotron_h":
         parts = {"mamba": mamba2(h, _get(config, "mamba_num_heads", "mamba_n_heads"),
                                  _get(config, "mamba_head_dim", "mamba_d_head"), config.ssm_state_size,
                                  _get(config, "n_groups", "mamba_n_groups", default=1),

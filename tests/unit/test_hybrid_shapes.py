@@ -177,6 +177,12 @@ def test_a_hybrid_without_declared_costs_is_refused_by_auto_and_counted_roughly_
                                      num_hidden_layers=2, vocab_size=128, layer_types=["conv", "full_attention"])
     with pytest.raises(ValueError, match="no costs declared for the token mixers of lfm2.*set the memory features"):
         ModelShape.from_hf_config(config)
+    # Bamba's layers hold a Mamba2 mixer *and* an MLP: not Nemotron-H's one-part blocks, so not planned as them
+    with pytest.raises(ValueError, match="no costs declared for the token mixers of bamba"):
+        ModelShape.from_hf_config(transformers.BambaConfig(num_hidden_layers=2, attn_layer_indices=[1]))
+    # nor Qwen3.5's Gated DeltaNet layers (other projections and attention, not measured) as Qwen3-Next's
+    with pytest.raises(ValueError, match="no costs declared for the token mixers of qwen3_5_text"):
+        ModelShape.from_hf_config(transformers.Qwen3_5TextConfig(num_hidden_layers=4))
     model = transformers.AutoModelForCausalLM.from_config(config)
     assert not infer_model_shape(model).layers
     qwen = ModelShape.from_hf_config(_qwen3_next_like())
