@@ -26,6 +26,7 @@ from typing_extensions import override
 from lightning_ulysses.adapters.native_model import NativeCausalLM
 from lightning_ulysses.fences import _lightning_private as lightning_private
 from lightning_ulysses.planning.planner import ModelShape
+from lightning_ulysses.planning.step_time import model_flops_per_step
 
 
 def infer_model_shape(module: torch.nn.Module) -> ModelShape:
@@ -35,12 +36,18 @@ def infer_model_shape(module: torch.nn.Module) -> ModelShape:
             return child.planner_shape()
         config = getattr(child, "config", None)
         if config is not None and hasattr(config, "num_hidden_layers") and hasattr(config, "vocab_size"):
-            return ModelShape.from_hf_config(config.get_text_config() if hasattr(config, "get_text_config") else config)
+            config = config.get_text_config() if hasattr(config, "get_text_config") else config
+            try:
+                return ModelShape.from_hf_config(config)
+            except ValueError:  # a hybrid whose mixers' costs are not declared: counted as attention layers
+                return ModelShape.from_hf_config(config, hybrid=False)
     raise ValueError(f"ThroughputCallback found no GPT or Hugging Face causal LM in {type(module).__name__}:"
                      " pass model_shape=lightning_ulysses.planning.planner.ModelShape(...).")
 
 
 def model_flops_per_sequence(shape: ModelShape, seq_len: int) -> float:
+    if shape.layers:  # a hybrid: the weights a token multiplies (experts it reaches), attention layers, scans
+        return model_flops_per_step(shape, seq_len)
     return 6 * shape.num_parameters * seq_len + 6 * shape.num_layers * seq_len**2 * shape.hidden_size
 
 

@@ -156,6 +156,22 @@ def fused_elementwise_applies(model: nn.Module) -> bool:
     return bool(layers)
 
 
+def features_refused_by(model: nn.Module) -> frozenset[str]:
+    """The memory features `apply_memory_options` refuses on `model` (`memory="auto"` leaves them off): the tiled MLP
+    where a decoder layer has no `mlp` of the hidden states alone (Nemotron-H's blocks hold theirs as `mixer`), the
+    low-memory norms where an RMSNorm is not Llama-style (Qwen3-Next's `1 + weight`). Changes nothing."""
+    refused = set()
+    layers = _decoder_layers(model)
+    if not layers or not all(isinstance(getattr(layer, "mlp", None), nn.Module)
+                             and _takes_hidden_states_only(layer.mlp) for layer in layers):
+        refused.add("tiled_mlp")
+    try:
+        llama_style_norms(model, ("low_memory_norms",))
+    except ValueError:
+        refused.add("low_memory_norms")
+    return frozenset(refused)
+
+
 # DeepSpeed's own bound for leaves it picks (`stage3_module_granularity_threshold`) and its default
 # `stage3_max_live_parameters`: GPT-3 176B's layers (1.8B parameters) stay gathered submodule by submodule.
 LEAF_LAYER_MAX_PARAMETERS = 10**9
@@ -266,4 +282,4 @@ def apply_memory_options(model: nn.Module, options: MemoryOptions,
 
 
 __all__ = ["HostActivationStore", "MemoryOptions", "TiledLogitsLoss", "apply_allocator_settings", "apply_memory_options",
-           "fused_elementwise_applies", "mark_leaf_layers"]
+           "features_refused_by", "fused_elementwise_applies", "mark_leaf_layers"]

@@ -40,7 +40,7 @@ import torch
 
 from lightning_ulysses.attention.backends import FA4, fa4_installed
 from lightning_ulysses.adapters.native_model import NativeCausalLM
-from lightning_ulysses.memory import MemoryOptions, fused_elementwise_applies
+from lightning_ulysses.memory import MemoryOptions, features_refused_by, fused_elementwise_applies
 from lightning_ulysses.parallel.run_spec import LIGHTNING_SUB_GROUP_SIZE, RunSpec
 from lightning_ulysses.planning.planner import GIB, MemoryPlan, ModelShape, TrainingSetup, plan_memory
 from lightning_ulysses.planning.step_time import StepTime, predict_step_time
@@ -302,11 +302,13 @@ def _describe(setup: TrainingSetup) -> str:
     return ", ".join(names) or "no features"
 
 
-def _option_sets(request: AutoMemory, run: RunSpec, fused_elementwise: bool) -> list[MemoryOptions]:
-    """Every valid combination of the features not pinned (pinned ones as set), fewest features first."""
+def _option_sets(request: AutoMemory, run: RunSpec, fused_elementwise: bool,
+                 refused: frozenset = frozenset()) -> list[MemoryOptions]:
+    """Every valid combination of the features not pinned (pinned ones as set; those the model refuses, off),
+    fewest features first."""
     def values(name: str, free: tuple) -> tuple:
         pinned = getattr(request, name)
-        return (pinned,) if pinned is not None else free
+        return (pinned,) if pinned is not None else (False,) if name in refused else free
 
     host = (False, True) if run.on_cuda else (False,)
     # Not an axis: where allowed it is faster and keeps less for backward (planner, measured), so it is simply on.
@@ -372,33 +374,39 @@ def _best_share(shape, request, run, kernel, budget, options, offloads) -> Optio
 
 
 def choose(shape: ModelShape, request: AutoMemory, run: RunSpec, free: tuple[float, float], *,
-           kernel: Optional[str] = None, fused_elementwise: bool = False) -> AutoChoice:
+           kernel: Optional[str] = None, fused_elementwise: bool = False,
+           refused: frozenset = frozenset()) -> AutoChoice:
     """The fastest predicted configuration of `run` that fits `free` (device, host bytes per rank) less the margins;
     raises `ValueError` naming the longest length that would fit, and what to change, when none does. `kernel`: the
     SDPA kernel attention runs with (None: torch's order); `fused_elementwise`: whether that feature may be switched
-    on (CUDA with Triton, and a model it recognises parts of)."""
+    on (CUDA with Triton, and a model it recognises parts of); `refused`: the features the model refuses
+    (`memory.features_refused_by`), left off."""
     if request.seq_len is None:
         raise ValueError('memory="auto" needs the training length: memory={"auto": True, "seq_len": N} (and'
                          ' "micro_batch" if it is not 1); the recipes fill both in from data.seq_len and data.batch_size.')
     budget = Budget(free[0] * (1 - request.device_margin), free[1] * (1 - request.host_margin), not run.on_cuda)
     offloads = _offload_choices(request, run, shape)
     fitting = [c for c in (_best_share(shape, request, run, kernel, budget, options, offloads)
-                           for options in _option_sets(request, run, fused_elementwise)) if c is not None]
+                           for options in _option_sets(request, run, fused_elementwise, refused)) if c is not None]
     if not fitting:
-        raise ValueError(_nothing_fits(shape, request, run, fused_elementwise, budget, offloads))
+        raise ValueError(_nothing_fits(shape, request, run, fused_elementwise, budget, offloads, refused))
     ranked = sorted(fitting, key=lambda c: c.key)  # stable: candidates in enumeration order on equal keys
     best = ranked[0]
-    reasons = _reasons(shape, request, run, kernel, fused_elementwise, budget, offloads, best)
+    reasons = _reasons(shape, request, run, kernel, fused_elementwise, budget, offloads, best, refused)
     return AutoChoice(shape, run, kernel, budget, best, reasons, ranked[1] if len(ranked) > 1 else None, free)
 
 
-def _reasons(shape, request, run, kernel, fused_elementwise, budget, offloads, best: Candidate) -> dict[str, str]:
-    """Per feature: pinned, or what switching it alone would do (not fit, or its predicted time)."""
+def _reasons(shape, request, run, kernel, fused_elementwise, budget, offloads, best: Candidate,
+             refused: frozenset = frozenset()) -> dict[str, str]:
+    """Per feature: pinned, refused by the model, or what switching it alone would do (not fit, or its time)."""
     pinned, reasons = request.pinned(), {}
     for name in FEATURES:
         value = getattr(best.setup.memory, name)
         if name in pinned:
             reasons[name] = "set by you"
+            continue
+        if name in refused:
+            reasons[name] = "the model's layers do not take it"
             continue
         other = 1 if name == "checkpoint_interval" and value > 1 else (2 if name == "checkpoint_interval" else not value)
         change = {name: other}
@@ -440,20 +448,21 @@ def _reasons(shape, request, run, kernel, fused_elementwise, budget, offloads, b
 
 
 def longest_fit(shape: ModelShape, request: AutoMemory, run: RunSpec, free: tuple[float, float], *,
-                fused_elementwise: bool = False) -> tuple[int, Optional[TrainingSetup]]:
+                fused_elementwise: bool = False, refused: frozenset = frozenset()) -> tuple[int, Optional[TrainingSetup]]:
     """The longest length `memory="auto"` can train in `free` (device, host bytes per rank, less the margins), with
     the most memory-saving configuration it may choose, and that configuration; `(0, None)` when not even the
     shortest length fits. A multiple of 64 tokens × the SP size (`request.seq_len` is not needed)."""
     budget = Budget(free[0] * (1 - request.device_margin), free[1] * (1 - request.host_margin), not run.on_cuda)
-    return _longest_fit(shape, request, run, fused_elementwise, budget, _offload_choices(request, run, shape))
+    return _longest_fit(shape, request, run, fused_elementwise, budget, _offload_choices(request, run, shape), refused)
 
 
-def _longest_fit(shape, request, run, fused_elementwise, budget, offloads) -> tuple[int, Optional[TrainingSetup]]:
+def _longest_fit(shape, request, run, fused_elementwise, budget, offloads,
+                 refused: frozenset = frozenset()) -> tuple[int, Optional[TrainingSetup]]:
     def saving(o: MemoryOptions) -> tuple:
         return (o.activation_checkpointing, o.checkpoint_interval, o.tiled_mlp, o.tiled_logits_loss,
                 o.low_memory_norms, not o.keep_attention_outputs)
 
-    options = _option_sets(request, run, fused_elementwise)
+    options = _option_sets(request, run, fused_elementwise, refused)
     most = max(map(saving, options))
     most_saving = [o for o in options if saving(o) == most]  # with and without host offload of the kept inputs
     longest, how = 0, None
@@ -466,9 +475,9 @@ def _longest_fit(shape, request, run, fused_elementwise, budget, offloads) -> tu
     return longest, (None if how is None else dataclasses.replace(how, seq_len=longest))
 
 
-def _nothing_fits(shape, request, run, fused_elementwise, budget, offloads) -> str:
+def _nothing_fits(shape, request, run, fused_elementwise, budget, offloads, refused: frozenset = frozenset()) -> str:
     """The longest length the most memory-saving allowed configurations fit, and what to change."""
-    longest, how = _longest_fit(shape, request, run, fused_elementwise, budget, offloads)
+    longest, how = _longest_fit(shape, request, run, fused_elementwise, budget, offloads, refused)
     where = (f"{shape.name} at {request.seq_len} tokens × micro-batch {request.micro_batch} on sp"
              f" {run.sequence_parallel_size} × dp {run.data_parallel_size}, ZeRO-{run.zero_stage}, with"
              f" {budget.device / GIB:.2f} GiB of device memory" + ("" if budget.shared else
@@ -504,7 +513,8 @@ def _longest(shape: ModelShape, setup: TrainingSetup, budget: Budget, multiple: 
 
 
 def shape_of(models: Sequence[Any]) -> ModelShape:
-    """The planner's shape of the module's largest model (Hugging Face Llama-style config or a `NativeCausalLM`)."""
+    """The planner's shape of the module's largest model (Hugging Face Llama-style or hybrid config, or a
+    `NativeCausalLM`)."""
     shapes = []
     for model in models:
         try:
@@ -514,8 +524,9 @@ def shape_of(models: Sequence[Any]) -> ModelShape:
                 config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
                 shapes.append(ModelShape.from_hf_config(config, name=type(model).__name__))
         except (AttributeError, TypeError) as error:
-            raise ValueError(f'memory="auto" plans Llama-style configs and the native GPT; {type(model).__name__}'
-                             f" has no {error}. Set the memory features by hand (memory={{...}}).") from error
+            raise ValueError(f'memory="auto" plans Llama-style configs, the hybrids `layer_kinds` declares and the'
+                             f" native GPT; {type(model).__name__} has no {error}. Set the memory features by hand"
+                             " (memory={...}).") from error
     if not shapes:
         raise ValueError('memory="auto" needs a Hugging Face causal LM or a native GPT in the module (it plans their'
                          " shape); set the memory features by hand for other models.")
@@ -625,8 +636,10 @@ def decide(request: Union[MemoryOptions, AutoMemory], run: RunSpec, models: Sequ
     # inductor needs Triton for GPU code; the model must have parts `fused_elementwise` recognises
     fusable = (run.on_cuda and importlib.util.find_spec("triton") is not None
                and all(map(fused_elementwise_applies, models)))
+    refused = frozenset().union(*map(features_refused_by, models))
     return priority, choose(shape_of(models), request, run, (device_free, host_free),
-                            kernel=(priority or (None,))[0] if run.on_cuda else None, fused_elementwise=fusable)
+                            kernel=(priority or (None,))[0] if run.on_cuda else None, fused_elementwise=fusable,
+                            refused=refused)
 
 
 class AutoDecisions:

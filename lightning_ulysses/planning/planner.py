@@ -38,6 +38,7 @@ from typing import Any, Optional
 
 from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.parallel.run_spec import RunSpec
+from lightning_ulysses.planning.layer_kinds import LayerKind, attention_layers, hybrid_layers
 
 GIB = 2**30
 GB = 10**9
@@ -60,13 +61,24 @@ class ModelShape:
     # Hugging Face's RMSNorm upcasts its input to fp32 and autograd keeps that copy (4 bytes/value) besides the
     # 16-bit normalised values; the native GPT's LayerNorm keeps only its 16-bit input.
     fp32_norm_inputs: bool = False
+    # Hybrid models: every decoder layer's kind (`layer_kinds.LayerKind`: its token mixer, MLP and norms, each with
+    # its declared costs), which then replace the Llama-style layer the fields above describe; () for those.
+    layers: tuple[LayerKind, ...] = ()
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
     @property
+    def attention_layers(self) -> int:
+        """Layers with a softmax attention (all of a Llama-style shape's)."""
+        return attention_layers(self.layers) if self.layers else self.num_layers
+
+    @property
     def layer_parameters(self) -> int:
+        """One decoder layer's parameters (a hybrid's largest layer: what ZeRO-3 gathers at once)."""
+        if self.layers:
+            return max(layer.parameters for layer in self.layers)
         h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
         attention = h * h + 2 * h * kv + h * h + (h + 2 * kv + h if self.bias else 0)
         mlp = (3 if self.gated_mlp else 2) * h * self.intermediate_size
@@ -78,6 +90,8 @@ class ModelShape:
     def num_parameters(self) -> int:
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         final_norm = self.hidden_size * (2 if self.bias else 1)
+        if self.layers:
+            return sum(layer.parameters for layer in self.layers) + embeddings + final_norm
         return self.num_layers * self.layer_parameters + embeddings + final_norm
 
     def parameter_numels(self) -> list[int]:
@@ -86,6 +100,11 @@ class ModelShape:
         norms (weight, then bias); final norm; untied head. DeepSpeed ZeRO-3 cuts optimizer sub-groups in this order
         (`optimizer_sub_groups`); a model that registers its tensors in another order moves a cut by one tensor."""
         h, kv, inter = self.hidden_size, self.num_key_value_heads * self.head_dim, self.intermediate_size
+        head = [] if self.tie_word_embeddings else [self.vocab_size * h]
+        if self.layers:  # a hybrid: each part as one tensor (a sub-group cut may fall a tensor away from DeepSpeed's)
+            layers = [numel for layer in self.layers for numel in
+                      [part.parameters for part in layer.parts] + [h] * layer.norms]
+            return [self.vocab_size * h] + layers + [h] + head
 
         def linear(inputs: int, outputs: int) -> list[int]:
             return [inputs * outputs] + ([outputs] if self.bias else [])
@@ -93,7 +112,6 @@ class ModelShape:
         norm = [h, h] if self.bias else [h]  # LayerNorm has a bias, RMSNorm none
         attention = linear(h, h) + linear(h, kv) + linear(h, kv) + linear(h, h)
         mlp = ([h * inter] if self.gated_mlp else []) + linear(h, inter) + linear(inter, h)
-        head = [] if self.tie_word_embeddings else [self.vocab_size * h]
         return [self.vocab_size * h] + (attention + mlp + norm + norm) * self.num_layers + norm + head
 
     @classmethod
@@ -103,8 +121,16 @@ class ModelShape:
                    tie_word_embeddings=config.tie_word_embeddings)
 
     @classmethod
-    def from_hf_config(cls, config, name: Optional[str] = None) -> "ModelShape":
-        """Llama-style configs (SwiGLU MLP, RMSNorm, no biases)."""
+    def from_hf_config(cls, config, name: Optional[str] = None, hybrid: bool = True) -> "ModelShape":
+        """Llama-style configs (SwiGLU MLP, RMSNorm, no biases), and hybrids whose layer kinds `layer_kinds` declares
+        (Gated DeltaNet and Mamba2 mixers, attention, dense and expert MLPs; another hybrid raises `ValueError`).
+        `hybrid=False`: every layer taken as a Llama-style one (a rough count, for throughput logging)."""
+        layers = hybrid_layers(config) if hybrid else None
+        if layers:
+            return cls(name or config.model_type, len(layers), config.hidden_size,
+                       getattr(config, "intermediate_size", None) or 0, config.num_attention_heads,
+                       getattr(config, "num_key_value_heads", None) or config.num_attention_heads, config.vocab_size,
+                       tie_word_embeddings=bool(config.tie_word_embeddings), fp32_norm_inputs=True, layers=layers)
         return cls(name or config.model_type, config.num_hidden_layers, config.hidden_size, config.intermediate_size,
                    config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads,
                    config.vocab_size, gated_mlp=True, bias=bool(getattr(config, "attention_bias", False)),
@@ -342,8 +368,24 @@ def _layer_saved_bytes_per_token(shape: ModelShape, e: int, tiled_mlp: bool, low
     return attention + mlp
 
 
+def _layers_saved_bytes_per_token(shape: ModelShape, e: int, m: MemoryOptions) -> tuple[float, float]:
+    """(all decoder layers', the largest layer's) saved bytes per local token without checkpointing."""
+    if shape.layers:  # a hybrid: its norms and parts as declared (layer_kinds.py)
+        per_layer = [layer.saved_bytes(m.tiled_mlp) for layer in shape.layers]
+        return sum(per_layer), max(per_layer)
+    layer = _layer_saved_bytes_per_token(shape, e, m.tiled_mlp, m.low_memory_norms, m.fused_elementwise)
+    return layer * shape.num_layers, layer
+
+
 def _layer_backward_transient_per_token(shape: ModelShape, e: int) -> float:
-    """Gradients alive while one layer runs backward: d(hidden) in and out, d(q, k, v), d(attention output)."""
+    """Gradients alive while one layer runs backward: d(hidden) in and out, d(q, k, v), d(attention output); in a
+    hybrid, d(hidden) in and out and 15% of what its largest part keeps: backward frees the saved chunks as it goes
+    (Qwen3-Next-like shape at 256K with layer checkpointing and a tiled MLP on the H200: 125.4 GiB peak, i.e. ~460 kB
+    per token for one Gated DeltaNet layer's recompute and backward, whose saved bytes are ~400 kB;
+    `benchmarks/results/2026-12-03-h200-delta-rule/qwen3_next.jsonl`)."""
+    if shape.layers:
+        return 4 * e * shape.hidden_size + 0.15 * max(part.saved_bytes for layer in shape.layers
+                                                      for part in layer.parts)
     h, kv = shape.hidden_size, shape.num_key_value_heads * shape.head_dim
     return e * (2 * h + h + 2 * kv + h)
 
@@ -384,7 +426,7 @@ def plan_memory(shape: ModelShape, setup: TrainingSetup) -> MemoryPlan:
     optimizer_transient = 2 * 4 * largest_gpu_sub_group
 
     # -- activations -------------------------------------------------------------------------------------------
-    layer_full = _layer_saved_bytes_per_token(shape, e, m.tiled_mlp, m.low_memory_norms, m.fused_elementwise)
+    layers_full, layer_full = _layers_saved_bytes_per_token(shape, e, m)
     embedding_output = e * shape.hidden_size * tokens
     if m.activation_checkpointing:
         # every `checkpoint_interval`-th layer keeps its input; with keep_attention_outputs every layer also keeps
@@ -392,7 +434,10 @@ def plan_memory(shape: ModelShape, setup: TrainingSetup) -> MemoryPlan:
         kept = {"checkpointed layer inputs": e * shape.hidden_size * tokens
                 * math.ceil(shape.num_layers / m.checkpoint_interval)}
         if m.keep_attention_outputs:
-            kept["kept attention outputs"] = (e * shape.hidden_size + 4 * shape.num_heads) * tokens * shape.num_layers
+            kept["kept attention outputs"] = tokens * (
+                sum(e * part.attention_width + 4 * part.attention_heads for layer in shape.layers
+                    for part in layer.parts if part.attention_heads) if shape.layers
+                else (e * shape.hidden_size + 4 * shape.num_heads) * shape.num_layers)
         for name, value in kept.items():
             if m.offload_activations:
                 host[f"{name} (offloaded)"] = value
@@ -406,12 +451,13 @@ def plan_memory(shape: ModelShape, setup: TrainingSetup) -> MemoryPlan:
         layer_transient = (layer_full + _layer_backward_transient_per_token(shape, e) + recomputed_inputs
                            + prefetched) * tokens
     else:
-        gpu["saved activations (all layers)"] = layer_full * tokens * shape.num_layers + embedding_output
+        gpu["saved activations (all layers)"] = layers_full * tokens + embedding_output
         layer_transient = _layer_backward_transient_per_token(shape, e) * tokens
     if m.tiled_mlp:
         # one tile's MLP recompute and its gradients: (gate, up, act, product) and their gradients
         tile = min(m.mlp_tile_tokens, tokens)
-        layer_transient += e * tile * shape.intermediate_size * (8 if shape.gated_mlp else 4)
+        layer_transient += (max(layer.tile_transient_bytes(tile) for layer in shape.layers) if shape.layers
+                            else e * tile * shape.intermediate_size * (8 if shape.gated_mlp else 4))
     elif m.activation_checkpointing:
         pass  # the untiled MLP's activations are part of layer_full already
     vocab = shape.vocab_size

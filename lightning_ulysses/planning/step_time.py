@@ -22,6 +22,10 @@ prints prediction against measurement). What the model counts:
   compute stream and beside it, one run each);
 - optimizer: GPU Adam per element kept on the GPU; CPU Adam per offloaded element (with its gradient and parameter
   copies); with any offload, ZeRO-3's 16-bit gradients of every element cross the host link;
+- hybrids (`layer_kinds`): each layer's parts' matmuls (an expert MLP: the experts a token reaches), causal attention
+  only in attention layers (`heads · head_dim` wide), and the recurrences' own FLOPs (`scan_flops`, forward ×3 with
+  backward, once more per recompute) at `DeviceSpeeds.scan_flops`, the rate of our PyTorch delta rule on the H200;
+  the Qwen3-Next-like shape's measured forward + backward steps are within 15% (`tests/unit/test_hybrid_shapes.py`);
 - a fixed cost per step (the hooks and launches that do not grow with the sequence);
 - the host: ZeRO-3's hooks and Python cost a fixed part per step and a part per decoder layer and pass (forward,
   backward, recompute); where that is longer than everything above, the step waits for the host (1B at 4K). On a
@@ -63,6 +67,9 @@ class DeviceSpeeds:
     # waits on the host when this is longer than the device's work (short sequences: the 1B shape at 4K).
     host_step_s: float = 0.0
     host_layer_pass_s: float = 0.0
+    # A hybrid's token-mixer recurrences (chunked delta rule, SSD scan; `layer_kinds.LayerPart.scan_flops`), forward
+    # and backward, in PyTorch: many small matmuls per chunk, far below the matmul rate.
+    scan_flops: float = 1.2e12
 
 
 # Attention rates: `benchmarks/results/2026-11-29-h200-long-sequence/attention-kernels.jsonl` (causal, 32 heads,
@@ -92,7 +99,29 @@ H200 = DeviceSpeeds(
     # `AUTO_VS_HAND_PAIRS`). A rough fit: two identical 1B 8K steps measured 12% apart in the same call.
     host_step_s=0.158,
     host_layer_pass_s=1.73e-3,
+    # Our chunked delta rule alone at Qwen3-Next's widths (32 value heads of 128), forward + backward: 0.320 s at 32K,
+    # 2.106 s at 128K, 3.627 s at 256K (`benchmarks/results/2026-12-03-h200-delta-rule/delta_rule.jsonl`), i.e. 1.6,
+    # 1.0 and 1.1e12 FLOP/s of `gated_deltanet`'s scan FLOPs; Mamba2's PyTorch SSD not measured (taken alike).
+    scan_flops=1.2e12,
 )
+
+
+def _attention_width(shape: ModelShape) -> float:
+    """Σ over the softmax-attention layers of `heads · head_dim` (a Llama-style shape: layers × hidden size)."""
+    if shape.layers:
+        return sum(part.attention_width for layer in shape.layers for part in layer.parts)
+    return shape.hidden_size * shape.num_layers
+
+
+def model_flops_per_step(shape: ModelShape, seq_len: int, micro_batch: int = 1) -> float:
+    """The model's FLOPs of one forward + backward over `micro_batch` rows of `seq_len` tokens (no recompute): the
+    matmuls (6 per weight a token multiplies), causal attention (`2·s²·width` forward, twice that backward) and a
+    hybrid's recurrences (3 × their forward FLOPs)."""
+    layers, _, head = _matmul_parameters(shape)
+    tokens = micro_batch * seq_len
+    scans = sum(part.scan_flops for layer in shape.layers for part in layer.parts)
+    return (6 * (layers + head) * tokens + 3 * micro_batch * 2 * seq_len ** 2 * _attention_width(shape)
+            + 3 * scans * tokens)
 
 
 @dataclass
@@ -109,7 +138,12 @@ class StepTime:
 
 
 def _matmul_parameters(shape: ModelShape) -> tuple[float, float, float]:
-    """Per token: (parameters of all decoder layers' linears, of one layer's MLP, of the output head)."""
+    """Per token: (parameters of all decoder layers' linears, of one layer's MLP (a hybrid: its tiled MLPs' over the
+    layers, per layer), of the output head)."""
+    if shape.layers:  # a hybrid: the weights each token multiplies, part by part (an expert MLP: those it reaches)
+        tiled = sum(layer.mlp.matmul_parameters for layer in shape.layers if layer.mlp is not None and layer.mlp.tiles)
+        return (sum(part.matmul_parameters for layer in shape.layers for part in layer.parts),
+                tiled / shape.num_layers, shape.vocab_size * shape.hidden_size)
     h, kv, inter = shape.hidden_size, shape.num_key_value_heads * shape.head_dim, shape.intermediate_size
     attention = 2 * h * h + 2 * h * kv
     mlp = (3 if shape.gated_mlp else 2) * h * inter
@@ -130,13 +164,16 @@ def predict_step_time(shape: ModelShape, setup: TrainingSetup, kernel: Optional[
     layers, mlp, head = _matmul_parameters(shape)
     # ZeRO-3 shards; every rank still computes its own tokens with whole weights, so FLOPs do not shrink with ZeRO.
     forward = 2 * (layers + head) * tokens
-    attention_forward = (setup.micro_batch * 2 * setup.seq_len ** 2 * shape.hidden_size * shape.num_layers
+    attention_forward = (setup.micro_batch * 2 * setup.seq_len ** 2 * _attention_width(shape)
                          / setup.sequence_parallel_size)
+    scan_forward = tokens * sum(part.scan_flops for layer in shape.layers for part in layer.parts)
     terms = {"matmuls (forward + backward)": 3 * forward / speeds.matmul_flops,
              "attention forward": attention_forward / speeds.attention_forward_flops[kernel],
              "attention backward": 2 * attention_forward / speeds.attention_backward_flops[kernel],
              "elementwise kernels": speeds.elementwise_s * shape.num_layers * tokens * shape.hidden_size
                                     * (speeds.fused_elementwise_factor if m.fused_elementwise else 1.0)}
+    if scan_forward:
+        terms["token-mixer scans (forward + backward)"] = 3 * scan_forward / speeds.scan_flops
     extra_forwards = 0.0
     if m.activation_checkpointing:
         extra_forwards = 1 + (m.checkpoint_interval - 1) / m.checkpoint_interval
@@ -145,6 +182,8 @@ def predict_step_time(shape: ModelShape, setup: TrainingSetup, kernel: Optional[
                                                                + terms["elementwise kernels"] / 3)
         if not m.keep_attention_outputs:
             terms["recompute: attention forward"] = extra_forwards * terms["attention forward"]
+        if scan_forward:
+            terms["recompute: token-mixer scans"] = extra_forwards * scan_forward / speeds.scan_flops
     if m.tiled_mlp and not (m.activation_checkpointing and deferred_mlp):
         terms["recompute: tiled MLP forward"] = 2 * shape.num_layers * mlp * tokens / speeds.matmul_flops
     if m.offload_activations:

@@ -31,6 +31,7 @@ from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.parallel.layout import ParallelLayout
 from lightning_ulysses.parallel.run_spec import LIGHTNING_SUB_GROUP_SIZE, RunSpec, split_ulysses_block
 from lightning_ulysses.planning import auto
+from lightning_ulysses.planning.layer_kinds import features_the_layers_refuse
 from lightning_ulysses.planning.planner import ModelShape, TrainingSetup, plan_memory
 
 _RUNTIME_ENVIRONMENT = {
@@ -233,11 +234,20 @@ def _check_schedule_applies(cfg: DictConfig) -> None:
         )
 
 
-def _shape(spec: Any) -> ModelShape:
+def _shape(spec: Any, strict: bool = True) -> ModelShape:
     """A spec that knows its planner shape says it (`GPTConfig.planner_shape`); the Hugging Face specs carry a
-    Llama-style config. Asked of the spec, not of its class: the package does not import its example models."""
+    Llama-style or hybrid config. Asked of the spec, not of its class: the package does not import its example models.
+    `strict=False`: a hybrid whose mixers have no declared costs is counted as attention layers (the plan's table, as
+    before hybrids were declared) rather than refused (what `memory=auto` does)."""
     planner_shape = getattr(spec, "planner_shape", None)
-    return planner_shape() if callable(planner_shape) else ModelShape.from_hf_config(spec.config)
+    if callable(planner_shape):
+        return planner_shape()
+    try:
+        return ModelShape.from_hf_config(spec.config)
+    except ValueError:
+        if strict:
+            raise
+        return ModelShape.from_hf_config(spec.config, hybrid=False)
 
 
 # The strategy arguments that describe the run besides its layout (`RunSpec.of_strategy_arguments`).
@@ -280,7 +290,7 @@ def plan(cfg: DictConfig) -> str:
     setup = TrainingSetup(seq_len=seq_len, micro_batch=micro, sequence_parallel_size=layout.sequence_parallel_size,
                           data_parallel_size=layout.data_parallel_size, zero_stage=run.zero_stage,
                           offload_optimizer=offload, memory=memory, sub_group_size=sub_group_size)
-    memory_plan = plan_memory(_shape(spec), setup)
+    memory_plan = plan_memory(_shape(spec, strict=False), setup)
     gib = 2**30
     lines = [
         f"model:        {type(spec).__name__}, {params / 1e9:.2f}B parameters",
@@ -336,12 +346,14 @@ def auto_choice(cfg: DictConfig, spec: Any, layout: ParallelLayout) -> tuple[Any
         kernel = "cudnn" if here is None or auto.auto_sdpa_kernel(here) == ("cudnn",) else None  # (the report says)
     else:
         kernel = list(priority)[0] if priority else None
-    shape = _shape(spec)
     try:
+        shape = _shape(spec)
         # fused_elementwise as `python -m lightning_ulysses plan --auto`: a GPU with Triton, and Llama-style (gated)
-        # MLPs it fuses
+        # MLPs it fuses; a hybrid's layers refuse what `layer_kinds` says they refuse
+        refused = features_the_layers_refuse(shape.layers)
         return auto.choose(shape, request, described_run(cfg, layout, on_cuda), free, kernel=kernel,
-                           fused_elementwise=on_cuda and shape.gated_mlp), free_from
+                           fused_elementwise=on_cuda and shape.gated_mlp and "fused_elementwise" not in refused,
+                           refused=refused), free_from
     except ValueError as error:
         raise RecipeError(str(error)) from error
 
