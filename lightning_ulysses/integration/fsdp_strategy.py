@@ -8,6 +8,7 @@ ranks (`fsdp.py`) instead of DeepSpeed. The run's description, with what FSDP2 r
 
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
 from typing import Any, Mapping, Optional, Sequence, Union, Literal
 
@@ -26,6 +27,7 @@ from lightning_ulysses.batch.sharding import SequencePadding, check_sequence_pad
 from lightning_ulysses.fences import _lightning_private as lightning_private
 from lightning_ulysses.integration import console, fsdp, preparation
 from lightning_ulysses.integration.callbacks import correct_progress_bar
+from lightning_ulysses.integration.checkpoint.resume import StrategyCheckpoints
 from lightning_ulysses.integration.parallel_run import ParallelRun
 from lightning_ulysses.integration.rng import SequenceParallelRNG, seed_workers_by_data_parallel_rank
 from lightning_ulysses.integration.sequence_parallel_hooks import SequenceParallelHooks
@@ -48,8 +50,12 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
         memory: the memory features are not ported to FSDP2 yet: anything but `None` (or all off) is refused.
         reshard_after_forward: FSDP2's: free each layer's gathered parameters after its forward (gathered again in
             backward); `False` keeps them, trading memory for one all-gather per layer and step.
-        save_distributed_checkpoint, process_group_backend, timeout: `ModelParallelStrategy`'s (checkpoints through
-            torch Distributed Checkpoint: a folder of shards, loadable at any other SP × DP split).
+        process_group_backend, timeout: `ModelParallelStrategy`'s.
+
+    Checkpoints are torch Distributed Checkpoint folders (`ModelParallelStrategy`'s, always distributed), saved
+    atomically with the same manifest as the DeepSpeed strategy's (`checkpoint/`): they resume exactly, and at any
+    other SP × DP split of the same number of ranks; `python -m lightning_ulysses checkpoint export` and the
+    `ExportPretrained` callback write `save_pretrained` folders.
 
     Refused before training (`RunSpec.of_fsdp_arguments`), with the fix: DeepSpeed's options (`stage`, `config`,
     offloads, ...), tensor-parallel sizes, the memory features, precisions other than 32-true and bf16-mixed
@@ -70,7 +76,6 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
         overlap_head_groups: int = 1,
         check_batches: CheckBatches = "first",
         reshard_after_forward: bool = True,
-        save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         quiet_third_party: bool = True,
@@ -88,13 +93,17 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
         self.overlap_head_groups = check_overlap_head_groups(overlap_head_groups)
         _, sequence_parallel_size = read_sequence_parallel_size(None, sequence_parallel_size, ring_size)
         check_sequence_padding(sequence_padding)
-        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
-                         process_group_backend=process_group_backend, timeout=timeout)
+        super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend, timeout=timeout)
         self._parallel = ParallelRun(sequence_parallel_size, ring_size, sequence_padding)
         self.sequence_parallel_in_evaluation = sequence_parallel_in_evaluation
         self._auto = auto.AutoDecisions(memory, sdpa_kernel_priority)
         self._batch_check = SameBatchCheck(check_batches)
         self._random_streams = SequenceParallelRNG()
+        # Atomic saves with a manifest, exact resume (data position, random streams) at the same or another split.
+        self._checkpoints = StrategyCheckpoints(self, self._random_streams, quiet=quiet_third_party)
+        # Micro-batches whose gradients are held without a step yet: a save inside a window records it, and a
+        # resume from it is refused (`checkpoint/resume.py`).
+        self.micro_batches_accumulated = 0
         self._shard_mesh = None  # the one-dimensional mesh of all ranks that fully_shard uses (`setup_environment`)
 
     @property
@@ -159,20 +168,43 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
     @override
     def backward(self, *args: Any, **kwargs: Any) -> Any:
         self._refuse_shard_local_loss(args, kwargs)  # a loss of this rank's shard alone is refused at SP > 1
+        if self.lightning_module is not None and self.lightning_module.automatic_optimization:
+            ends_window = not lightning_private.should_accumulate(self.lightning_module.trainer)
+            self.micro_batches_accumulated = 0 if ends_window else self.micro_batches_accumulated + 1
         with sdpa_priority(self.sdpa_kernel_priority), self._step_random_stream():
             return super().backward(*args, **kwargs)
 
     @override
+    def teardown(self) -> None:
+        self._parallel.end()  # the user's models leave the Trainer with their own attention and loss again
+        self._checkpoints.end_resume()  # a resumed run that trained no batch
+        self._parallel.release(self.world_size, self.barrier)
+        super().teardown()
+
+    # -- checkpoints (`checkpoint.resume.StrategyCheckpoints`; the shards: torch Distributed Checkpoint) -----------
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        """Atomic: every rank writes its Distributed Checkpoint shard into `<path>.partial`; rank 0 renames it to
+        `<path>` once all have finished, with the manifest."""
+        self._checkpoints.save(checkpoint, filepath, storage_options, super().save_checkpoint, self.hf_model_configs)
+
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        return self._checkpoints.load(checkpoint_path, functools.partial(super().load_checkpoint,
+                                                                         weights_only=weights_only))
+
+    @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Data-loader workers seeded by the DP rank, so that the ranks of an SP group load the same samples."""
+        """After a resume in the middle of an epoch, skip the samples that epoch already trained on; seed data-loader
+        workers by the DP rank, so that the ranks of an SP group load the same samples."""
+        dataloader = self._checkpoints.process_dataloader(dataloader)
         seed_workers_by_data_parallel_rank(dataloader, self.parallel_groups.data_parallel_rank)
         return dataloader
 
     @override
-    def teardown(self) -> None:
-        self._parallel.end()  # the user's models leave the Trainer with their own attention and loss again
-        self._parallel.release(self.world_size, self.barrier)
-        super().teardown()
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._checkpoints.on_train_batch_start()  # the resumed random generators; the epoch of the batch's data
+        super().on_train_batch_start(batch, batch_idx)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

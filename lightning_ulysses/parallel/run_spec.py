@@ -49,7 +49,7 @@ FSDP2_PRECISIONS = ("32-true", "bf16-mixed")  # FSDP2's MixedPrecisionPolicy giv
 # The strategy arguments `UlyssesFSDPStrategy` takes (its own, and `ModelParallelStrategy`'s it keeps).
 FSDP2_ARGUMENTS = ("sequence_parallel_size", "ring_size", "sequence_padding", "sequence_parallel_in_evaluation",
                    "memory", "sdpa_kernel_priority", "overlap_head_groups", "check_batches", "reshard_after_forward",
-                   "save_distributed_checkpoint", "process_group_backend", "timeout", "quiet_third_party")
+                   "process_group_backend", "timeout", "quiet_third_party")
 # What the DeepSpeed strategy takes and FSDP2 has no counterpart for (refused by name, with the fix).
 _DEEPSPEED_ONLY_HINTS = {
     "stage": "FSDP2 always shards parameters, gradients and optimizer state over all ranks (as ZeRO-3)",
@@ -59,6 +59,12 @@ _DEEPSPEED_ONLY_HINTS = {
     "zero3_leaf_layers": "FSDP2 gathers each decoder layer whole already (one fully_shard unit per layer)",
     "start_method": "launch FSDP2 runs as a script (torchrun or Lightning's launcher)",
     "heartbeat_timeout": "the rank watchdog is not ported to FSDP2 yet",
+}
+# `ModelParallelStrategy`'s arguments the FSDP2 strategy fixes (refused by name, with why).
+_FIXED_FOR_FSDP2 = {
+    "save_distributed_checkpoint": "checkpoints are always torch Distributed Checkpoint folders, one shard per rank,"
+                                   " resumable at any SP x DP split; `python -m lightning_ulysses checkpoint export`"
+                                   " writes the whole weights",
 }
 
 
@@ -187,6 +193,9 @@ class RunSpec:
         `UlyssesDeepSpeedStrategy`'s), `ModelParallelStrategy`'s tensor-parallel sizes — and the memory features
         (`arguments["memory"]`: what `memory_features_of` reads), each with the fix. Unknown names: `TypeError`."""
         unknown = [name for name in arguments if name not in FSDP2_ARGUMENTS]
+        fixed = [f"{name} ({_FIXED_FOR_FSDP2[name]})" for name in unknown if name in _FIXED_FOR_FSDP2]
+        if fixed:
+            raise ValueError(f"The FSDP2 strategy (strategy='ulysses_fsdp') fixes {'; '.join(fixed)}: remove it.")
         if unknown:
             hints = [f"{name} ({_DEEPSPEED_ONLY_HINTS[name]})" for name in unknown if name in _DEEPSPEED_ONLY_HINTS]
             deepspeed = [name for name in unknown if name in _DEEPSPEED_ARGUMENTS or name in _DEEPSPEED_ONLY_HINTS]

@@ -12,6 +12,7 @@ launches of 4 and 2 ranks (pool.py).
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.distributed.pool import shared
 from tests.distributed.reference import assert_training_matches, reference_training
@@ -32,7 +33,8 @@ CASES = [
     _case(4, 1, "mha"),
     # Accumulation and clipping (the threshold between the true norm and norm / k, as in test_parity.py).
     _case(4, 2, "mqa", "-accumulate2-clip", **ACCUMULATE_CLIP),
-    _case(4, 4, "gqa", "-labels_are_input_ids", step="labels_are_input_ids"),
+    # `ExportPretrained` at the end of fit: the save_pretrained folder gathered from FSDP2's shards.
+    _case(4, 4, "gqa", "-labels_are_input_ids-export", step="labels_are_input_ids", model="llama", export=True),
     _case(4, 2, "gqa", "-qwen3_moe", model="family:qwen3_moe"),
     _case(4, 2, "gqa", "-qwen3_next-accumulate2-clip", model="family:qwen3_next", split_mixers=True,
           **ACCUMULATE_CLIP),
@@ -54,8 +56,8 @@ def _ranks(case: dict, tmp_path_factory) -> list[dict]:
 
 def _claims(case: dict) -> list[str]:
     claims = ["shards", "losses", "weights", "replicas", "groups"]
-    return claims + [claim for claim, key in (("evaluation", "validate"), ("split_mixers", "split_mixers"))
-                     if case.get(key)]
+    return claims + [claim for claim, key in (("evaluation", "validate"), ("split_mixers", "split_mixers"),
+                                              ("export", "export")) if case.get(key)]
 
 
 @pytest.mark.parametrize(("case", "claim"), [(case, claim) for case in CASES for claim in _claims(case)],
@@ -94,3 +96,70 @@ def test_fsdp2_trains_packed_rows_like_documents_alone(case, tmp_path_factory):
     reference = reference_training(case["kv_heads"], SEQ_LEN, steps, lr=case["lr"], kind=case["model"],
                                    dataset=dataset, replica_loss=_documents_alone_loss)
     assert_training_matches(ranks, reference)
+
+
+# Checkpoints (torch Distributed Checkpoint through the same protocol as the DeepSpeed strategy's), with
+# test_checkpoints.py's worker: SP 2 × DP 2 saving every 2 steps (mid-epoch: 12 samples, a global batch of 4), resumed
+# at the same split (exact: samples, losses, random draws and weights bit for bit) and at SP 4 × DP 1 (the same
+# samples, losses and weights within float rounding); its last checkpoint exported by `checkpoint export`.
+CHECKPOINT_STEPS, SAVE_AT = 4, 2
+CHECKPOINT_CASES = [
+    {"name": "fsdp2_sp2", "backend": "fsdp2", "sp": 2, "batch_size": 2, "steps": CHECKPOINT_STEPS,
+     "save_every": SAVE_AT},
+    {"name": "fsdp2_sp2_to_sp2", "backend": "fsdp2", "sp": 2, "batch_size": 2, "steps": CHECKPOINT_STEPS,
+     "resume": f"fsdp2_sp2/step={SAVE_AT}.ckpt"},
+    {"name": "fsdp2_sp2_to_sp4", "backend": "fsdp2", "sp": 4, "batch_size": 4, "steps": CHECKPOINT_STEPS,
+     "resume": f"fsdp2_sp2/step={SAVE_AT}.ckpt"},
+]
+CHECKPOINT_JOB = shared(4, "fsdp2_checkpoints", WORKER.parent / "resume.py", {"cases": CHECKPOINT_CASES}, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def checkpoint_runs(tmp_path_factory):
+    return CHECKPOINT_JOB.ranks(tmp_path_factory), CHECKPOINT_JOB.workdir(tmp_path_factory)
+
+
+def test_fsdp2_checkpoint_resumes_exactly_at_the_same_split(checkpoint_runs):
+    from tests.distributed.test_checkpoints import steps
+
+    results, workdir = checkpoint_runs
+    assert (workdir / f"fsdp2_sp2/step={SAVE_AT}.ckpt" / "ulysses.json").exists()  # the protocol's manifest
+    full, resumed = steps(results, "fsdp2_sp2"), steps(results, "fsdp2_sp2_to_sp2")
+    assert sorted(resumed) == list(range(SAVE_AT, CHECKPOINT_STEPS))
+    for step in resumed:  # same samples (mid-epoch position, then the next epoch), losses and RNG draws, bit for bit
+        assert resumed[step] == full[step], step
+    for name, value in results[0]["fsdp2_sp2"]["weights"].items():
+        assert torch.equal(results[0]["fsdp2_sp2_to_sp2"]["weights"][name], value), name
+
+
+def test_fsdp2_checkpoint_resumes_at_another_split(checkpoint_runs):
+    from tests.distributed.test_checkpoints import max_relative_weight_error, steps
+
+    results, _ = checkpoint_runs
+    full, after = steps(results, "fsdp2_sp2"), steps(results, "fsdp2_sp2_to_sp4")
+    assert sorted(after) == list(range(SAVE_AT, CHECKPOINT_STEPS))
+    for step in after:
+        assert after[step]["samples"] == full[step]["samples"]
+        full_mean = sum(full[step]["losses"]) / len(full[step]["losses"])
+        after_mean = sum(after[step]["losses"]) / len(after[step]["losses"])
+        assert abs(full_mean - after_mean) < 1e-5
+    assert max_relative_weight_error(results, "fsdp2_sp2_to_sp4", "fsdp2_sp2") < 1e-4
+
+
+def test_fsdp2_checkpoint_exports_a_pretrained_model(checkpoint_runs, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from lightning_ulysses.integration.checkpoint.command_line import main
+    from tests.distributed.common import tiny_llama
+
+    results, workdir = checkpoint_runs
+    assert main(["export", str(workdir / f"fsdp2_sp2/step={CHECKPOINT_STEPS}.ckpt"), str(tmp_path)]) == 0
+    trained = results[0]["fsdp2_sp2"]["weights"]  # gathered from the live shards at the end of the same run
+    state = torch.load(tmp_path / "model.pt")
+    assert all(torch.equal(state[f"model.{name}"], value) for name, value in trained.items())
+    exported = LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    expected = tiny_llama(2).eval()
+    expected.load_state_dict(trained)
+    tokens = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(exported(tokens).logits, expected(tokens).logits)
