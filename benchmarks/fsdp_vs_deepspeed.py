@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -30,10 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from strategy_overhead import (PEAK_BF16_FLOPS, SHAPES, RandomTokens, StepProfiler, _count_params,  # noqa: E402
-                               llama_config, model_flops_per_step, step_timer)
+from memory_auto import timed_fields  # noqa: E402
+from strategy_overhead import SHAPES, RandomTokens, StepProfiler, llama_config, step_timer  # noqa: E402
 
-DATASHEET_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16
 BACKENDS = ("fsdp2", "deepspeed")
 DEFAULT_POINTS = [f"{shape}:{seq}" for shape in ("1b", "8b") for seq in (8192, 32768, 131072)]
 # --smoke: a tiny Llama on the CPU (no timing claims; checks that both paths run in this script)
@@ -118,11 +116,7 @@ def worker(args) -> None:
               "steps": len(times), "error": error, "torch": torch.__version__,
               "device": torch.cuda.get_device_name() if on_cuda else "cpu",
               "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if on_cuda else None}
-    if times:
-        step = statistics.median(times)
-        flops = model_flops_per_step(config, args.seq, args.seq, _count_params(config))
-        result.update(step_time_median_s=step, step_times_s=times, tokens_per_s=args.seq / step,
-                      mfu=flops / step / PEAK_BF16_FLOPS, mfu_datasheet=flops / step / DATASHEET_BF16_FLOPS)
+    result.update(timed_fields(config, args.seq, times))
     print("RESULT " + json.dumps(result), flush=True)
 
 
