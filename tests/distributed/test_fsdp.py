@@ -3,8 +3,9 @@
 The same module, data and checks as `test_parity.py` (its worker `train_parity.py`, its claims), with
 `strategy=UlyssesFSDPStrategy(...)` instead: SP 1/2/4 with DP in a world of 4 (SP 1 × DP 4, SP 2 × DP 2, SP 4) and
 SP 2 in a world of 2, for a Llama, a Qwen3-MoE and a Qwen3-Next hybrid (Gated DeltaNet split by heads), with
-gradient accumulation, gradient clipping, `labels=input_ids`, the native GPT with validate/test/predict after fit,
-packed rows (each document alone in the reference) and bf16-mixed through FSDP2's MixedPrecisionPolicy. Every loss
+gradient accumulation, gradient clipping, `labels=input_ids`, a ring (Ulysses 2 × ring 2), pretrained weights loaded
+in configure_model, the native GPT with validate/test/predict after fit, evaluation on whole rows, packed rows (each
+document alone in the reference), bf16-mixed through FSDP2's MixedPrecisionPolicy, and `ExportPretrained`. Every loss
 within 1e-5 of the reference, the weights after the SGD steps within 1e-4 of the update. The cases ride in the shared
 launches of 4 and 2 ranks (pool.py).
 """
@@ -39,8 +40,14 @@ CASES = [
     _case(4, 2, "gqa", "-qwen3_next-accumulate2-clip", model="family:qwen3_next", split_mixers=True,
           **ACCUMULATE_CLIP),
     _case(4, 2, "mqa", "-bf16-mixed", precision="bf16-mixed"),
-    # The native GPT (UlyssesAttention, tied embeddings, swapped loss), then validate, test and predict.
+    # Hybrid Ulysses × ring (zig-zag shards): 2 KV heads at SP 4 = Ulysses 2 × ring 2.
+    _case(4, 4, "gqa", "-ring2", strategy_kwargs={"ring_size": 2}),
+    # Pretrained weights loaded in configure_model (each rank loads the folder, then the strategy shards it).
+    _case(4, 2, "mha", "-pretrained", model="pretrained", in_configure_model=True),
+    # The native GPT (UlyssesAttention, tied embeddings, swapped loss), then validate, test and predict; and a Llama
+    # evaluated on whole rows (sequence_parallel_in_evaluation=False: the model's own attention, unsharded).
     _case(2, 2, "mqa", "-gpt-then-validate", model="gpt", validate=True),
+    _case(2, 2, "mha", "-unsharded-evaluation", validate=True, strategy_kwargs={"sequence_parallel_in_evaluation": False}),
 ]
 # Packed rows (the recipes' PackedTokenRows): each document alone in the reference (test_packing.py's check).
 PACKED = [dict(_case(4, 2, "mqa", "-packed"), model="llama", data="packed", lr=0.5)]
@@ -57,7 +64,7 @@ def _ranks(case: dict, tmp_path_factory) -> list[dict]:
 def _claims(case: dict) -> list[str]:
     claims = ["shards", "losses", "weights", "replicas", "groups"]
     return claims + [claim for claim, key in (("evaluation", "validate"), ("split_mixers", "split_mixers"),
-                                              ("export", "export")) if case.get(key)]
+                                              ("export", "export"), ("tying", "in_configure_model")) if case.get(key)]
 
 
 @pytest.mark.parametrize(("case", "claim"), [(case, claim) for case in CASES for claim in _claims(case)],
