@@ -49,11 +49,26 @@ CASES = [
     _case(2, 2, "mqa", "-gpt-then-validate", model="gpt", validate=True),
     _case(2, 2, "mha", "-unsharded-evaluation", validate=True, strategy_kwargs={"sequence_parallel_in_evaluation": False}),
 ]
+# The memory features FSDP2 runs (`run_spec.FSDP2_MEMORY_FEATURES`), as test_memory_parity.py trains them: layer
+# checkpointing with host offload, tiled MLP and tiled logits + loss together (HF Llama and the native GPT; DP ranks
+# on rows of 16 and 12 tokens, so they run different numbers of MLP tiles), and checkpointing with kept attention
+# outputs and the fused elementwise kernels (aot_eager). Plain reference, losses 1e-5, weights 1e-4 of the update.
+MEMORY = {"tiled_mlp": True, "mlp_tile_tokens": 3, "tiled_logits_loss": True, "logits_tile_tokens": 4,
+          "activation_checkpointing": True, "offload_activations": True}
+KEPT_FUSED = {"activation_checkpointing": True, "keep_attention_outputs": True, "fused_elementwise": True,
+              "fused_backend": "aot_eager"}
+MEMORY_CASES = [dict(_case(4, 2, "gqa", f"-{model}-{suffix}"), model=model, batch_size=1,
+                     dataset_kwargs={"odd_rows_shorter_by": 4}, strategy_kwargs={"memory": memory}, wrapped=sorted(wrapped))
+                for model, suffix, memory, wrapped in [
+                    ("llama", "memory", MEMORY, {"FSDPLlamaDecoderLayer", "FSDPLlamaForCausalLM", "LlamaMLP"}),
+                    ("gpt", "memory", MEMORY, {"FSDPBlock", "MLP"}),
+                    ("llama", "kept-attention-fused", KEPT_FUSED, {"FSDPLlamaDecoderLayer", "LlamaRMSNorm"})]]
 # Packed rows (the recipes' PackedTokenRows): each document alone in the reference (test_packing.py's check).
 PACKED = [dict(_case(4, 2, "mqa", "-packed"), model="llama", data="packed", lr=0.5)]
 
 JOBS = {world: shared(world, "fsdp2_parity", WORKER,
-                      {"cases": [case for case in CASES + PACKED if case["world_size"] == world]}, timeout=900)
+                      {"cases": [case for case in CASES + PACKED + MEMORY_CASES if case["world_size"] == world]},
+                      timeout=900)
         for world in (2, 4)}
 
 
@@ -102,6 +117,23 @@ def test_fsdp2_trains_packed_rows_like_documents_alone(case, tmp_path_factory):
     dataset = PackedDocuments(10_000 // SEQ_LEN, SEQ_LEN)
     reference = reference_training(case["kv_heads"], SEQ_LEN, steps, lr=case["lr"], kind=case["model"],
                                    dataset=dataset, replica_loss=_documents_alone_loss)
+    assert_training_matches(ranks, reference)
+
+
+@pytest.mark.parametrize("case", MEMORY_CASES, ids=[case["name"] for case in MEMORY_CASES])
+def test_fsdp2_memory_features_match_plain_reference(case, tmp_path_factory):
+    ranks = _ranks(case, tmp_path_factory)
+    # the features were applied (their forwards wrapped) and every checkpointed layer ran again in backward
+    assert all(set(case["wrapped"]) <= set(rank["wrapped_modules"]) for rank in ranks), ranks[0]["wrapped_modules"]
+    assert all(rank["attention_runs"] == [2 * STEPS] * 2 for rank in ranks), ranks[0]["attention_runs"]
+    if case["strategy_kwargs"]["memory"].get("fused_elementwise"):
+        assert all(rank["compiled_graphs"] > 0 for rank in ranks)
+    steps = []
+    for step in range(STEPS):
+        by_dp = {rank["data_parallel_rank"]: rank["records"][step]["sample_index"] for rank in ranks}
+        steps.append([by_dp[dp] for dp in sorted(by_dp)])
+    reference = reference_training(case["kv_heads"], SEQ_LEN, steps, kind=case["model"],
+                                   dataset_kwargs=case["dataset_kwargs"])
     assert_training_matches(ranks, reference)
 
 

@@ -1,5 +1,6 @@
 """`UlyssesFSDPStrategy` without processes: its registry name, its description (`RunSpec` of backend "fsdp2"), and
-what it refuses when it is built (DeepSpeed's options, the memory features, unknown names), each naming the fix."""
+what it refuses when it is built (DeepSpeed's options, the memory features not ported, unknown names), each naming
+the fix."""
 
 from __future__ import annotations
 
@@ -39,9 +40,10 @@ def test_description_reads_as_zero3_scaled_by_sp():
      ["['config', 'offload_optimizer']", "use strategy='ulysses' (UlyssesDeepSpeedStrategy)"]),
     ({"tensor_parallel_size": 2}, ["tensor parallelism is not combined with sequence parallelism"]),
     ({"exchange": "copy_engine"}, ["collective backend only"]),
-    ({"memory": {"tiled_mlp": True, "activation_checkpointing": True}},
-     ["memory features ['tiled_mlp', 'activation_checkpointing'] are not ported to the FSDP2 strategy",
-      "remove memory=...", "strategy='ulysses'"]),
+    ({"memory": {"tiled_mlp": True, "activation_checkpointing": True, "low_memory_norms": True,
+                 "checkpoint_interval": 2}},
+     ["memory features ['low_memory_norms', 'checkpoint_interval'] are not ported to the FSDP2 strategy",
+      "remove them from memory=...", "strategy='ulysses'"]),
     ({"memory": "auto"}, ["memory features ['auto']"]),
 ])
 def test_refused_when_built_with_the_fix(arguments, fragments):
@@ -51,8 +53,12 @@ def test_refused_when_built_with_the_fix(arguments, fragments):
         assert fragment in str(raised.value)
 
 
-def test_allocator_setting_alone_is_not_a_memory_feature():
+def test_ported_memory_features_and_the_allocator_setting_are_taken():
     UlyssesFSDPStrategy(2, memory={"expandable_segments": True})
+    strategy = UlyssesFSDPStrategy(2, memory={"activation_checkpointing": True, "offload_activations": True,
+                                              "keep_attention_outputs": True, "tiled_mlp": True,
+                                              "tiled_logits_loss": True, "fused_elementwise": True})
+    assert strategy.memory.tiled_mlp and strategy.memory.activation_checkpointing
 
 
 def test_unknown_argument_is_a_type_error():
