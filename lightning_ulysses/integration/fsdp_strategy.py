@@ -47,7 +47,9 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
             per node; `1`: plain FSDP2.
         ring_size, sequence_padding, sequence_parallel_in_evaluation, sdpa_kernel_priority, overlap_head_groups,
             check_batches, quiet_third_party: as `UlyssesDeepSpeedStrategy`'s.
-        memory: the memory features are not ported to FSDP2 yet: anything but `None` (or all off) is refused.
+        memory: the memory features (`MemoryOptions` or its fields): layer checkpointing with host offload, kept
+            attention outputs, tiled MLP, tiled logits + loss, fused elementwise kernels; `"auto"`,
+            `checkpoint_interval` > 1 and `low_memory_norms` are refused (`run_spec.FSDP2_UNPORTED_MEMORY`).
         reshard_after_forward: FSDP2's: free each layer's gathered parameters after its forward (gathered again in
             backward); `False` keeps them, trading memory for one all-gather per layer and step.
         process_group_backend, timeout: `ModelParallelStrategy`'s.
@@ -58,7 +60,7 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
     `ExportPretrained` callback write `save_pretrained` folders.
 
     Refused before training (`RunSpec.of_fsdp_arguments`), with the fix: DeepSpeed's options (`stage`, `config`,
-    offloads, ...), tensor-parallel sizes, the memory features, precisions other than 32-true and bf16-mixed
+    offloads, ...), tensor-parallel sizes, the memory features not ported, precisions other than 32-true and bf16-mixed
     (bf16-mixed is FSDP2's `MixedPrecisionPolicy`: bf16 compute, fp32 parameters and gradient reduction).
     """
 

@@ -383,6 +383,7 @@ def test_plan_of_the_fsdp2_strategy():
     """`strategy=ulysses_fsdp plan=true`: the FSDP2 run described as `UlyssesFSDPStrategy` reads its arguments
     (sharded over all ranks as ZeRO-3, nothing offloaded); what FSDP2 refuses is refused by the plan already."""
     report = plan(_compose(["strategy=ulysses_fsdp", "plan=true"]))
-    assert "dp(1) × sp(2) = world_size(2)" in report and "(on GPU)" in report
-    with pytest.raises(ValueError, match=r"memory features \['tiled_mlp'\] are not ported to the FSDP2 strategy"):
-        plan(_compose(["strategy=ulysses_fsdp", "plan=true", "+strategy.memory.tiled_mlp=true"]))
+    assert "dp(1) × sp(2) = world_size(2)" in report and "(on GPU)" in report and "features: none" in report
+    assert "features: tiled_mlp" in plan(_compose(["strategy=ulysses_fsdp", "plan=true", "strategy.memory.tiled_mlp=true"]))
+    with pytest.raises(ValueError, match=r"memory features \['low_memory_norms'\] are not ported to the FSDP2"):
+        plan(_compose(["strategy=ulysses_fsdp", "plan=true", "+strategy.memory.low_memory_norms=true"]))
