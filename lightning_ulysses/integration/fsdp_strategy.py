@@ -25,7 +25,7 @@ from lightning_ulysses.attention.core import check_overlap_head_groups
 from lightning_ulysses.batch.check import CheckBatches, SameBatchCheck
 from lightning_ulysses.batch.sharding import SequencePadding, check_sequence_padding
 from lightning_ulysses.fences import _lightning_private as lightning_private
-from lightning_ulysses.integration import console, fsdp, preparation
+from lightning_ulysses.integration import console, faults, fsdp, preparation
 from lightning_ulysses.integration.callbacks import correct_progress_bar
 from lightning_ulysses.integration.checkpoint.resume import StrategyCheckpoints
 from lightning_ulysses.integration.parallel_run import ParallelRun
@@ -46,7 +46,9 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
         sequence_parallel_size: ranks sharing one sequence; must divide the processes and the heads. `None`: devices
             per node; `1`: plain FSDP2.
         ring_size, sequence_padding, sequence_parallel_in_evaluation, sdpa_kernel_priority, overlap_head_groups,
-            check_batches, quiet_third_party: as `UlyssesDeepSpeedStrategy`'s.
+            check_batches, heartbeat_timeout, quiet_third_party: as `UlyssesDeepSpeedStrategy`'s (a SIGTERM or SLURM's
+            requeue signal saves `hpc_ckpt_<n>.ckpt` at the next step boundary on every rank; a rank that raises makes
+            the others exit naming it).
         memory: the memory features (`MemoryOptions` or its fields): layer checkpointing with host offload, kept
             attention outputs, tiled MLP, tiled logits + loss, fused elementwise kernels; `"auto"`,
             `checkpoint_interval` > 1 and `low_memory_norms` are refused (`run_spec.FSDP2_UNPORTED_MEMORY`).
@@ -80,6 +82,7 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
         reshard_after_forward: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        heartbeat_timeout: Optional[float] = 120.0,
         quiet_third_party: bool = True,
         **unsupported: Any,
     ) -> None:
@@ -96,6 +99,8 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
         _, sequence_parallel_size = read_sequence_parallel_size(None, sequence_parallel_size, ring_size)
         check_sequence_padding(sequence_padding)
         super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend, timeout=timeout)
+        # Signals, requeue and the rank watchdog (`faults.py`), as the DeepSpeed strategy's.
+        self._faults = faults.RunFaults(faults.check_heartbeat_timeout(heartbeat_timeout))
         self._parallel = ParallelRun(sequence_parallel_size, ring_size, sequence_padding)
         self.sequence_parallel_in_evaluation = sequence_parallel_in_evaluation
         self._auto = auto.AutoDecisions(memory, sdpa_kernel_priority)
@@ -129,6 +134,7 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
         self._shard_mesh = fsdp.world_mesh(self.root_device.type)
         self.lightning_module._device_mesh = self._device_mesh
         self._random_streams.reset(self.sequence_parallel_rank, self.sequence_parallel_world_size, self.root_device)
+        self._faults.start_watchdog(self.cluster_environment, self.global_rank, self.world_size)
 
     def _build_groups(self, layout) -> SequenceParallelGroups:
         groups, self._device_mesh = SequenceParallelGroups.build_device_mesh(layout, self.root_device.type)
@@ -180,7 +186,9 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
     def teardown(self) -> None:
         self._parallel.end()  # the user's models leave the Trainer with their own attention and loss again
         self._checkpoints.end_resume()  # a resumed run that trained no batch
+        # While the watchdog runs: a rank lost at the barrier is named, not waited for.
         self._parallel.release(self.world_size, self.barrier)
+        self._faults.stop_watchdog()
         super().teardown()
 
     # -- checkpoints (`checkpoint.resume.StrategyCheckpoints`; the shards: torch Distributed Checkpoint) -----------
@@ -206,12 +214,8 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._checkpoints.on_train_batch_start()  # the resumed random generators; the epoch of the batch's data
+        self._faults.signals.agree(self.lightning_module.trainer, self.world_size, self.root_device)
         super().on_train_batch_start(batch, batch_idx)
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        self._parallel.failed = True  # the groups are not released at this run's teardown (`ParallelRun.release`)
-        super().on_exception(exception)
 
     # -- registry -----------------------------------------------------------------------------------------------
     @classmethod

@@ -3,16 +3,17 @@ ZeRO in `strategy.py`, FSDP2 in `fsdp_strategy.py`).
 
 A strategy that mixes it in (first, before its Lightning parent) owns a `ParallelRun` (`_parallel`), an
 `auto.AutoDecisions` (`_auto`), a `SameBatchCheck` (`_batch_check`), a `SequenceParallelRNG` (`_random_streams`),
-`sequence_parallel_in_evaluation`, and a `_prepare_modules()` that runs the module pipeline for its backend. What
-this class gives it: the groups and the run's description by name, the DP-only sampler, the sequence sharding of
-every batch, the steps under the SDPA kernel order and the SP rank's own random stream, the whole-sequence loss, the
-refusal of a shard-local loss, and evaluation on whole rows (opt-in).
+a `faults.RunFaults` (`_faults`), `sequence_parallel_in_evaluation`, and a `_prepare_modules()` that runs the module
+pipeline for its backend. What this class gives it: the groups and the run's description by name, the DP-only
+sampler, the sequence sharding of every batch, the steps under the SDPA kernel order and the SP rank's own random
+stream, the whole-sequence loss, the refusal of a shard-local loss, evaluation on whole rows (opt-in), a
+scheduler's signals turned into one save at a step boundary, and a rank's exception told to the others.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from typing_extensions import override
 
@@ -73,6 +74,10 @@ class SequenceParallelHooks:
     sdpa_kernel_priority = _from_auto("kernel_priority", "The SDPA kernels tried first (None: torch's order)")
 
     @property
+    def heartbeat_timeout(self) -> Optional[float]:
+        return self._faults.heartbeat_timeout
+
+    @property
     def sequence_padding(self) -> SequencePadding:
         return self._parallel.sequence_padding
 
@@ -106,6 +111,21 @@ class SequenceParallelHooks:
         # Every rank of an SP group must see the same samples; only DP groups get different ones.
         groups = self.parallel_groups
         return {"num_replicas": groups.data_parallel_world_size, "rank": groups.data_parallel_rank}
+
+    # -- faults (`faults.RunFaults`) ------------------------------------------------------------------------------
+    @override
+    def on_train_start(self) -> None:
+        # Lightning registers its signal handlers after `setup`; replace its collective ones once they exist.
+        self._faults.signals.install(self.lightning_module.trainer, self.cluster_environment)
+        super().on_train_start()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._parallel.failed = True  # the groups are not released at this run's teardown (`ParallelRun.release`)
+        # (the trainer read only where a signal is saved: an exception may come before the module is attached)
+        self._faults.on_exception(exception, lambda: self.lightning_module.trainer, self.cluster_environment,
+                                  self.is_global_zero, groups_built=self._parallel.groups is not None)
+        super().on_exception(exception)
 
     # -- evaluation without sequence parallelism (opt-in) ----------------------------------------------------------
     # The parents' validation/test/predict start and end hooks are no-ops, so one pair serves all three loops.

@@ -139,10 +139,7 @@ class UlyssesDeepSpeedStrategy(SequenceParallelHooks, DeepSpeedStrategy):
         self.micro_batches_accumulated = 0
         self._preflight_reported = False
 
-    # -- the run and its parallel layout (`SequenceParallelHooks`: groups, description, loss, sampler, steps) ---
-    @property
-    def heartbeat_timeout(self) -> Optional[float]:
-        return self._faults.heartbeat_timeout
+    # (The run's groups and description, the loss, sampler, steps, signals and a rank's exception: `SequenceParallelHooks`.)
 
     # -- launch, environment and groups ------------------------------------------------------------------------
     @override
@@ -198,12 +195,6 @@ class UlyssesDeepSpeedStrategy(SequenceParallelHooks, DeepSpeedStrategy):
             self._preflight_reported = True
             _log.info(preflight.format_report(preflight.check(preflight.PlannedRun.of_strategy(self)),
                                               title=f"lightning_ulysses preflight (node {self.node_rank})"))
-
-    @override
-    def on_train_start(self) -> None:
-        # Lightning registers its signal handlers after `setup`; replace its collective ones once they exist.
-        self._faults.signals.install(self.lightning_module.trainer, self.cluster_environment)
-        super().on_train_start()
 
     def _prepare_modules(self) -> None:
         """The module pipeline (`preparation.py`, through `ParallelRun`): scan the models and settle the ring size
@@ -313,14 +304,6 @@ class UlyssesDeepSpeedStrategy(SequenceParallelHooks, DeepSpeedStrategy):
         if confirmation is not None:
             (rank_zero_warn if confirmation.exceeds_plan else rank_zero_info)(confirmation.report())
         super().on_train_batch_start(batch, batch_idx)
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        self._parallel.failed = True  # the groups are not released at this run's teardown (`ParallelRun.release`)
-        # (the trainer read only where a signal is saved: an exception may come before the module is attached)
-        self._faults.on_exception(exception, lambda: self.lightning_module.trainer, self.cluster_environment,
-                                  self.is_global_zero, groups_built=self._parallel.groups is not None)
-        super().on_exception(exception)
 
     # -- steps (the step hooks themselves: `SequenceParallelHooks`) ----------------------------------------------
     @override

@@ -49,7 +49,7 @@ FSDP2_PRECISIONS = ("32-true", "bf16-mixed")  # FSDP2's MixedPrecisionPolicy giv
 # The strategy arguments `UlyssesFSDPStrategy` takes (its own, and `ModelParallelStrategy`'s it keeps).
 FSDP2_ARGUMENTS = ("sequence_parallel_size", "ring_size", "sequence_padding", "sequence_parallel_in_evaluation",
                    "memory", "sdpa_kernel_priority", "overlap_head_groups", "check_batches", "reshard_after_forward",
-                   "process_group_backend", "timeout", "quiet_third_party")
+                   "process_group_backend", "timeout", "heartbeat_timeout", "quiet_third_party")
 # What the DeepSpeed strategy takes and FSDP2 has no counterpart for (refused by name, with the fix).
 _DEEPSPEED_ONLY_HINTS = {
     "stage": "FSDP2 always shards parameters, gradients and optimizer state over all ranks (as ZeRO-3)",
@@ -58,7 +58,6 @@ _DEEPSPEED_ONLY_HINTS = {
     "exchange": "FSDP2 runs the all-to-alls over the collective backend only",
     "zero3_leaf_layers": "FSDP2 gathers each decoder layer whole already (one fully_shard unit per layer)",
     "start_method": "launch FSDP2 runs as a script (torchrun or Lightning's launcher)",
-    "heartbeat_timeout": "the rank watchdog is not ported to FSDP2 yet",
 }
 # `ModelParallelStrategy`'s arguments the FSDP2 strategy fixes (refused by name, with why).
 _FIXED_FOR_FSDP2 = {
@@ -342,7 +341,7 @@ FSDP2_MEMORY_FEATURES = ("activation_checkpointing", "offload_activations", "kee
 FSDP2_UNPORTED_MEMORY = ("auto", "checkpoint_interval", "low_memory_norms")
 # `UlyssesDeepSpeedStrategy`'s own arguments and Lightning's `DeepSpeedStrategy`'s that FSDP2 does not take.
 _DEEPSPEED_ARGUMENTS = frozenset((
-    "stage", "config", "config_overrides", "exchange", "zero3_leaf_layers", "start_method", "heartbeat_timeout",
+    "stage", "config", "config_overrides", "exchange", "zero3_leaf_layers", "start_method",
     "zero_optimization", "allgather_partitions", "reduce_scatter", "allgather_bucket_size", "reduce_bucket_size",
     "zero_allow_untested_optimizer", "logging_batch_size_per_gpu", "offload_optimizer", "offload_parameters",
     "offload_params_device", "nvme_path", "params_buffer_count", "params_buffer_size", "max_in_cpu", "offload_optimizer_device",

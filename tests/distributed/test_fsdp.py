@@ -140,7 +140,8 @@ def test_fsdp2_memory_features_match_plain_reference(case, tmp_path_factory):
 # Checkpoints (torch Distributed Checkpoint through the same protocol as the DeepSpeed strategy's), with
 # test_checkpoints.py's worker: SP 2 × DP 2 saving every 2 steps (mid-epoch: 12 samples, a global batch of 4), resumed
 # at the same split (exact: samples, losses, random draws and weights bit for bit) and at SP 4 × DP 1 (the same
-# samples, losses and weights within float rounding); its last checkpoint exported by `checkpoint export`.
+# samples, losses and weights within float rounding); its last checkpoint exported by `checkpoint export`; a SIGTERM's
+# save at the step boundary, resumed exactly.
 CHECKPOINT_STEPS, SAVE_AT = 4, 2
 CHECKPOINT_CASES = [
     {"name": "fsdp2_sp2", "backend": "fsdp2", "sp": 2, "batch_size": 2, "steps": CHECKPOINT_STEPS,
@@ -149,6 +150,11 @@ CHECKPOINT_CASES = [
      "resume": f"fsdp2_sp2/step={SAVE_AT}.ckpt"},
     {"name": "fsdp2_sp2_to_sp4", "backend": "fsdp2", "sp": 4, "batch_size": 4, "steps": CHECKPOINT_STEPS,
      "resume": f"fsdp2_sp2/step={SAVE_AT}.ckpt"},
+    # A SIGTERM inside a step: every rank saves hpc_ckpt_1.ckpt at the step boundary and exits; resumed with "hpc".
+    {"name": "fsdp2_sp2_sigterm", "backend": "fsdp2", "sp": 2, "batch_size": 2, "steps": CHECKPOINT_STEPS,
+     "sigterm_in_batch": SAVE_AT - 1},
+    {"name": "fsdp2_sp2_from_sigterm", "backend": "fsdp2", "sp": 2, "batch_size": 2, "steps": CHECKPOINT_STEPS,
+     "resume": "hpc", "root": "fsdp2_sp2_sigterm"},
 ]
 CHECKPOINT_JOB = shared(4, "fsdp2_checkpoints", WORKER.parent / "resume.py", {"cases": CHECKPOINT_CASES}, timeout=600)
 
@@ -169,6 +175,21 @@ def test_fsdp2_checkpoint_resumes_exactly_at_the_same_split(checkpoint_runs):
         assert resumed[step] == full[step], step
     for name, value in results[0]["fsdp2_sp2"]["weights"].items():
         assert torch.equal(results[0]["fsdp2_sp2_to_sp2"]["weights"][name], value), name
+
+
+def test_fsdp2_sigterm_saves_at_the_step_boundary_and_resumes_exactly(checkpoint_runs):
+    from tests.distributed.test_checkpoints import steps
+
+    results, workdir = checkpoint_runs
+    assert all(rank["fsdp2_sp2_sigterm"]["exited_cleanly"] for rank in results)
+    assert {rank["fsdp2_sp2_sigterm"]["global_step"] for rank in results} == {SAVE_AT}
+    assert (workdir / "fsdp2_sp2_sigterm" / "hpc_ckpt_1.ckpt" / "ulysses.json").exists()
+    full, resumed = steps(results, "fsdp2_sp2"), steps(results, "fsdp2_sp2_from_sigterm")
+    assert sorted(resumed) == list(range(SAVE_AT, CHECKPOINT_STEPS))
+    for step in resumed:
+        assert resumed[step] == full[step], step
+    for name, value in results[0]["fsdp2_sp2"]["weights"].items():
+        assert torch.equal(results[0]["fsdp2_sp2_from_sigterm"]["weights"][name], value), name
 
 
 def test_fsdp2_checkpoint_resumes_at_another_split(checkpoint_runs):
