@@ -38,12 +38,13 @@ def mixed_precision_policy(spec: RunSpec):
                                 else None)
 
 
-def shard_models(root: torch.nn.Module, models: Sequence[torch.nn.Module], mesh, spec: RunSpec) -> list[str]:
+def shard_models(root: torch.nn.Module, models: Sequence[torch.nn.Module], mesh, spec: RunSpec,
+                 device: torch.device) -> list[str]:
     """`fully_shard` each of `models` (layer by layer, then the model) unless already sharded; returns the paths of
     the models it sharded. Refuses, before sharding anything (identically on every rank: the module tree alone),
     trainable parameters of `root` outside every model: no FSDP2 unit would own them, and their gradients would not
-    be reduced. The models' parameters are first made the same on every rank (rank 0's, as DDP does): `fully_shard`
-    keeps each rank's own slice of its own copy."""
+    be reduced. The models' parameters are first made the same on every rank (rank 0's, as DDP does, through
+    `device`): `fully_shard` keeps each rank's own slice of its own copy."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     models = list(models)
@@ -60,7 +61,7 @@ def shard_models(root: torch.nn.Module, models: Sequence[torch.nn.Module], mesh,
     for model in models:
         if isinstance(model, FSDPModule):
             continue
-        _same_on_every_rank(model)
+        _same_on_every_rank(model, device)
         for layer in decoder_layers(model):
             if not isinstance(layer, FSDPModule):
                 fully_shard(layer, **options)
@@ -77,13 +78,18 @@ def _outside_parameters(root: torch.nn.Module, models: list[torch.nn.Module]) ->
     return [name for name, p in root.named_parameters() if p.requires_grad and id(p) not in owned]
 
 
-def _same_on_every_rank(model: torch.nn.Module) -> None:
-    """Rank 0's parameters and buffers on every rank (one broadcast per tensor; none on one rank or on meta)."""
+def _same_on_every_rank(model: torch.nn.Module, device: torch.device) -> None:
+    """Rank 0's parameters and buffers on every rank (one broadcast per tensor; none on one rank or on meta). Each
+    tensor travels through `device` (NCCL broadcasts only CUDA tensors; a model built on the host stays there)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     for tensor in [*model.parameters(), *model.buffers()]:
-        if tensor.device.type != "meta":
-            dist.broadcast(tensor.data, src=0)
+        if tensor.device.type == "meta":
+            continue
+        moved = tensor.data.to(device)
+        dist.broadcast(moved, src=0)
+        if moved is not tensor.data:
+            tensor.data.copy_(moved)
 
 
 def full_weights(module: torch.nn.Module, names: Optional[Sequence[str]] = None) -> dict[str, torch.Tensor]:

@@ -149,7 +149,8 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
         correct_progress_bar(trainer)
         self.accelerator.setup(trainer)
         found = self._prepare_modules()
-        fsdp.shard_models(self.lightning_module, found.memory_engine_models(), self.shard_mesh, self.run_spec)
+        fsdp.shard_models(self.lightning_module, found.memory_engine_models(), self.shard_mesh, self.run_spec,
+                          self.root_device)
         lightning_private.materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()

@@ -31,7 +31,9 @@ def _case(world_size: int, sp: int, attention: str, suffix: str = "", **extra) -
 
 ACCUMULATE_CLIP = {"batch_size": 1, "trainer_kwargs": {"accumulate_grad_batches": 2, "gradient_clip_val": 0.8}}
 CASES = [
-    _case(4, 1, "mha"),
+    # The other ranks' models differ from rank 0's before training: FSDP2 shards each rank's own copy, so the strategy
+    # broadcasts rank 0's first (as DDP and DeepSpeed do).
+    _case(4, 1, "mha", "-other-ranks-perturbed", perturb_other_ranks=True),
     # Accumulation and clipping (the threshold between the true norm and norm / k, as in test_parity.py).
     _case(4, 2, "mqa", "-accumulate2-clip", **ACCUMULATE_CLIP),
     # `ExportPretrained` at the end of fit: the save_pretrained folder gathered from FSDP2's shards.

@@ -209,6 +209,10 @@ def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None) 
     module = CausalLM(num_key_value_heads=case["kv_heads"], lr=case.get("lr", 0.5), kind=kind,
                       in_configure_model=case.get("in_configure_model", False), step=case.get("step", "batch"),
                       pretrained=pretrained)
+    if case.get("perturb_other_ranks") and int(os.environ["RANK"]) != 0:  # the strategy must train rank 0's model
+        with torch.no_grad():
+            for parameter in module.model.parameters():
+                parameter.add_(0.01 * int(os.environ["RANK"]))
     strategy_kwargs = dict(case.get("strategy_kwargs", {}))
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # this case's, in a process of many
     recorder = recorder or RecordGroups()
