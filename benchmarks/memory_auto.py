@@ -115,12 +115,19 @@ def main() -> None:
               "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
               "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
               "device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    if times:
-        step = statistics.median(times)
-        flops = model_flops_per_step(config, args.seq, args.seq, _count_params(config))
-        result.update(step_time_median_s=step, step_times_s=times, tokens_per_s=args.seq / step,
-                      mfu=flops / step / PEAK_BF16_FLOPS, mfu_datasheet=flops / step / DATASHEET_BF16_FLOPS)
+    result.update(timed_fields(config, args.seq, times))
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def timed_fields(config, seq: int, times: list[float]) -> dict:
+    """The timing fields of a one-GPU run of one `seq`-token sequence per step (none when nothing was timed): median
+    step, tokens/s, MFU of the measured and of the datasheet peak."""
+    if not times:
+        return {}
+    step = statistics.median(times)
+    flops = model_flops_per_step(config, seq, seq, _count_params(config))
+    return dict(step_time_median_s=step, step_times_s=times, tokens_per_s=seq / step,
+                mfu=flops / step / PEAK_BF16_FLOPS, mfu_datasheet=flops / step / DATASHEET_BF16_FLOPS)
 
 
 if __name__ == "__main__":

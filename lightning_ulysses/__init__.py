@@ -1,7 +1,7 @@
 """lightning-ulysses: DeepSpeed-Ulysses sequence parallelism for PyTorch Lightning.
 
 `import lightning_ulysses` registers the strategy names "ulysses", "ulysses_stage_{1,2,3}",
-"ulysses_stage_3_offload" and "ulysses_notebook" in Lightning's StrategyRegistry (Lightning has no entry points
+"ulysses_stage_3_offload", "ulysses_notebook" (DeepSpeed) and "ulysses_fsdp" (FSDP2) in Lightning's StrategyRegistry (Lightning has no entry points
 for strategies).
 """
 
@@ -10,6 +10,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_ulysses.attention import UlyssesAttention
 from lightning_ulysses.batch.sharding import SequenceSharder
 from lightning_ulysses.hf import prepare_hf_model
+from lightning_ulysses.integration.fsdp_strategy import UlyssesFSDPStrategy
 from lightning_ulysses.integration.strategy import UlyssesDeepSpeedStrategy
 from lightning_ulysses.parallel.layout import ParallelLayout, SequenceParallelGroups
 from lightning_ulysses.training.loss import sequence_parallel_cross_entropy
@@ -30,6 +31,8 @@ del _module, _sys
 
 if UlyssesDeepSpeedStrategy.strategy_name not in StrategyRegistry:
     UlyssesDeepSpeedStrategy.register_strategies(StrategyRegistry)
+if UlyssesFSDPStrategy.strategy_name not in StrategyRegistry:
+    UlyssesFSDPStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "ParallelLayout",
@@ -37,6 +40,7 @@ __all__ = [
     "SequenceSharder",
     "UlyssesAttention",
     "UlyssesDeepSpeedStrategy",
+    "UlyssesFSDPStrategy",
     "prepare_hf_model",
     "sequence_parallel_cross_entropy",
 ]

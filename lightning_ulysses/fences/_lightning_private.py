@@ -19,8 +19,10 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
 from lightning.fabric.utilities import imports as _fabric_imports
 from lightning.fabric.utilities import seed as _fabric_seed
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.callbacks import RichProgressBar
-from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy, Strategy
 from lightning.pytorch.strategies.deepspeed import remove_module_hooks as _remove_module_hooks
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.trainer.states import RunningStage
@@ -89,6 +91,24 @@ def restore_zero_state(strategy: DeepSpeedStrategy, checkpoint: Any, strict: boo
     """`DeepSpeedStrategy._restore_zero_state`: copies a full state dict into ZeRO-3's partitioned parameters, one
     module at a time, from global rank 0 (Lightning's `load_full_weights` path; there is no public entry to it)."""
     strategy._restore_zero_state(checkpoint, strict=strict)
+
+
+def init_model_parallel_distributed(strategy: ModelParallelStrategy) -> None:
+    """`ModelParallelStrategy._setup_distributed`: the accelerator's environment, `reset_seed`, the world's ranks
+    and the process group, without its two-dimensional (data × tensor parallel) mesh, which the FSDP2 strategy
+    replaces by its DP × SP one (`setup_environment` does all four at once; no public method does the first three)."""
+    strategy._setup_distributed()
+
+
+def materialize_distributed_module(module: "torch.nn.Module", device: "torch.device") -> None:
+    """`lightning.fabric.utilities.init._materialize_distributed_module`: what `ModelParallelStrategy.setup` runs on
+    a module built on the meta device (its `reset_parameters` after `to_empty`)."""
+    _materialize_distributed_module(module, device)
+
+
+def optimizers_to_device(optimizers: list, device: "torch.device") -> None:
+    """`lightning.fabric.utilities.optimizer._optimizers_to_device`, as `ModelParallelStrategy.setup` calls it."""
+    _optimizers_to_device(optimizers, device)
 
 
 def remove_module_hooks(model: "torch.nn.Module") -> None:
@@ -199,4 +219,7 @@ MIRRORED: dict[tuple[type, str], str] = {
     # + `mpu` and a CPU device rank (both `deepspeed.initialize` call sites).
     (DeepSpeedStrategy, "_setup_model_and_optimizer"): "d5b228d023b53b92",
     (DeepSpeedStrategy, "_initialize_deepspeed_inference"): "44374170d2e2a741",
+    # UlyssesFSDPStrategy.setup: - the demand that configure_model be overridden (the strategy shards the models
+    # itself) + the module pipeline and `fully_shard` before the optimizers exist.
+    (ModelParallelStrategy, "setup"): "7a79a2378fefc19c",
 }

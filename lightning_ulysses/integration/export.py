@@ -207,11 +207,16 @@ def _exported_model(pl_module: "pl.LightningModule") -> tuple[str, torch.nn.Modu
 
 
 def _whole_state_dict(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Optional[dict[str, torch.Tensor]]:
-    """The LightningModule's whole state dict on global rank 0 (None elsewhere under ZeRO-3)."""
+    """The LightningModule's whole state dict on global rank 0 (None elsewhere under ZeRO-3; on every rank under
+    FSDP2)."""
     engine = getattr(trainer.strategy, "deepspeed_engine", None)
     if engine is not None and engine.zero_optimization_partition_weights():
         return deepspeed_private.consolidated_16bit_state_dict(engine)  # a collective: every rank calls it
-    return {key: value.detach().cpu() for key, value in pl_module.state_dict().items()}
+    from torch.distributed.tensor import DTensor
+
+    # FSDP2's shards are gathered (a collective per tensor, in the same order on every rank).
+    return {key: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
+            for key, value in pl_module.state_dict().items()}
 
 
 def _built_config(trainer: "pl.Trainer", model: torch.nn.Module, name: str) -> Any:

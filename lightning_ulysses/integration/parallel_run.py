@@ -1,8 +1,9 @@
-"""The parallel side of a `UlyssesDeepSpeedStrategy` run (fit, validate, test or predict), which the strategy's hooks
-drive with what Lightning knows (ranks, devices, the DeepSpeed config, the LightningModule):
+"""The parallel side of a Ulysses strategy's run (fit, validate, test or predict; `UlyssesDeepSpeedStrategy` and
+`UlyssesFSDPStrategy` alike), which the strategy's hooks drive with what Lightning knows (ranks, devices, the
+backend's settings, the LightningModule):
 
-- `start` (the run's distributed set-up): the layout asked for, the run's description (`RunSpec`) and the SP/DP
-  groups, built for every run and released at its end (`release`);
+- `layout` and `start` (the run's distributed set-up): the layout asked for, the run's description (`RunSpec`, which
+  the strategy builds from its backend's settings on that layout) and the SP/DP groups, built for every run and released at its end (`release`);
 - `scan` and `prepare` (the run's `setup`): the module pipeline of `preparation.py`, with the ring size settled
   from the models' heads in between, and the sharder that cuts each batch in the final layout, publishing the
   batch's whole rows into `batch_rows`;
@@ -47,23 +48,29 @@ class ParallelRun:
         self.whole_rows = False  # True while validate/test/predict runs with plain attention
 
     # -- the run's distributed set-up ----------------------------------------------------------------------------
-    def start(self, *, world_size: int, num_processes: int, num_nodes: int, config: dict[str, Any], precision: str,
-              device: torch.device, barrier: Callable[[str], None]) -> None:
-        """The layout (refused before any collective), the run's description (refusing a configuration that cannot
-        train exactly, before any group) and the groups: released at the end of every run (`release`), so built again
-        for each; kept only after a failed run. The ring size is settled against the model's heads in `scan`."""
+    def layout(self, world_size: int, num_processes: int) -> ParallelLayout:
+        """The layout asked for on `world_size` ranks (SP: devices per node unless given), refused before any
+        collective; the ring size is settled against the model's heads in `scan`."""
         size = self.requested_sequence_parallel_size or num_processes
-        layout = ParallelLayout(world_size=world_size, sequence_parallel_size=size,
-                                ring_size=self.requested_ring_size or 1).with_ring_size(1)
-        self.spec = RunSpec.of_config(config, layout=layout, precision=precision, device=device)
+        return ParallelLayout(world_size=world_size, sequence_parallel_size=size,
+                              ring_size=self.requested_ring_size or 1).with_ring_size(1)
+
+    def start(self, spec: RunSpec, *, num_processes: int, num_nodes: int, barrier: Callable[[str], None],
+              build_groups: Callable[[ParallelLayout], SequenceParallelGroups] = SequenceParallelGroups.build) -> None:
+        """The run's description (`spec`, on `layout(...)`: built by the caller from its backend's settings, which
+        refuses a configuration that cannot train exactly before any group) and the groups (`build_groups`, on every
+        rank: collective): released at the end of every run (`release`), so built again for each; kept only after a
+        failed run."""
+        layout = spec.layout
+        self.spec = spec
         self.failed = False
         if self.groups is not None and self.groups.layout.with_ring_size(1) != layout:
-            self.release(world_size, barrier)  # such groups, replaced by another layout
+            self.release(layout.world_size, barrier)  # such groups, replaced by another layout
         if self.groups is None or self.groups.released:
             warning = layout.spans_nodes_warning(num_nodes, num_processes)
             if warning:
                 rank_zero_warn(warning)
-            self.groups = SequenceParallelGroups.build(layout)
+            self.groups = build_groups(layout)
             rank_zero_info(f"lightning_ulysses: {layout}, SP groups {layout.sequence_parallel_groups()}")
         self.use_ring_size(1)
 

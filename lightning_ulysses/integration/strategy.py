@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence, Union
+from typing import Any, Iterator, Literal, Mapping, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
@@ -36,38 +36,17 @@ from lightning_ulysses.integration.callbacks import correct_progress_bar
 from lightning_ulysses.integration.checkpoint.resume import StrategyCheckpoints
 from lightning_ulysses.integration.notebook import check_start_method, configure_launcher
 from lightning_ulysses.integration.parallel_run import ParallelRun
+from lightning_ulysses.integration.sequence_parallel_hooks import SequenceParallelHooks
 from lightning_ulysses.integration.rng import SequenceParallelRNG, seed_workers_by_data_parallel_rank
 from lightning_ulysses.memory import MemoryOptions, apply_allocator_settings
-from lightning_ulysses.parallel.layout import SequenceParallelGroups
 from lightning_ulysses.parallel.run_spec import RunSpec, deep_merge, inference_config, read_sequence_parallel_size
 from lightning_ulysses.planning import auto, preflight
-from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss, refuse_shard_local_loss
 
 # A child of Lightning's logger, so the start-up report prints wherever Lightning's own messages do.
 _log = logging.getLogger("lightning.pytorch.ulysses")
 
 
-def _step_hook(name: str) -> Callable[..., Any]:
-    """The parent's step hook `name` under the strategy's SDPA kernel order and, on shards, drawing from this SP
-    rank's own random stream (`rng.py`)."""
-
-    def step(self, *args: Any, **kwargs: Any) -> Any:
-        with sdpa_priority(self.sdpa_kernel_priority), self._step_random_stream():
-            return getattr(super(UlyssesDeepSpeedStrategy, self), name)(*args, **kwargs)
-
-    step.__name__ = step.__qualname__ = name
-    return override(step)
-
-
-def _from_groups(name: str) -> property:
-    return property(lambda self: getattr(self.parallel_groups, name), doc=f"`parallel_groups.{name}`")
-
-
-def _from_auto(name: str, doc: str) -> property:
-    return property(lambda self: getattr(self._auto, name), doc=f"{doc} (`auto.AutoDecisions.{name}`)")
-
-
-class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
+class UlyssesDeepSpeedStrategy(SequenceParallelHooks, DeepSpeedStrategy):
     """DeepSpeed (ZeRO) with DeepSpeed-Ulysses sequence parallelism. Every argument in full, with what was measured:
     `docs/guide.md`, "The strategy's arguments".
 
@@ -161,61 +140,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self.micro_batches_accumulated = 0
         self._preflight_reported = False
 
-    # -- the run and its parallel layout -------------------------------------------------------------------------
-    @property
-    def run_spec(self) -> RunSpec:
-        """The run's description (`run_spec.RunSpec`: layout, ZeRO stage and offload, precision, device), made when
-        the Trainer sets up distributed training from the DeepSpeed config; every reader asks it, not the config."""
-        return self._parallel.described()
-
-    @property
-    def parallel_groups(self) -> SequenceParallelGroups:
-        """The SP/DP groups of this rank; available once the strategy has set up distributed training."""
-        return self._parallel.built_groups()
-
-    # This rank's SP and DP process groups, ranks and sizes, as `parallel_groups` holds them.
-    sequence_parallel_group = _from_groups("sequence_parallel_group")
-    sequence_parallel_rank = _from_groups("sequence_parallel_rank")
-    sequence_parallel_world_size = _from_groups("sequence_parallel_world_size")
-    data_parallel_group = _from_groups("data_parallel_group")
-    data_parallel_rank = _from_groups("data_parallel_rank")
-    data_parallel_world_size = _from_groups("data_parallel_world_size")
-    # `memory="auto"` and `sdpa_kernel_priority="auto"`, as decided (`auto.AutoDecisions`)
-    memory = _from_auto("memory", "The memory features: the request until `memory=\"auto\"` is decided in `setup`")
-    memory_choice = _from_auto("choice", "What `memory=\"auto\"` chose (`auto.AutoChoice`), once decided")
-    memory_confirmation = _from_auto("confirmation", "What the first training steps measured against the choice")
-    sdpa_kernel_priority = _from_auto("kernel_priority", "The SDPA kernels tried first (None: torch's order)")
-
-    @property
-    def sequence_padding(self) -> SequencePadding:
-        return self._parallel.sequence_padding
-
-    @property
-    def heartbeat_timeout(self) -> Optional[float]:
-        return self._faults.heartbeat_timeout
-
-    @property
-    def hf_model_configs(self) -> dict[str, Any]:
-        """Module path → config of every Hugging Face model the strategy prepared, as the user built it (while it
-        trains the model holds a copy with Ulysses attention): what `save_pretrained` of the trained model needs."""
-        return dict(self._parallel.hf_configs)
-
-    @property
-    def check_batches(self) -> CheckBatches:
-        return self._batch_check.mode
-
-    @property
-    def batches_are_sharded(self) -> bool:
-        """Whether the step sees this rank's shard of the batch (False during evaluation with
-        `sequence_parallel_in_evaluation=False`, where whole batches pass through)."""
-        return self._parallel.batches_are_sharded
-
-    @property
-    def loss_function(self) -> SequenceParallelCausalLMLoss:
-        """`loss_function(logits, labels)`: the whole-sequence token-mean loss with the right ZeRO gradient, for
-        modules that compute their loss from logits. `labels`: as Hugging Face takes them, unshifted — the batch's
-        `labels`, `batch["input_ids"]`, labels built in the step; see `SequenceParallelCausalLMLoss`."""
-        return self._parallel.loss_function()
+    # (The run's groups and description, the loss, sampler, steps, signals and a rank's exception: `SequenceParallelHooks`.)
 
     # -- launch, environment and groups ------------------------------------------------------------------------
     @override
@@ -242,20 +167,14 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         reset_seed()
         self.set_world_ranks()
         lightning_private.init_deepspeed_distributed(self)
-        self._parallel.start(world_size=self.world_size, num_processes=self.num_processes, num_nodes=self.num_nodes,
-                             config=self.config, precision=str(self.precision_plugin.precision),
-                             device=self.root_device, barrier=self.barrier)
+        layout = self._parallel.layout(self.world_size, self.num_processes)
+        self._parallel.start(RunSpec.of_config(self.config, layout=layout, precision=str(self.precision_plugin.precision),
+                                               device=self.root_device),
+                             num_processes=self.num_processes, num_nodes=self.num_nodes, barrier=self.barrier)
         # After `reset_seed`, on every set-up (fit twice seeds it twice alike); a resume restores it later, at the
         # first batch or (at an epoch boundary) in `process_dataloader`, both after this.
         self._random_streams.reset(self.sequence_parallel_rank, self.sequence_parallel_world_size, self.root_device)
         self._faults.start_watchdog(self.cluster_environment, self.global_rank, self.world_size)
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, int]:
-        # Every rank of an SP group must see the same samples; only DP groups get different ones.
-        groups = self.parallel_groups
-        return {"num_replicas": groups.data_parallel_world_size, "rank": groups.data_parallel_rank}
 
     # -- model preparation --------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -277,12 +196,6 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             self._preflight_reported = True
             _log.info(preflight.format_report(preflight.check(preflight.PlannedRun.of_strategy(self)),
                                               title=f"lightning_ulysses preflight (node {self.node_rank})"))
-
-    @override
-    def on_train_start(self) -> None:
-        # Lightning registers its signal handlers after `setup`; replace its collective ones once they exist.
-        self._faults.signals.install(self.lightning_module.trainer, self.cluster_environment)
-        super().on_train_start()
 
     def _prepare_modules(self) -> None:
         """The module pipeline (`preparation.py`, through `ParallelRun`): scan the models and settle the ring size
@@ -332,21 +245,6 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         # The engine stays `self.model` until the next run replaces it: `trainer.save_checkpoint` after `fit` still
         # saves through it (it needs no hook).
         engine.release(self.model)
-
-    # -- evaluation without sequence parallelism (opt-in) ----------------------------------------------------------
-    # The parents' validation/test/predict start and end hooks are no-ops, so one pair serves all three loops.
-    @override
-    def on_validation_start(self) -> None:
-        if not self.sequence_parallel_in_evaluation:
-            self._parallel.evaluate_whole_rows(self.lightning_module)
-
-    @override
-    def on_validation_end(self) -> None:
-        if self._parallel.end_whole_rows():
-            self._prepare_modules()  # back to sequence parallelism for the training that may follow
-
-    on_test_start = on_predict_start = on_validation_start
-    on_test_end = on_predict_end = on_validation_end
 
     # -- DeepSpeed engine -----------------------------------------------------------------------------------------
     # Lightning's two `deepspeed.initialize` call sites, re-stated with the arguments Lightning passes (2.6) plus
@@ -408,29 +306,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             (rank_zero_warn if confirmation.exceeds_plan else rank_zero_info)(confirmation.report())
         super().on_train_batch_start(batch, batch_idx)
 
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        self._parallel.failed = True  # the groups are not released at this run's teardown (`ParallelRun.release`)
-        # (the trainer read only where a signal is saved: an exception may come before the module is attached)
-        self._faults.on_exception(exception, lambda: self.lightning_module.trainer, self.cluster_environment,
-                                  self.is_global_zero, groups_built=self._parallel.groups is not None)
-        super().on_exception(exception)
-
-    # -- steps ----------------------------------------------------------------------------------------------------
-    # The SDPA kernel priority holds for every step and its backward: a recompute in backward must pick the kernels
-    # its forward picked (keep_attention_outputs replays them). Lightning has no single point around both (its
-    # precision plugin's step contexts wrap the forward only), so each hook enters the same context here; the SP
-    # rank's own random stream (`rng.py`) is entered alongside.
-    training_step = _step_hook("training_step")
-    validation_step = _step_hook("validation_step")
-    test_step = _step_hook("test_step")
-    predict_step = _step_hook("predict_step")
-
-    def _step_random_stream(self) -> contextlib.AbstractContextManager:
-        """This SP rank's own random stream while batches are sharded (each rank drops its own tokens and heads);
-        whole rows (`sequence_parallel_in_evaluation=False`) draw from the shared one, alike on every rank."""
-        return self._random_streams.steps() if self.batches_are_sharded else contextlib.nullcontext()
-
+    # -- steps (the step hooks themselves: `SequenceParallelHooks`) ----------------------------------------------
     @override
     def backward(self, *args: Any, **kwargs: Any) -> Any:
         # Lightning's automatic optimization already divides each micro-batch's loss by `accumulate_grad_batches`
@@ -439,8 +315,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         # that gradient clipping compares) k times too small. DeepSpeed still counts the micro-steps, so its step
         # boundary stays where it was; its loss scaler (fp16) is applied either way. Manual optimization has k = 1.
         kwargs.setdefault("scale_wrt_gas", False)
-        if self.batches_are_sharded:  # a loss of this rank's shard alone is refused at SP > 1
-            refuse_shard_local_loss(args[0] if args else kwargs["closure_loss"], self.sequence_parallel_world_size)
+        self._refuse_shard_local_loss(args, kwargs)  # a loss of this rank's shard alone is refused at SP > 1
         if self.lightning_module is not None and self.lightning_module.automatic_optimization:
             self._mark_accumulation_boundary()
         with sdpa_priority(self.sdpa_kernel_priority), self._step_random_stream():
@@ -472,16 +347,6 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         ends_window = not lightning_private.should_accumulate(self.lightning_module.trainer)
         self.model.set_gradient_accumulation_boundary(ends_window)
         self.micro_batches_accumulated = 0 if ends_window else self.micro_batches_accumulated + 1
-
-    # -- data ---------------------------------------------------------------------------------------------------
-    @override
-    def batch_to_device(self, batch: Any, device=None, dataloader_idx: int = 0) -> Any:
-        batch = super().batch_to_device(batch, device, dataloader_idx)
-        if not self.batches_are_sharded:
-            return batch
-        self._batch_check(batch, self.parallel_groups, self.lightning_module.trainer.state.stage, self.root_device,
-                          self.global_rank)
-        return self._parallel.sharder(batch)
 
     # -- registry -----------------------------------------------------------------------------------------------
     _REGISTERED = {  # name: (description, arguments)

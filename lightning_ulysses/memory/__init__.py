@@ -127,6 +127,9 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
+decoder_layers = _decoder_layers  # public: the FSDP2 strategy makes each decoder layer one fully_shard unit
+
+
 def _fused_mlps(model: nn.Module, layers: list[nn.Module], norms: list[nn.Module],
                 options: MemoryOptions) -> list[tuple[nn.Module, str]]:
     """The decoder layers' gated MLPs `fused_elementwise` fuses, with their activations; refuses a model where it

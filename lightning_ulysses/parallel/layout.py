@@ -261,6 +261,27 @@ class SequenceParallelGroups:
                                created=[sequence_parallel_group, data_parallel_group])
         return cls(layout, dist.get_rank(), None, None, _shared=shared)
 
+    MESH_DIMENSIONS = ("data_parallel", "sequence_parallel")  # a device mesh's dimension names, outer first
+
+    @classmethod
+    def build_device_mesh(cls, layout: ParallelLayout, device_type: str) -> tuple["SequenceParallelGroups", object]:
+        """The groups of `layout` as the two dimensions of a DTensor `DeviceMesh` (`MESH_DIMENSIONS`: DP outer, SP
+        inner, so an SP group is a block of contiguous ranks as `build` makes it), and that mesh. Collective, on every
+        rank; the groups are the mesh's own, and `release` destroys them as it destroys those `build` creates."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if not dist.is_initialized() or dist.get_world_size() != layout.world_size:
+            raise ValueError(f"layout {layout} needs an initialised process group of {layout.world_size} ranks.")
+        mesh = init_device_mesh(device_type, (layout.data_parallel_size, layout.sequence_parallel_size),
+                                mesh_dim_names=cls.MESH_DIMENSIONS)
+        sequence_parallel_group = mesh.get_group("sequence_parallel")
+        data_parallel_group = mesh.get_group("data_parallel")
+        # A dimension spanning the whole world is the default group itself (torch reuses it): never destroyed here.
+        world = dist.distributed_c10d._get_default_group()
+        created = [group for group in (sequence_parallel_group, data_parallel_group) if group is not world]
+        shared = _SharedGroups(sequence_parallel_group, data_parallel_group, {}, created=created)
+        return cls(layout, dist.get_rank(), None, None, _shared=shared), mesh
+
     @property
     def released(self) -> bool:
         return self._shared.released

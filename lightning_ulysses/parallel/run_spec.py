@@ -17,6 +17,12 @@ instead of reading the DeepSpeed config; this module is the only one that knows 
   `memory="auto"` decides (`RunSpec.with_memory_choice`, then `written_into`), and the inference engine's config
   (`inference_config`).
 
+The same description serves the FSDP2 backend (`UlyssesFSDPStrategy`, `backend="fsdp2"`): `RunSpec.of_fsdp_arguments`
+reads that strategy's arguments, refusing — before any process group exists, on every rank alike — what the backend
+does not support (DeepSpeed's options, the memory features not yet ported, precisions other than 32-true and
+bf16-mixed) with a message naming the fix. FSDP2 shards parameters, gradients and optimizer state over all DP × SP
+ranks as ZeRO-3 does, so it reads as stage 3 to every reader that asks `zero3`.
+
 Two facts depend on the model and are settled in the strategy's `setup`, after the run is described: the ring size
 (from the heads' counts) and `memory="auto"`'s optimizer offload. Each gives a new `RunSpec` (`with_ring_size`,
 `with_memory_choice`); nothing changes one in place.
@@ -38,6 +44,27 @@ OFFLOAD_DEVICES = ("cpu", "nvme")  # where DeepSpeed can put the optimizer or th
 # `UlyssesDeepSpeedStrategy`'s `sub_group_size` argument (Lightning's default, one sub-group for any model): what
 # `memory="auto"` assumes a config without `sub_group_size` keeps (DeepSpeed's own default is 1e9).
 LIGHTNING_SUB_GROUP_SIZE = 10**12
+BACKENDS = ("deepspeed", "fsdp2")
+FSDP2_PRECISIONS = ("32-true", "bf16-mixed")  # FSDP2's MixedPrecisionPolicy gives bf16-mixed (`fsdp_param_dtype`)
+# The strategy arguments `UlyssesFSDPStrategy` takes (its own, and `ModelParallelStrategy`'s it keeps).
+FSDP2_ARGUMENTS = ("sequence_parallel_size", "ring_size", "sequence_padding", "sequence_parallel_in_evaluation",
+                   "memory", "sdpa_kernel_priority", "overlap_head_groups", "check_batches", "reshard_after_forward",
+                   "process_group_backend", "timeout", "heartbeat_timeout", "quiet_third_party")
+# What the DeepSpeed strategy takes and FSDP2 has no counterpart for (refused by name, with the fix).
+_DEEPSPEED_ONLY_HINTS = {
+    "stage": "FSDP2 always shards parameters, gradients and optimizer state over all ranks (as ZeRO-3)",
+    "tensor_parallel_size": "tensor parallelism is not combined with sequence parallelism here",
+    "data_parallel_size": "the data-parallel size is the number of processes / sequence_parallel_size",
+    "exchange": "FSDP2 runs the all-to-alls over the collective backend only",
+    "zero3_leaf_layers": "FSDP2 gathers each decoder layer whole already (one fully_shard unit per layer)",
+    "start_method": "launch FSDP2 runs as a script (torchrun or Lightning's launcher)",
+}
+# `ModelParallelStrategy`'s arguments the FSDP2 strategy fixes (refused by name, with why).
+_FIXED_FOR_FSDP2 = {
+    "save_distributed_checkpoint": "checkpoints are always torch Distributed Checkpoint folders, one shard per rank,"
+                                   " resumable at any SP x DP split; `python -m lightning_ulysses checkpoint export`"
+                                   " writes the whole weights",
+}
 
 
 @dataclass(frozen=True)
@@ -59,9 +86,16 @@ class RunSpec:
     grad_accum_dtype: Optional[str] = None  # data_types.grad_accum_dtype
     precision: str = "32-true"  # Lightning's precision plugin's
     device: Union[torch.device, str] = "cpu"  # this rank's root device (its type is what readers ask)
+    backend: str = "deepspeed"  # what shards the parameters: DeepSpeed's ZeRO or torch's FSDP2 (`fully_shard`)
+    reshard_after_forward: bool = True  # FSDP2: parameters freed after each unit's forward (gathered again in backward)
+    memory_features: tuple[str, ...] = ()  # the memory features that change the models (`MemoryOptions`), or "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", torch.device(self.device))
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
+        if self.fsdp2:
+            self._check_fsdp2()
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {self.zero_stage!r}: set stage=0..3 in the"
                              " strategy's arguments or zero_optimization.stage in the DeepSpeed config.")
@@ -86,6 +120,23 @@ class RunSpec:
                 " scale corrects both. Leave reduce_scatter on (the default; remove reduce_scatter=False from the"
                 ' strategy arguments or "reduce_scatter": false from the DeepSpeed config\'s zero_optimization).'
             )
+
+    def _check_fsdp2(self) -> None:
+        """What FSDP2 cannot run yet, refused with the fix (identically on every rank, before any group)."""
+        unported = [name for name in self.memory_features if name in FSDP2_UNPORTED_MEMORY]
+        if unported:
+            raise ValueError(
+                f"memory features {unported} are not ported to the FSDP2 strategy yet (UlyssesFSDPStrategy,"
+                f" strategy='ulysses_fsdp'; it has {list(FSDP2_MEMORY_FEATURES)}): remove them from memory=..., or use"
+                " strategy='ulysses' (UlyssesDeepSpeedStrategy), which has all of them and memory='auto'.")
+        if self.precision not in FSDP2_PRECISIONS:
+            raise ValueError(
+                f"precision={self.precision!r} is not supported by the FSDP2 strategy (strategy='ulysses_fsdp'):"
+                f" use one of {FSDP2_PRECISIONS} (bf16-mixed runs through FSDP2's MixedPrecisionPolicy: bf16"
+                " compute, fp32 parameters and gradient reduction), or strategy='ulysses' (DeepSpeed).")
+        if self.zero_stage != 3 or self.optimizer_offload_device or self.parameter_offload_device:
+            raise ValueError("FSDP2 shards as ZeRO-3 and offloads nothing here: a RunSpec of backend 'fsdp2' has"
+                             " zero_stage=3 and no offload.")
 
     # -- reading ----------------------------------------------------------------------------------------------------
     @classmethod
@@ -135,7 +186,45 @@ class RunSpec:
         config, _ = split_ulysses_block(config)
         return cls.of_config(deep_merge(config, arguments.get("config_overrides") or {}), **facts)
 
+    @classmethod
+    def of_fsdp_arguments(cls, arguments: Mapping[str, Any], **facts: Any) -> "RunSpec":
+        """The run `UlyssesFSDPStrategy(**arguments)` describes (`facts`: `layout`, `precision`, `device`), refusing
+        the arguments FSDP2 has no counterpart for — DeepSpeed's (its ZeRO, config and offload options; the rest of
+        `UlyssesDeepSpeedStrategy`'s), `ModelParallelStrategy`'s tensor-parallel sizes — and the memory features
+        (`arguments["memory"]`: what `memory_features_of` reads), each with the fix. Unknown names: `TypeError`."""
+        unknown = [name for name in arguments if name not in FSDP2_ARGUMENTS]
+        fixed = [f"{name} ({_FIXED_FOR_FSDP2[name]})" for name in unknown if name in _FIXED_FOR_FSDP2]
+        if fixed:
+            raise ValueError(f"The FSDP2 strategy (strategy='ulysses_fsdp') fixes {'; '.join(fixed)}: remove it.")
+        if unknown:
+            hints = [f"{name} ({_DEEPSPEED_ONLY_HINTS[name]})" for name in unknown if name in _DEEPSPEED_ONLY_HINTS]
+            deepspeed = [name for name in unknown if name in _DEEPSPEED_ARGUMENTS or name in _DEEPSPEED_ONLY_HINTS]
+            if deepspeed:
+                raise ValueError(
+                    f"{deepspeed} {'is a' if len(deepspeed) == 1 else 'are'} DeepSpeed strategy option(s) that the"
+                    " FSDP2 strategy (strategy='ulysses_fsdp') does not take" + (f": {'; '.join(hints)}" if hints else "")
+                    + ". Remove them, or use strategy='ulysses' (UlyssesDeepSpeedStrategy) to train with DeepSpeed.")
+            raise TypeError(f"UlyssesFSDPStrategy got unexpected argument(s) {unknown}; it takes {list(FSDP2_ARGUMENTS)}.")
+        return cls(backend="fsdp2", zero_stage=3,
+                   reshard_after_forward=bool(arguments.get("reshard_after_forward", True)),
+                   memory_features=memory_features_of(arguments.get("memory")), **facts)
+
+    def with_layout(self, layout: ParallelLayout, **facts: Any) -> "RunSpec":
+        """This run on `layout` (and with the given `precision`/`device`), checked again."""
+        return replace(self, layout=layout, **facts)
+
     # -- what readers ask -------------------------------------------------------------------------------------------
+    @property
+    def fsdp2(self) -> bool:
+        """Parameters sharded by torch's FSDP2 (`fully_shard`) over all ranks, not by DeepSpeed."""
+        return self.backend == "fsdp2"
+
+    @property
+    def fsdp_param_dtype(self) -> Optional[torch.dtype]:
+        """FSDP2's `MixedPrecisionPolicy.param_dtype`: bf16 under bf16-mixed (gradients reduced in fp32), None
+        (the parameters' own dtype) otherwise."""
+        return torch.bfloat16 if self.fsdp2 and self.precision == "bf16-mixed" else None
+
     @property
     def zero3(self) -> bool:
         return self.zero_stage == 3
@@ -190,7 +279,8 @@ class RunSpec:
         `reduce_scatter` on or off: `runtime/engine.py` `_reduce_non_expert_gradients`, `stage_1_and_2.py`
         `average_tensor`/`allreduce_bucket`), which is already right. ZeRO-3's reduce-scatter divides by DP×SP
         (`runtime/comm/coalesced_collectives.py`), so each SP rank's share must be scaled up by SP to compensate
-        (ZeRO-3 without reduce-scatter at SP > 1 is refused on construction)."""
+        (ZeRO-3 without reduce-scatter at SP > 1 is refused on construction). FSDP2's reduce-scatter averages over
+        all the ranks it shards over (every rank: torch 2.13, measured on gloo), i.e. divides by DP×SP as ZeRO-3."""
         return float(self.sequence_parallel_size) if self.zero3 else 1.0
 
     # -- decisions made later, and writing them -----------------------------------------------------------------------
@@ -223,6 +313,43 @@ class RunSpec:
             zero["offload_optimizer"] = offload
         config[_ZERO] = zero
         return config
+
+
+def memory_features_of(memory: Any) -> tuple[str, ...]:
+    """The memory features that change the models in a strategy's `memory` argument (a `MemoryOptions`, a mapping of
+    its fields, "auto", an `AutoMemory`), by name; () for none; `checkpoint_interval` where it is above 1. Read from
+    names only (this layer sits below `memory/`): the allocator setting `expandable_segments` changes no model and is
+    not one."""
+    if memory is None:
+        return ()
+    if isinstance(memory, str) or type(memory).__name__ == "AutoMemory" or (
+            isinstance(memory, Mapping) and memory.get("auto")):
+        return ("auto",)
+    fields = memory if isinstance(memory, Mapping) else vars(memory)
+    return (tuple(name for name in _MODEL_MEMORY_FEATURES if fields.get(name))
+            + (("checkpoint_interval",) if (fields.get("checkpoint_interval") or 1) > 1 else ()))
+
+
+_MODEL_MEMORY_FEATURES = ("tiled_mlp", "tiled_logits_loss", "activation_checkpointing", "offload_activations",
+                          "keep_attention_outputs", "low_memory_norms", "fused_elementwise")
+# What the FSDP2 strategy runs exactly (tests/distributed/test_fsdp.py), and what it refuses: `memory="auto"` plans
+# DeepSpeed's memory; `checkpoint_interval` > 1 recomputes layers in backward outside their FSDP2 units' hooks (their
+# parameters still sharded: measured, a DTensor error); `low_memory_norms` failed with the other features together
+# (the same error), though alone and with checkpointing or tiled logits it trained exactly.
+FSDP2_MEMORY_FEATURES = ("activation_checkpointing", "offload_activations", "keep_attention_outputs", "tiled_mlp",
+                         "tiled_logits_loss", "fused_elementwise")
+FSDP2_UNPORTED_MEMORY = ("auto", "checkpoint_interval", "low_memory_norms")
+# `UlyssesDeepSpeedStrategy`'s own arguments and Lightning's `DeepSpeedStrategy`'s that FSDP2 does not take.
+_DEEPSPEED_ARGUMENTS = frozenset((
+    "stage", "config", "config_overrides", "exchange", "zero3_leaf_layers", "start_method",
+    "zero_optimization", "allgather_partitions", "reduce_scatter", "allgather_bucket_size", "reduce_bucket_size",
+    "zero_allow_untested_optimizer", "logging_batch_size_per_gpu", "offload_optimizer", "offload_parameters",
+    "offload_params_device", "nvme_path", "params_buffer_count", "params_buffer_size", "max_in_cpu", "offload_optimizer_device",
+    "optimizer_buffer_count", "block_size", "queue_depth", "single_submit", "overlap_events", "thread_count",
+    "pin_memory", "sub_group_size", "contiguous_gradients", "overlap_comm", "remote_device", "cpu_checkpointing",
+    "partition_activations", "contiguous_memory_optimization", "synchronize_checkpoint_boundary", "logging_level",
+    "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale", "load_full_weights",
+    "exclude_frozen_parameters"))
 
 
 def _offload_device(section: Mapping[str, Any]) -> Optional[str]:

@@ -257,12 +257,19 @@ _RUN_ARGUMENTS = ("config", "config_overrides", "stage", "offload_optimizer", "o
 
 def described_run(cfg: DictConfig, layout: ParallelLayout, on_cuda: bool) -> RunSpec:
     """The run the recipe's strategy will describe at start-up: its layout, ZeRO stage and optimizer offload (the
-    `strategy` block's arguments, its DeepSpeed `config` and `config_overrides`), precision and device."""
+    `strategy` block's arguments, its DeepSpeed `config` and `config_overrides`), precision and device; for the FSDP2
+    strategy (`strategy=ulysses_fsdp`) its arguments as `UlyssesFSDPStrategy` reads them (what FSDP2 refuses is
+    refused here too, before any process starts)."""
+    facts = dict(layout=layout, device="cuda" if on_cuda else "cpu",
+                 precision=str(cfg.trainer.get("precision", "32-true")))
+    if str(cfg.strategy.get("_target_", "")).endswith("UlyssesFSDPStrategy"):
+        arguments = OmegaConf.to_container(cfg.strategy, resolve=True)
+        arguments.pop("_target_")
+        return RunSpec.of_fsdp_arguments(arguments, **facts)
     arguments = {key: cfg.strategy.get(key) for key in _RUN_ARGUMENTS if cfg.strategy.get(key) is not None}
     arguments = {key: OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
                  for key, value in arguments.items()}
-    return RunSpec.of_strategy_arguments(arguments, layout=layout, device="cuda" if on_cuda else "cpu",
-                                         precision=str(cfg.trainer.get("precision", "32-true")))
+    return RunSpec.of_strategy_arguments(arguments, **facts)
 
 
 def plan(cfg: DictConfig) -> str:

@@ -36,9 +36,25 @@ CASES = {
         "lightning_ulysses.models.lora.add_adapter(peft_model, name, LoraSettings(...))"]),
     "zero3_without_reduce_scatter": ({"stage": 3}, "ValueError", ["reduce_scatter=False cannot train exactly at sequence_parallel_size=2", "Leave reduce_scatter on"]),
 }
+# The FSDP2 strategy (`UlyssesFSDPStrategy`): the layout, the model and the batches are refused in the same places with
+# the same messages (shared runtime); what only FSDP2 refuses, before any collective: a precision it does not run
+# (before the process group exists) and parameters outside the models it shards.
+FSDP2_CASES = {
+    f"fsdp2_{kind}": (dict(CASES[kind][0], kind=kind, backend="fsdp2"), *CASES[kind][1:])
+    for kind in ("sp_does_not_divide_world", "heads_not_divisible", "no_attention_to_wrap", "positions_forgotten",
+                 "ranks_fed_different_samples")
+}
+FSDP2_CASES.update({
+    "fsdp2_bf16_true": ({"kind": "plain", "backend": "fsdp2", "precision": "bf16-true"}, "ValueError", [
+        "precision='bf16-true' is not supported by the FSDP2 strategy", "('32-true', 'bf16-mixed')"]),
+    "fsdp2_parameters_outside_models": ({"kind": "parameters_outside_models", "backend": "fsdp2"}, "ValueError", [
+        "trainable parameters outside them would not be reduced: ['head.weight', 'head.bias']",
+        "apply torch.distributed.fsdp.fully_shard to the module holding them"]),
+})
+CASES.update(FSDP2_CASES)
 # In the shared 2-rank launch (pool.py).
-JOB = shared(2, "errors", WORKER, {"cases": [{"kind": kind, **options} for kind, (options, _, _) in CASES.items()]},
-             timeout=480)
+JOB = shared(2, "errors", WORKER, {"cases": [{"kind": kind, **options, "name": kind}
+                                             for kind, (options, _, _) in CASES.items()]}, timeout=480)
 
 
 @pytest.fixture(scope="module")

@@ -377,3 +377,13 @@ def test_schedule_weight_decay_groups_auto_resume_and_preemption(tmp_path):
     for step, row in resumed.items():
         assert row["lr/pg1"] == pytest.approx(reference[step]["lr/pg1"], rel=1e-12), step
         assert abs(row["train/loss"] - reference[step]["train/loss"]) < 1e-5, (step, row, reference[step])
+
+
+def test_plan_of_the_fsdp2_strategy():
+    """`strategy=ulysses_fsdp plan=true`: the FSDP2 run described as `UlyssesFSDPStrategy` reads its arguments
+    (sharded over all ranks as ZeRO-3, nothing offloaded); what FSDP2 refuses is refused by the plan already."""
+    report = plan(_compose(["strategy=ulysses_fsdp", "plan=true"]))
+    assert "dp(1) × sp(2) = world_size(2)" in report and "(on GPU)" in report and "features: none" in report
+    assert "features: tiled_mlp" in plan(_compose(["strategy=ulysses_fsdp", "plan=true", "strategy.memory.tiled_mlp=true"]))
+    with pytest.raises(ValueError, match=r"memory features \['low_memory_norms'\] are not ported to the FSDP2"):
+        plan(_compose(["strategy=ulysses_fsdp", "plan=true", "+strategy.memory.low_memory_norms=true"]))

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -79,6 +80,9 @@ class CheckpointManifest:
     # before it was recorded.
     global_step: Optional[int] = None
     format: int = FORMAT_VERSION
+    # What wrote the shards: "deepspeed" (ZeRO's files under the tag folder) or "fsdp2" (torch Distributed Checkpoint:
+    # `.metadata` and one `.distcp` file per rank). Manifests written before the field: DeepSpeed's.
+    backend: str = "deepspeed"
 
     def write(self, directory: Path) -> None:
         path = directory / MANIFEST
@@ -170,7 +174,15 @@ def saved_global_step(path: Path) -> int:
 
 
 def _check_shards(directory: Path, manifest: CheckpointManifest) -> None:
-    """Every rank's shard is there: one optimizer-state file per rank for ZeRO 1-3, model states in any case."""
+    """Every rank's shard is there: one optimizer-state file per rank for ZeRO 1-3, model states in any case; for
+    FSDP2 (torch Distributed Checkpoint), the metadata and one `.distcp` file per rank."""
+    if manifest.backend == "fsdp2":
+        files = list(directory.glob("*.distcp"))
+        if not (directory / ".metadata").exists() or len(files) < manifest.world_size:
+            raise IncompleteCheckpointError(
+                f"{directory} is missing Distributed Checkpoint files ({len(files)} of {manifest.world_size} .distcp"
+                " files, or its .metadata): its save did not finish. Resume from an earlier checkpoint.")
+        return
     shards = directory / DEEPSPEED_TAG
     model_states = list(shards.glob("*model_states.pt"))
     optimizer_states = list(shards.glob("*zero_pp_rank_*_optim_states.pt"))
@@ -217,7 +229,15 @@ def deepspeed_tag(path: Path) -> str:
 
 def consolidated_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """The LightningModule's full fp32 state dict, assembled from the ZeRO shards of the complete checkpoint at
-    `path` (as `resolve_checkpoint` returns it; CPU memory: one model copy)."""
+    `path` (as `resolve_checkpoint` returns it; CPU memory: one model copy), or from its Distributed Checkpoint
+    shards (FSDP2: the `state_dict` entry alone, read without a process group; the optimizer state is not read)."""
+    manifest = read_manifest(Path(path))
+    if manifest is not None and manifest.backend == "fsdp2":
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", "torch.distributed is unavailable or uninitialized")
+            return dict(_load_state_dict_from_keys(keys={"state_dict"}, checkpoint_id=str(path))["state_dict"])
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     return get_fp32_state_dict_from_zero_checkpoint(str(path), tag=deepspeed_tag(path))

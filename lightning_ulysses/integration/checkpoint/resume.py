@@ -1,5 +1,5 @@
-"""The strategy's side of checkpoints (`UlyssesDeepSpeedStrategy`'s checkpoint hooks delegate to
-`StrategyCheckpoints`): the staged save and its barriers (the files and the commit: `protocol`), the loop state
+"""The strategy's side of checkpoints (the checkpoint hooks of `UlyssesDeepSpeedStrategy` and `UlyssesFSDPStrategy`
+delegate to `StrategyCheckpoints`; the parent strategy's own save and load write and read the shards): the staged save and its barriers (the files and the commit: `protocol`), the loop state
 rewritten to the data position, the resume state kept from load to the first batch, the epoch's data continued at the
 same sample (`ResumableSampler`), and evaluation loads of ZeRO-3 checkpoints (which DeepSpeed cannot load into an
 engine without optimizer).
@@ -160,6 +160,7 @@ class StrategyCheckpoints:
             micro_batches_accumulated=self.strategy.micro_batches_accumulated,
             hf_models=tuple(hf_model_configs),
             global_step=self.trainer.global_step,
+            backend=self.strategy.run_spec.backend,
         )
 
     def global_batch_size(self) -> Optional[int]:
@@ -241,8 +242,9 @@ class StrategyCheckpoints:
                 # Each rank's generators continue where they were; at another split ranks play other roles.
                 rng_state=load_rng_state(Path(checkpoint_path), strategy.global_rank) if same_layout else None,
             )
-        if fitting or not strategy.zero_stage_3 or strategy.load_full_weights or not os.path.isdir(checkpoint_path):
-            return load(checkpoint_path)
+        if (fitting or strategy.run_spec.fsdp2 or not strategy.zero_stage_3 or strategy.load_full_weights
+                or not os.path.isdir(checkpoint_path)):
+            return load(checkpoint_path)  # (FSDP2: Distributed Checkpoint loads into the shards in any run)
         return self._load_consolidated(Path(checkpoint_path))
 
     def _load_consolidated(self, path: Path) -> dict[str, Any]:

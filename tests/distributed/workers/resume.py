@@ -123,7 +123,9 @@ def train(case: dict, workdir: Path, world_size: int) -> dict:
         accumulate_grad_batches=case.get("accumulate", 1), logger=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
         default_root_dir=workdir / case.get("root", case["name"]),
-        strategy=lightning_ulysses.UlyssesDeepSpeedStrategy(sequence_parallel_size=case["sp"], stage=3),
+        strategy=(lightning_ulysses.UlyssesFSDPStrategy(sequence_parallel_size=case["sp"])
+                  if case.get("backend") == "fsdp2"
+                  else lightning_ulysses.UlyssesDeepSpeedStrategy(sequence_parallel_size=case["sp"], stage=3)),
     )
     loader = DataLoader(FullyLabelledTokens(), batch_size=case["batch_size"], shuffle=True, collate_fn=collate)
     ckpt_path = case.get("resume")

@@ -27,8 +27,13 @@ class CaptureWeights(L.Callback):
         import deepspeed
 
         params = dict(pl_module.model.named_parameters())
-        with deepspeed.zero.GatheredParameters(list(params.values()), enabled=trainer.strategy.zero_stage_3):
-            pl_module.final_weights = {name: p.detach().clone() for name, p in params.items()}
+        if isinstance(trainer.strategy, lightning_ulysses.UlyssesFSDPStrategy):  # DTensor shards, gathered
+            from lightning_ulysses.integration.fsdp import full_weights
+
+            pl_module.final_weights = full_weights(pl_module.model)
+        else:
+            with deepspeed.zero.GatheredParameters(list(params.values()), enabled=trainer.strategy.zero_stage_3):
+                pl_module.final_weights = {name: p.detach().clone() for name, p in params.items()}
         # Which modules trained with a wrapped forward (the memory features), seen before teardown undoes them.
         pl_module.wrapped_modules = sorted({type(m).__name__ for m in pl_module.model.modules() if "forward" in m.__dict__})
         # How each token mixer that is not attention trained: split by heads (its forward routed through the split,
@@ -204,14 +209,21 @@ def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None) 
     module = CausalLM(num_key_value_heads=case["kv_heads"], lr=case.get("lr", 0.5), kind=kind,
                       in_configure_model=case.get("in_configure_model", False), step=case.get("step", "batch"),
                       pretrained=pretrained)
+    if case.get("perturb_other_ranks") and int(os.environ["RANK"]) != 0:  # the strategy must train rank 0's model
+        with torch.no_grad():
+            for parameter in module.model.parameters():
+                parameter.add_(0.01 * int(os.environ["RANK"]))
     strategy_kwargs = dict(case.get("strategy_kwargs", {}))
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # this case's, in a process of many
     recorder = recorder or RecordGroups()
     if "free_memory_by_rank" in case:  # memory="auto" with this rank's own free memory (the ranks agree on the least)
         strategy_kwargs["memory"] = dict(strategy_kwargs["memory"], free_memory=case["free_memory_by_rank"][dist.get_rank()])
-    strategy = lightning_ulysses.UlyssesDeepSpeedStrategy(
-        sequence_parallel_size=case["sp"], stage=case["stage"], **strategy_kwargs
-    )
+    if case.get("backend") == "fsdp2":  # the same module on FSDP2 (tests/distributed/test_fsdp.py)
+        strategy = lightning_ulysses.UlyssesFSDPStrategy(sequence_parallel_size=case["sp"], **strategy_kwargs)
+    else:
+        strategy = lightning_ulysses.UlyssesDeepSpeedStrategy(
+            sequence_parallel_size=case["sp"], stage=case["stage"], **strategy_kwargs
+        )
     # "epochs": that many epochs of "batches_per_epoch" micro-batches per DP rank (accumulation windows that do not
     # divide them), up to "max_steps" if given; otherwise "steps" optimizer steps of full windows.
     length = ({"max_epochs": case["epochs"], "max_steps": case.get("max_steps", -1)} if "epochs" in case

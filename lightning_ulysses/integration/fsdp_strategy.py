@@ -1,0 +1,226 @@
+"""`UlyssesFSDPStrategy`: DeepSpeed-Ulysses sequence parallelism on torch's FSDP2 — Lightning's hooks, each delegating.
+
+The same runtime as `UlyssesDeepSpeedStrategy` (`SequenceParallelHooks`, `parallel_run`, `preparation`): groups
+(`parallel/layout.py`, as the two dimensions of a DTensor device mesh) → DP-only sampler → sequence sharding
+(`batch/sharding.py`) → Ulysses attention → SP-aware loss (`training/loss.py`); then FSDP2's `fully_shard` over all
+ranks (`fsdp.py`) instead of DeepSpeed. The run's description, with what FSDP2 refuses, is `RunSpec.of_fsdp_arguments`.
+"""
+
+from __future__ import annotations
+
+import functools
+from datetime import timedelta
+from typing import Any, Mapping, Optional, Sequence, Union, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from lightning_ulysses.attention.backends import check_sdpa_kernel_priority, sdpa_priority
+from lightning_ulysses.attention.core import check_overlap_head_groups
+from lightning_ulysses.batch.check import CheckBatches, SameBatchCheck
+from lightning_ulysses.batch.sharding import SequencePadding, check_sequence_padding
+from lightning_ulysses.fences import _lightning_private as lightning_private
+from lightning_ulysses.integration import console, faults, fsdp, preparation
+from lightning_ulysses.integration.callbacks import correct_progress_bar
+from lightning_ulysses.integration.checkpoint.resume import StrategyCheckpoints
+from lightning_ulysses.integration.parallel_run import ParallelRun
+from lightning_ulysses.integration.rng import SequenceParallelRNG, seed_workers_by_data_parallel_rank
+from lightning_ulysses.integration.sequence_parallel_hooks import SequenceParallelHooks
+from lightning_ulysses.memory import MemoryOptions
+from lightning_ulysses.parallel.layout import SequenceParallelGroups
+from lightning_ulysses.parallel.run_spec import RunSpec, read_sequence_parallel_size
+from lightning_ulysses.planning import auto
+
+
+class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
+    """FSDP2 (`fully_shard`, DTensor) with DeepSpeed-Ulysses sequence parallelism: `strategy="ulysses_fsdp"`. The
+    user's module is the one `strategy="ulysses"` trains, unchanged; parameters, gradients and optimizer state are
+    sharded over all DP × SP ranks (as ZeRO-3), each decoder layer one FSDP2 unit.
+
+    Args:
+        sequence_parallel_size: ranks sharing one sequence; must divide the processes and the heads. `None`: devices
+            per node; `1`: plain FSDP2.
+        ring_size, sequence_padding, sequence_parallel_in_evaluation, sdpa_kernel_priority, overlap_head_groups,
+            check_batches, heartbeat_timeout, quiet_third_party: as `UlyssesDeepSpeedStrategy`'s (a SIGTERM or SLURM's
+            requeue signal saves `hpc_ckpt_<n>.ckpt` at the next step boundary on every rank; a rank that raises makes
+            the others exit naming it).
+        memory: the memory features (`MemoryOptions` or its fields): layer checkpointing with host offload, kept
+            attention outputs, tiled MLP, tiled logits + loss, fused elementwise kernels; `"auto"`,
+            `checkpoint_interval` > 1 and `low_memory_norms` are refused (`run_spec.FSDP2_UNPORTED_MEMORY`).
+        reshard_after_forward: FSDP2's: free each layer's gathered parameters after its forward (gathered again in
+            backward); `False` keeps them, trading memory for one all-gather per layer and step.
+        process_group_backend, timeout: `ModelParallelStrategy`'s.
+
+    Checkpoints are torch Distributed Checkpoint folders (`ModelParallelStrategy`'s, always distributed), saved
+    atomically with the same manifest as the DeepSpeed strategy's (`checkpoint/`): they resume exactly, and at any
+    other SP × DP split of the same number of ranks; `python -m lightning_ulysses checkpoint export` and the
+    `ExportPretrained` callback write `save_pretrained` folders.
+
+    Refused before training (`RunSpec.of_fsdp_arguments`), with the fix: DeepSpeed's options (`stage`, `config`,
+    offloads, ...), tensor-parallel sizes, the memory features not ported, precisions other than 32-true and bf16-mixed
+    (bf16-mixed is FSDP2's `MixedPrecisionPolicy`: bf16 compute, fp32 parameters and gradient reduction).
+    """
+
+    strategy_name = "ulysses_fsdp"
+
+    def __init__(
+        self,
+        sequence_parallel_size: Optional[int] = None,
+        *,
+        ring_size: Optional[int] = None,
+        sequence_padding: SequencePadding = "pad",
+        sequence_parallel_in_evaluation: bool = True,
+        memory: Union[MemoryOptions, str, Mapping[str, Any], None] = None,
+        sdpa_kernel_priority: Union[Literal["auto"], Sequence[str], None] = "auto",
+        overlap_head_groups: int = 1,
+        check_batches: CheckBatches = "first",
+        reshard_after_forward: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        heartbeat_timeout: Optional[float] = 120.0,
+        quiet_third_party: bool = True,
+        **unsupported: Any,
+    ) -> None:
+        if quiet_third_party:
+            console.quiet_third_party()
+        self.quiet_third_party = quiet_third_party
+        # The run's description: what FSDP2 cannot do is refused here, in the launching process (layout later).
+        self._requested_run = RunSpec.of_fsdp_arguments(
+            {"memory": memory, "reshard_after_forward": reshard_after_forward, **unsupported})
+        memory = auto.coerce_memory(memory)
+        if sdpa_kernel_priority != "auto":
+            sdpa_kernel_priority = check_sdpa_kernel_priority(sdpa_kernel_priority)
+        self.overlap_head_groups = check_overlap_head_groups(overlap_head_groups)
+        _, sequence_parallel_size = read_sequence_parallel_size(None, sequence_parallel_size, ring_size)
+        check_sequence_padding(sequence_padding)
+        super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend, timeout=timeout)
+        # Signals, requeue and the rank watchdog (`faults.py`), as the DeepSpeed strategy's.
+        self._faults = faults.RunFaults(faults.check_heartbeat_timeout(heartbeat_timeout))
+        self._parallel = ParallelRun(sequence_parallel_size, ring_size, sequence_padding)
+        self.sequence_parallel_in_evaluation = sequence_parallel_in_evaluation
+        self._auto = auto.AutoDecisions(memory, sdpa_kernel_priority)
+        self._batch_check = SameBatchCheck(check_batches)
+        self._random_streams = SequenceParallelRNG()
+        # Atomic saves with a manifest, exact resume (data position, random streams) at the same or another split.
+        self._checkpoints = StrategyCheckpoints(self, self._random_streams, quiet=quiet_third_party)
+        # Micro-batches whose gradients are held without a step yet: a save inside a window records it, and a
+        # resume from it is refused (`checkpoint/resume.py`).
+        self.micro_batches_accumulated = 0
+        self._shard_mesh = None  # the one-dimensional mesh of all ranks that fully_shard uses (`setup_environment`)
+
+    @property
+    def shard_mesh(self):
+        """The mesh of every rank that FSDP2 shards over (for a user's own `fully_shard` in `configure_model`);
+        `device_mesh` is the two-dimensional `("data_parallel", "sequence_parallel")` one."""
+        if self._shard_mesh is None:
+            raise RuntimeError("The meshes exist once the Trainer has set up distributed training.")
+        return self._shard_mesh
+
+    # -- environment, groups and meshes -------------------------------------------------------------------------
+    @override
+    def setup_environment(self) -> None:
+        # The run on its layout, refused before the process group exists (every rank alike).
+        layout = self._parallel.layout(self.world_size, self.num_processes)
+        run = self._requested_run.with_layout(layout, precision=str(self.precision_plugin.precision),
+                                              device=self.root_device)
+        lightning_private.init_model_parallel_distributed(self)
+        self._parallel.start(run, num_processes=self.num_processes, num_nodes=self.num_nodes, barrier=self.barrier,
+                             build_groups=self._build_groups)
+        self._shard_mesh = fsdp.world_mesh(self.root_device.type)
+        self.lightning_module._device_mesh = self._device_mesh
+        self._random_streams.reset(self.sequence_parallel_rank, self.sequence_parallel_world_size, self.root_device)
+        self._faults.start_watchdog(self.cluster_environment, self.global_rank, self.world_size)
+
+    def _build_groups(self, layout) -> SequenceParallelGroups:
+        groups, self._device_mesh = SequenceParallelGroups.build_device_mesh(layout, self.root_device.type)
+        return groups
+
+    # -- model preparation and sharding --------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        """`ModelParallelStrategy.setup` (re-stated: `_lightning_private.MIRRORED`) without its demand that
+        `configure_model` apply the parallelism: the module pipeline prepares the models, then `fully_shard` shards
+        them, before the optimizers exist."""
+        correct_progress_bar(trainer)
+        self.accelerator.setup(trainer)
+        found = self._prepare_modules()
+        fsdp.shard_models(self.lightning_module, found.memory_engine_models(), self.shard_mesh, self.run_spec,
+                          self.root_device)
+        lightning_private.materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            lightning_private.optimizers_to_device(self.optimizers, self.root_device)
+
+    def _prepare_modules(self) -> preparation.ModuleScan:
+        """The module pipeline (`preparation.py`, through `ParallelRun`), as the DeepSpeed strategy runs it, with the
+        collective all-to-all transport and no ZeRO leaves."""
+        found = self._parallel.scan(self.lightning_module)  # raises before any collective, on every rank alike
+        self._auto.decide(self.run_spec, found.memory_engine_models(),
+                          on_cuda=isinstance(self.accelerator, CUDAAccelerator), local_ranks=self.num_processes,
+                          reduce=torch.distributed.is_initialized() and self.world_size > 1,
+                          accumulate=self.lightning_module.trainer.accumulate_grad_batches)
+        self._parallel.prepare(found, preparation.SequenceParallelRuntime(
+            self.parallel_groups, self._parallel.sharder, self._parallel.batch_rows, self.loss_function, self.memory,
+            self.overlap_head_groups))
+        return found
+
+    @override
+    def backward(self, *args: Any, **kwargs: Any) -> Any:
+        self._refuse_shard_local_loss(args, kwargs)  # a loss of this rank's shard alone is refused at SP > 1
+        if self.lightning_module is not None and self.lightning_module.automatic_optimization:
+            ends_window = not lightning_private.should_accumulate(self.lightning_module.trainer)
+            self.micro_batches_accumulated = 0 if ends_window else self.micro_batches_accumulated + 1
+        with sdpa_priority(self.sdpa_kernel_priority), self._step_random_stream():
+            return super().backward(*args, **kwargs)
+
+    @override
+    def teardown(self) -> None:
+        self._parallel.end()  # the user's models leave the Trainer with their own attention and loss again
+        self._checkpoints.end_resume()  # a resumed run that trained no batch
+        # While the watchdog runs: a rank lost at the barrier is named, not waited for.
+        self._parallel.release(self.world_size, self.barrier)
+        self._faults.stop_watchdog()
+        super().teardown()
+
+    # -- checkpoints (`checkpoint.resume.StrategyCheckpoints`; the shards: torch Distributed Checkpoint) -----------
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        """Atomic: every rank writes its Distributed Checkpoint shard into `<path>.partial`; rank 0 renames it to
+        `<path>` once all have finished, with the manifest."""
+        self._checkpoints.save(checkpoint, filepath, storage_options, super().save_checkpoint, self.hf_model_configs)
+
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        return self._checkpoints.load(checkpoint_path, functools.partial(super().load_checkpoint,
+                                                                         weights_only=weights_only))
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """After a resume in the middle of an epoch, skip the samples that epoch already trained on; seed data-loader
+        workers by the DP rank, so that the ranks of an SP group load the same samples."""
+        dataloader = self._checkpoints.process_dataloader(dataloader)
+        seed_workers_by_data_parallel_rank(dataloader, self.parallel_groups.data_parallel_rank)
+        return dataloader
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._checkpoints.on_train_batch_start()  # the resumed random generators; the epoch of the batch's data
+        self._faults.signals.agree(self.lightning_module.trainer, self.world_size, self.root_device)
+        super().on_train_batch_start(batch, batch_idx)
+
+    # -- registry -----------------------------------------------------------------------------------------------
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register(cls.strategy_name, cls,
+                                   description="DeepSpeed-Ulysses sequence parallelism on FSDP2, SP = devices per node")

@@ -1,0 +1,173 @@
+"""`SequenceParallelHooks`: the Lightning hooks both strategies share, whatever shards the parameters (DeepSpeed's
+ZeRO in `strategy.py`, FSDP2 in `fsdp_strategy.py`).
+
+A strategy that mixes it in (first, before its Lightning parent) owns a `ParallelRun` (`_parallel`), an
+`auto.AutoDecisions` (`_auto`), a `SameBatchCheck` (`_batch_check`), a `SequenceParallelRNG` (`_random_streams`),
+a `faults.RunFaults` (`_faults`), `sequence_parallel_in_evaluation`, and a `_prepare_modules()` that runs the module
+pipeline for its backend. What this class gives it: the groups and the run's description by name, the DP-only
+sampler, the sequence sharding of every batch, the steps under the SDPA kernel order and the SP rank's own random
+stream, the whole-sequence loss, the refusal of a shard-local loss, evaluation on whole rows (opt-in), a
+scheduler's signals turned into one save at a step boundary, and a rank's exception told to the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Optional
+
+from typing_extensions import override
+
+from lightning_ulysses.attention.backends import sdpa_priority
+from lightning_ulysses.batch.check import CheckBatches
+from lightning_ulysses.batch.sharding import SequencePadding
+from lightning_ulysses.parallel.layout import SequenceParallelGroups
+from lightning_ulysses.parallel.run_spec import RunSpec
+from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss, refuse_shard_local_loss
+
+
+def _step_hook(name: str) -> Callable[..., Any]:
+    """The parent's step hook `name` under the strategy's SDPA kernel order and, on shards, drawing from this SP
+    rank's own random stream (`rng.py`)."""
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        with sdpa_priority(self.sdpa_kernel_priority), self._step_random_stream():
+            return getattr(super(SequenceParallelHooks, self), name)(*args, **kwargs)
+
+    step.__name__ = step.__qualname__ = name
+    return override(step)
+
+
+def _from_groups(name: str) -> property:
+    return property(lambda self: getattr(self.parallel_groups, name), doc=f"`parallel_groups.{name}`")
+
+
+def _from_auto(name: str, doc: str) -> property:
+    return property(lambda self: getattr(self._auto, name), doc=f"{doc} (`auto.AutoDecisions.{name}`)")
+
+
+class SequenceParallelHooks:
+    """The sequence-parallel half of a Ulysses strategy (see the module docstring)."""
+
+    # -- the run and its parallel layout -------------------------------------------------------------------------
+    @property
+    def run_spec(self) -> RunSpec:
+        """The run's description (`run_spec.RunSpec`: backend, layout, sharding options, precision, device), made
+        when the Trainer sets up distributed training; every reader asks it, not the strategy's settings."""
+        return self._parallel.described()
+
+    @property
+    def parallel_groups(self) -> SequenceParallelGroups:
+        """The SP/DP groups of this rank; available once the strategy has set up distributed training."""
+        return self._parallel.built_groups()
+
+    # This rank's SP and DP process groups, ranks and sizes, as `parallel_groups` holds them.
+    sequence_parallel_group = _from_groups("sequence_parallel_group")
+    sequence_parallel_rank = _from_groups("sequence_parallel_rank")
+    sequence_parallel_world_size = _from_groups("sequence_parallel_world_size")
+    data_parallel_group = _from_groups("data_parallel_group")
+    data_parallel_rank = _from_groups("data_parallel_rank")
+    data_parallel_world_size = _from_groups("data_parallel_world_size")
+    # `memory="auto"` and `sdpa_kernel_priority="auto"`, as decided (`auto.AutoDecisions`)
+    memory = _from_auto("memory", "The memory features: the request until `memory=\"auto\"` is decided in `setup`")
+    memory_choice = _from_auto("choice", "What `memory=\"auto\"` chose (`auto.AutoChoice`), once decided")
+    memory_confirmation = _from_auto("confirmation", "What the first training steps measured against the choice")
+    sdpa_kernel_priority = _from_auto("kernel_priority", "The SDPA kernels tried first (None: torch's order)")
+
+    @property
+    def heartbeat_timeout(self) -> Optional[float]:
+        return self._faults.heartbeat_timeout
+
+    @property
+    def sequence_padding(self) -> SequencePadding:
+        return self._parallel.sequence_padding
+
+    @property
+    def hf_model_configs(self) -> dict[str, Any]:
+        """Module path → config of every Hugging Face model the strategy prepared, as the user built it (while it
+        trains the model holds a copy with Ulysses attention): what `save_pretrained` of the trained model needs."""
+        return dict(self._parallel.hf_configs)
+
+    @property
+    def check_batches(self) -> CheckBatches:
+        return self._batch_check.mode
+
+    @property
+    def batches_are_sharded(self) -> bool:
+        """Whether the step sees this rank's shard of the batch (False during evaluation with
+        `sequence_parallel_in_evaluation=False`, where whole batches pass through)."""
+        return self._parallel.batches_are_sharded
+
+    @property
+    def loss_function(self) -> SequenceParallelCausalLMLoss:
+        """`loss_function(logits, labels)`: the whole-sequence token-mean loss with the right gradient scale for the
+        backend's reduction, for modules that compute their loss from logits. `labels`: as Hugging Face takes them,
+        unshifted — the batch's `labels`, `batch["input_ids"]`, labels built in the step; see
+        `SequenceParallelCausalLMLoss`."""
+        return self._parallel.loss_function()
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        # Every rank of an SP group must see the same samples; only DP groups get different ones.
+        groups = self.parallel_groups
+        return {"num_replicas": groups.data_parallel_world_size, "rank": groups.data_parallel_rank}
+
+    # -- faults (`faults.RunFaults`) ------------------------------------------------------------------------------
+    @override
+    def on_train_start(self) -> None:
+        # Lightning registers its signal handlers after `setup`; replace its collective ones once they exist.
+        self._faults.signals.install(self.lightning_module.trainer, self.cluster_environment)
+        super().on_train_start()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._parallel.failed = True  # the groups are not released at this run's teardown (`ParallelRun.release`)
+        # (the trainer read only where a signal is saved: an exception may come before the module is attached)
+        self._faults.on_exception(exception, lambda: self.lightning_module.trainer, self.cluster_environment,
+                                  self.is_global_zero, groups_built=self._parallel.groups is not None)
+        super().on_exception(exception)
+
+    # -- evaluation without sequence parallelism (opt-in) ----------------------------------------------------------
+    # The parents' validation/test/predict start and end hooks are no-ops, so one pair serves all three loops.
+    @override
+    def on_validation_start(self) -> None:
+        if not self.sequence_parallel_in_evaluation:
+            self._parallel.evaluate_whole_rows(self.lightning_module)
+
+    @override
+    def on_validation_end(self) -> None:
+        if self._parallel.end_whole_rows():
+            self._prepare_modules()  # back to sequence parallelism for the training that may follow
+
+    on_test_start = on_predict_start = on_validation_start
+    on_test_end = on_predict_end = on_validation_end
+
+    # -- steps ----------------------------------------------------------------------------------------------------
+    # The SDPA kernel priority holds for every step and its backward: a recompute in backward must pick the kernels
+    # its forward picked (keep_attention_outputs replays them). Lightning has no single point around both (its
+    # precision plugin's step contexts wrap the forward only), so each hook enters the same context here; the SP
+    # rank's own random stream (`rng.py`) is entered alongside.
+    training_step = _step_hook("training_step")
+    validation_step = _step_hook("validation_step")
+    test_step = _step_hook("test_step")
+    predict_step = _step_hook("predict_step")
+
+    def _step_random_stream(self) -> contextlib.AbstractContextManager:
+        """This SP rank's own random stream while batches are sharded (each rank drops its own tokens and heads);
+        whole rows (`sequence_parallel_in_evaluation=False`) draw from the shared one, alike on every rank."""
+        return self._random_streams.steps() if self.batches_are_sharded else contextlib.nullcontext()
+
+    def _refuse_shard_local_loss(self, args: tuple, kwargs: dict) -> None:
+        """At every backward: a loss of this rank's shard alone is refused at SP > 1 (`refuse_shard_local_loss`)."""
+        if self.batches_are_sharded:
+            refuse_shard_local_loss(args[0] if args else kwargs["closure_loss"], self.sequence_parallel_world_size)
+
+    # -- data ---------------------------------------------------------------------------------------------------
+    @override
+    def batch_to_device(self, batch: Any, device=None, dataloader_idx: int = 0) -> Any:
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        if not self.batches_are_sharded:
+            return batch
+        self._batch_check(batch, self.parallel_groups, self.lightning_module.trainer.state.stage, self.root_device,
+                          self.global_rank)
+        return self._parallel.sharder(batch)
