@@ -27,6 +27,22 @@ _SMALL = dict(
     adapter_rank=8,
 )
 
+# Decoder families added to MODEL_FOR_CAUSAL_LM_MAPPING by transformers 5.24 and 5.25 (and older decoders the
+# matrix had not built), with the settings their tiny models need.
+NEWER_FAMILIES = {
+    **{name: {} for name in (
+        "afmoe", "apertus1p5_text", "aria_text", "beam", "cohere2_moe", "ctrl", "cwm", "doge", "dory", "ergo", "exaone",
+        "exaone_moe", "flex_olmo", "flint", "gpt-sw3", "gpt_neox_japanese", "granite_swa", "granitemoe_swa",
+        "granitemoeshared", "hrm_text", "hy_v3", "hy_v4", "hyperclovax", "inkling2_loop_text", "inkling2_text",
+        "inkling_text", "iquestcoder", "jais2", "jetmoe", "kolibri1", "laguna", "lara_mini", "lfm3", "mellum",
+        "mimo_v2_flash", "minicpm5_moe", "minimax_m3_vl_text", "ministral3", "modernbert-decoder", "moshi",
+        "openai-gpt", "param2moe", "sarvam_moe", "solar_open", "vaultgemma", "xlstm", "cpmant", "deepseek_v4",
+    )},
+    # multi-head latent attention: as many KV heads as heads
+    **{name: {"num_key_value_heads": 4} for name in ("axk1", "axk2", "bailing_hybrid", "deepseek_v32", "glm_moe_dsa",
+                                                       "sarvam_mla")},
+}
+
 # The families of MODEL_FOR_CAUSAL_LM_MAPPING built by the generic tiny recipe, plus settings that put a layer of
 # each kind a hybrid mixes into two or three layers.
 FAMILIES = {
@@ -61,13 +77,21 @@ FAMILIES = {
     "attn_layer_offset": 1}, "bamba": {"mamba_n_heads": 8, "attn_layer_indices": [1]}, "minimax": {}, "zamba2": {"layers_block_type": ["mamba", "hybrid"], "mamba_headdim": 8, "n_mamba_heads": 8}, "olmo_hybrid": {},
     "mamba": {}, "falcon_mamba": {}, "mamba2": {"num_heads": 8, "n_groups": 1}, "recurrent_gemma": {"block_types": ["recurrent", "attention"]}, "rwkv": {},
     "llama4_text": {"no_rope_layers": [1, 0]},  # layer 1 without RoPE: the NoPE temperature tuning is active
+    **NEWER_FAMILIES,
 }
+
+
+def _has_setting(config, key: str) -> bool:
+    try:
+        return hasattr(config, key)
+    except Exception:  # a per-layer setting (Gemma 4's head_dim) refuses a global read, but is set globally
+        return True
 
 
 def tiny_config(model_type: str, **overrides):
     default = AutoConfig.for_model(model_type)
     settings = {key: value for key, value in _SMALL.items()  # derived read-only settings (properties) stay derived
-                if hasattr(default, key) and not isinstance(getattr(type(default), key, None), property)}
+                if _has_setting(default, key) and not isinstance(getattr(type(default), key, None), property)}
     for key, value in default.to_dict().items():
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key or key == "layerdrop"):
             settings[key] = 0.0
