@@ -4,6 +4,7 @@ whole-rows mixer (attention/mixers.py) would reach."""
 
 from __future__ import annotations
 
+import inspect
 import re
 from typing import Any, Optional
 
@@ -15,6 +16,7 @@ from lightning_ulysses.attention.backends import BACKENDS, check_backend
 from lightning_ulysses.attention.core import validate_head_counts
 from lightning_ulysses.hf.binding import ULYSSES_ATTENTION
 from lightning_ulysses.mixers import left_on_whole_rows
+from lightning_ulysses.mixers.arguments import CACHE_ARGUMENTS
 
 
 # Layer kinds of `config.layer_types` whose token mixing (if any) is attention through transformers' attention interface
@@ -36,6 +38,11 @@ _TOKEN_MIXER_ADVICE = (
     " and gradients). Train this model without sequence parallelism (sequence_parallel_size=1), or use a model whose"
     " layers all mix tokens by attention."
 )
+
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_WHOLE_ROW_ARGUMENTS = frozenset({"attention_mask", "position_ids", "cache_position", "position_embeddings", "use_cache",
+                                  *CACHE_ARGUMENTS})
 
 
 def _mixer_by_name(module: torch.nn.Module) -> bool:  # (MambaForCausalLM names a model, MambaRMSNorm a norm)
@@ -96,10 +103,21 @@ def _reject_token_mixing_outside_attention(model: PreTrainedModel) -> None:
             raise NotImplementedError(
                 f"{name} mixes tokens outside attention in {path} ({type(module).__name__}), which also holds"
                 f" attention ({inner[0]}), so it cannot run on whole rows. {_TOKEN_MIXER_ADVICE}")
+        # The arguments a mixer on whole rows can be handed besides the hidden states are those it makes whole
+        # (mixers/arguments.py); one that takes other per-token tensors (xLSTM's cell: query, key, value and gates
+        # from its layer) would meet them shaped like the shard in training.
+        other = [name for name, parameter in list(inspect.signature(type(module).forward).parameters.items())[2:]
+                 if parameter.default is inspect.Parameter.empty and parameter.kind in _POSITIONAL
+                 and name not in _WHOLE_ROW_ARGUMENTS]
+        if other:
+            raise NotImplementedError(
+                f"{name} mixes tokens outside attention in {path} ({type(module).__name__}), which takes per-token"
+                f" inputs besides the hidden states ({', '.join(other)}), so it cannot run on whole rows."
+                f" {_TOKEN_MIXER_ADVICE}")
         # A mixer inside an attention module (Inkling's short convolutions over the keys) is handed the shard's
         # rows by that attention, before the exchange: it cannot run on whole rows either.
         outer = [other for other, parent in model.named_modules() if path.startswith(f"{other}.")
-                 and "Attention" in type(parent).__name__ and not _mixer_by_name(parent)]
+                 and type(parent).__name__.endswith("Attention") and not _mixer_by_name(parent)]
         if outer:
             raise NotImplementedError(
                 f"{name} mixes tokens outside attention in {path} ({type(module).__name__}), inside the attention"

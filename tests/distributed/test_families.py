@@ -80,15 +80,15 @@ MEMORY = {"activation_checkpointing": True, "offload_activations": True, "tiled_
 SPLIT_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lfm2", "mamba2", "bamba", "nemotron_h",
                   "falcon_h1", "granitemoehybrid", "zamba2", "mamba", "falcon_mamba", "jamba", "kimi_linear", "minimax",
                   "recurrent_gemma",
-                  # 5.24/5.25: Gated DeltaNet (Lara-mini, Qwen4-exp), KDA with full-rank gates (Bailing-hybrid), short
+                  # 5.24/5.25: Gated DeltaNet (Lara-mini), KDA with full-rank gates (Bailing-hybrid), short
                   # convolutions (LFM2-MoE, LFM3)
-                  "lara_mini", "qwen4_exp_text", "bailing_hybrid", "lfm2_moe", "lfm3")
+                  "lara_mini", "bailing_hybrid", "lfm2_moe", "lfm3")
 
 # Families whose token mixers that are not attention are also checked layer by layer (`mixer_errors`): one layer of
 # each kind on its shard against the same layer on the whole rows, output and input gradient.
 MIXER_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "minimax", "lfm2", "mamba", "falcon_mamba", "mamba2", "jamba",
                   "falcon_h1", "granitemoehybrid", "nemotron_h", "bamba", "zamba2", "olmo_hybrid", "recurrent_gemma",
-                  "rwkv", "lara_mini", "qwen4_exp_text", "bailing_hybrid", "lfm2_moe", "lfm3", "zamba", "zaya")
+                  "rwkv", "lara_mini", "bailing_hybrid", "lfm2_moe", "lfm3", "zamba")
 
 
 # In the shared 4-rank launch (pool.py): its ranks' start-up (4 × ~17 s of CPU) is paid once for every job.
@@ -238,7 +238,7 @@ def test_the_families_users_train_are_exact(outcome):
                    # attention computed inline (adapters/): ALiBi, Falcon's own branches, GPT-Neo's local windows
                    "bloom", "mpt", "falcon", "gpt_neo", "xglm",
                    # decoders added by transformers 5.24 and 5.25 (ergo, MiniCPM5-MoE, Param2-MoE: 5.25 only)
-                   "bailing_hybrid", "lara_mini", "qwen4_exp_text", "lfm2_moe", "lfm3", "mimo_v2_flash", "laguna",
+                   "bailing_hybrid", "lara_mini", "lfm2_moe", "lfm3", "mimo_v2_flash", "laguna",
                    "gemma4_text", "kolibri1", "ergo", "minicpm5_moe", "param2moe"):
         if family in SINCE_5_25 and family not in FAMILIES:  # (on 5.24)
             continue

@@ -53,6 +53,9 @@ def test_token_mixers_outside_attention_are_found_and_accepted(family, overrides
     ("dory", "model.layers.0.self_attn (DoryAttention) re-reads keys"),
     # a short convolution over the keys inside the attention module (handed the shard, before the exchange)
     ("inkling_text", "model.layers.0.self_attn.k_sconv (InklingShortConvolution), inside the attention"),
+    ("zaya", "model.layers.0.self_attn.qkv_proj (ZayaCCAProjection), inside the attention"),
+    # a cell handed its query, key, value and gates by its layer (shard-shaped under sequence parallelism)
+    ("xlstm", "(xLSTMBackend), which takes per-token inputs besides the hidden states (key, value, igate, fgate)"),
 ])
 def test_attention_the_exchange_cannot_carry_is_refused_by_name(family, named):
     model = family_model(family)
