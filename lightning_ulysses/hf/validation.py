@@ -47,8 +47,7 @@ _WHOLE_ROW_ARGUMENTS = frozenset({"attention_mask", "position_ids", "cache_posit
 
 def _mixer_by_name(module: torch.nn.Module) -> bool:  # (MambaForCausalLM names a model, MambaRMSNorm a norm)
     name = type(module).__name__
-    return (not isinstance(module, PreTrainedModel) and "Norm" not in name and "FeedForward" not in name  # (xLSTM's MLP)
-            and bool(_TOKEN_MIXER_NAMES.search(name)))
+    return not isinstance(module, PreTrainedModel) and "Norm" not in name and bool(_TOKEN_MIXER_NAMES.search(name))
 
 
 def token_mixer_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

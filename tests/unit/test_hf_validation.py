@@ -65,11 +65,6 @@ def test_attention_the_exchange_cannot_carry_is_refused_by_name(family, named):
     assert named in str(refusal.value)
 
 
-def test_a_feed_forward_named_like_a_mixer_is_no_token_mixer():
-    # xLSTM's blocks hold an xLSTMFeedForward beside the cell: an MLP, not run on whole rows
-    assert [mixer for mixer in find_token_mixers(family_model("xlstm")) if "FeedForward" in mixer] == []
-
-
 def test_layer_kinds_that_are_not_attention_are_refused():
     model = tiny_model("llama")
     validate_hf_model(model, 2)
