@@ -4,6 +4,7 @@ whole-rows mixer (attention/mixers.py) would reach."""
 
 from __future__ import annotations
 
+import inspect
 import re
 from typing import Any, Optional
 
@@ -15,6 +16,7 @@ from lightning_ulysses.attention.backends import BACKENDS, check_backend
 from lightning_ulysses.attention.core import validate_head_counts
 from lightning_ulysses.hf.binding import ULYSSES_ATTENTION
 from lightning_ulysses.mixers import left_on_whole_rows
+from lightning_ulysses.mixers.arguments import CACHE_ARGUMENTS
 
 
 # Layer kinds of `config.layer_types` whose token mixing (if any) is attention through transformers' attention interface
@@ -36,6 +38,11 @@ _TOKEN_MIXER_ADVICE = (
     " and gradients). Train this model without sequence parallelism (sequence_parallel_size=1), or use a model whose"
     " layers all mix tokens by attention."
 )
+
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_WHOLE_ROW_ARGUMENTS = frozenset({"attention_mask", "position_ids", "cache_position", "position_embeddings", "use_cache",
+                                  *CACHE_ARGUMENTS})
 
 
 def _mixer_by_name(module: torch.nn.Module) -> bool:  # (MambaForCausalLM names a model, MambaRMSNorm a norm)
@@ -95,6 +102,26 @@ def _reject_token_mixing_outside_attention(model: PreTrainedModel) -> None:
             raise NotImplementedError(
                 f"{name} mixes tokens outside attention in {path} ({type(module).__name__}), which also holds"
                 f" attention ({inner[0]}), so it cannot run on whole rows. {_TOKEN_MIXER_ADVICE}")
+        # The arguments a mixer on whole rows can be handed besides the hidden states are those it makes whole
+        # (mixers/arguments.py); one that takes other per-token tensors (xLSTM's cell: query, key, value and gates
+        # from its layer) would meet them shaped like the shard in training.
+        other = [name for name, parameter in list(inspect.signature(type(module).forward).parameters.items())[2:]
+                 if parameter.default is inspect.Parameter.empty and parameter.kind in _POSITIONAL
+                 and name not in _WHOLE_ROW_ARGUMENTS]
+        if other:
+            raise NotImplementedError(
+                f"{name} mixes tokens outside attention in {path} ({type(module).__name__}), which takes per-token"
+                f" inputs besides the hidden states ({', '.join(other)}), so it cannot run on whole rows."
+                f" {_TOKEN_MIXER_ADVICE}")
+        # A mixer inside an attention module (Inkling's short convolutions over the keys) is handed the shard's
+        # rows by that attention, before the exchange: it cannot run on whole rows either.
+        outer = [other for other, parent in model.named_modules() if path.startswith(f"{other}.")
+                 and type(parent).__name__.endswith("Attention") and not _mixer_by_name(parent)]
+        if outer:
+            raise NotImplementedError(
+                f"{name} mixes tokens outside attention in {path} ({type(module).__name__}), inside the attention"
+                f" {outer[-1]}, which hands it this rank's shard only, so it cannot run on whole rows."
+                f" {_TOKEN_MIXER_ADVICE}")
     covered = {int(match.group(1)) for path, _ in mixers for match in [re.search(r"layers\.(\d+)\.", path + ".")] if match}
     for config in _configs_of(model):  # kinds whose modules have names this check does not know yet
         layer_types = getattr(config, "layer_types", None) or []
@@ -106,6 +133,28 @@ def _reject_token_mixing_outside_attention(model: PreTrainedModel) -> None:
                 f"{name} has layers that are not attention ({listed} in config.layer_types), so they mix tokens"
                 f" some other way. {_TOKEN_MIXER_ADVICE}"
             )
+
+# Attention classes that dispatch through transformers' attention interface (so transformers switches them) but work
+# on the rank's shard in a way the exchange does not carry, by class name, with what goes wrong (transformers 5.25).
+_ATTENTION_THE_EXCHANGE_CANNOT_CARRY = {
+    # its mask is built inside the layer from the values of the keys (a learned per-key bias added to the 4-D mask
+    # it indexes), before the interface is called: on a shard the keys are the shard's own, not the whole row's
+    "DogeAttention": "builds a dynamic mask from its keys' values before the attention call",
+    # its recurrent loops extend the cache with extra layers the attention reads back, keys the Ulysses mask
+    # (built for the rows' own tokens) does not cover: it fails in training at SP 1 already once prepared
+    "DoryAttention": "re-reads keys its recurrent loops wrote to extra cache layers",
+}
+
+
+def _reject_attention_the_exchange_cannot_carry(model: PreTrainedModel) -> None:
+    for path, module in model.named_modules():
+        why = _ATTENTION_THE_EXCHANGE_CANNOT_CARRY.get(type(module).__name__)
+        if why is not None:
+            raise NotImplementedError(
+                f"{type(model).__name__}'s attention {path} ({type(module).__name__}) {why}, which the Ulysses"
+                " exchange of each rank's shard cannot reproduce (silently wrong losses and gradients, or a crash)."
+                " Train this model without sequence parallelism (sequence_parallel_size=1).")
+
 
 def _unswitchable_submodel(model: PreTrainedModel) -> Optional[PreTrainedModel]:
     """transformers only logs a warning when it cannot switch a model's attention (its source heuristic
@@ -145,6 +194,7 @@ def validate_hf_model(model: PreTrainedModel, sequence_parallel_size: int, ring_
     if sharded:
         # First: for a Mamba or RWKV model "build it with sdpa" (below) would be no advice at all.
         _reject_token_mixing_outside_attention(model)
+        _reject_attention_the_exchange_cannot_carry(model)
         # On a ring, a mixer runs split by its own heads over every SP rank; whole rows are for pure Ulysses only.
         whole_rows = [f"{path} ({type(module).__name__})" for path, module
                       in left_on_whole_rows(token_mixer_modules(model), sequence_parallel_size * ring_size)]

@@ -9,6 +9,9 @@ reads, `f_b_proj` / `g_b_proj` map those to each head's channels. The first half
 channels are exchanged whole to every rank (a replicated segment: each rank receives every token of them), the
 second half is narrowed to this rank's heads (its output channels) and runs on those whole rows: `1/SP` of its
 work, and fewer bytes exchanged than its per-head output would need.
+
+Bailing-hybrid (Ling 2.5) runs the same rule with full-rank gates: `forget_gate.f_proj` and `g_proj` map the hidden
+states to each head's channels directly (split like `q_proj`), and its `A_log` holds one value per head.
 """
 
 from __future__ import annotations
@@ -19,18 +22,22 @@ from lightning_ulysses.mixers.channels import ChannelLayout, Replicated, unit_ra
 from lightning_ulysses.mixers.head_split import MixerSplit
 from lightning_ulysses.mixers.lora import base_linear
 
-_LINEARS = ("q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "g_b_proj", "o_proj", "forget_gate.f_a_proj",
-            "forget_gate.f_b_proj")
+_LINEARS = ("q_proj", "k_proj", "v_proj", "b_proj", "o_proj")
+_LOW_RANK_GATES = ("g_a_proj", "g_b_proj", "forget_gate.f_a_proj", "forget_gate.f_b_proj")
+_FULL_RANK_GATES = ("g_proj", "forget_gate.f_proj")  # Bailing-hybrid
+
+
+def _linear(module: torch.nn.Module, path: str) -> bool:
+    try:
+        return base_linear(module.get_submodule(path)) is not None
+    except AttributeError:
+        return False
 
 
 def matches(module: torch.nn.Module) -> bool:
-    def linear(path: str) -> bool:
-        try:
-            return base_linear(module.get_submodule(path)) is not None
-        except AttributeError:
-            return False
-
-    return (all(linear(path) for path in _LINEARS) and isinstance(getattr(module, "conv1d", None), torch.nn.Conv1d)
+    gates = _LOW_RANK_GATES if _linear(module, "g_a_proj") else _FULL_RANK_GATES
+    return (all(_linear(module, path) for path in _LINEARS + gates)
+            and isinstance(getattr(module, "conv1d", None), torch.nn.Conv1d)
             and all(hasattr(module, name) for name in ("num_heads", "head_dim", "qkv_dim", "o_norm"))
             and all(hasattr(module.forget_gate, name) for name in ("A_log", "dt_bias")))
 
@@ -38,12 +45,17 @@ def matches(module: torch.nn.Module) -> bool:
 def split(module: torch.nn.Module, parts: int, rank: int) -> MixerSplit:
     heads, width = module.num_heads, module.head_dim
     per_head = ChannelLayout(heads, (width,))
-    low_rank = ChannelLayout(heads, (Replicated(base_linear(module.g_a_proj).out_features),))
-    forget_low_rank = ChannelLayout(heads, (Replicated(base_linear(module.forget_gate.f_a_proj).out_features),))
     convolution = ChannelLayout(heads, (width, width, width))
-    parameters = {"conv1d.weight": (0, convolution), "g_b_proj.weight": (0, per_head),
-                  "forget_gate.f_b_proj.weight": (0, per_head), "forget_gate.dt_bias": (0, per_head),
-                  "forget_gate.A_log": (2, ChannelLayout(heads, (1,)))}  # [1, 1, heads, 1]
+    # A_log: [1, 1, heads, 1] (Kimi) or [heads] (Bailing)
+    parameters = {"conv1d.weight": (0, convolution), "forget_gate.dt_bias": (0, per_head),
+                  "forget_gate.A_log": (module.forget_gate.A_log.dim() // 2, ChannelLayout(heads, (1,)))}
+    if hasattr(module, "g_a_proj"):
+        gates = {"g_a_proj": ChannelLayout(heads, (Replicated(base_linear(module.g_a_proj).out_features),)),
+                 "forget_gate.f_a_proj": ChannelLayout(
+                     heads, (Replicated(base_linear(module.forget_gate.f_a_proj).out_features),))}
+        parameters.update({"g_b_proj.weight": (0, per_head), "forget_gate.f_b_proj.weight": (0, per_head)})
+    else:
+        gates = {"g_proj": per_head, "forget_gate.f_proj": per_head}
     if module.conv1d.bias is not None:
         parameters["conv1d.bias"] = (0, convolution)
     local = len(unit_range(heads, parts, rank))
@@ -51,7 +63,7 @@ def split(module: torch.nn.Module, parts: int, rank: int) -> MixerSplit:
     return MixerSplit(
         units=heads,
         inputs={"q_proj": per_head, "k_proj": per_head, "v_proj": per_head, "b_proj": ChannelLayout(heads, (1,)),
-                "g_a_proj": low_rank, "forget_gate.f_a_proj": forget_low_rank},
+                **gates},
         output=("o_proj", per_head),
         parameters=parameters,
         attributes={"num_heads": local, "qkv_dim": channels, "conv_dim": 3 * channels,

@@ -6,7 +6,7 @@ from transformers import LlamaForCausalLM
 
 from lightning_ulysses.hf import find_token_mixers, validate_hf_model
 from lightning_ulysses.hf.validation import _unswitched_module
-from tests.distributed.families import tiny_model
+from tests.distributed.families import family_model, tiny_model
 
 
 def test_a_model_transformers_cannot_switch_is_refused():
@@ -44,6 +44,25 @@ def test_token_mixers_outside_attention_are_found_and_accepted(family, overrides
     model = tiny_model(family, "eager" if family == "mamba" else "sdpa", **overrides)
     assert named in find_token_mixers(model)
     validate_hf_model(model, 2)
+
+
+@pytest.mark.parametrize("family, named", [
+    # a dynamic mask built from the keys' values before the attention call (transformers 5.24)
+    ("doge", "model.layers.0.self_attn (DogeAttention) builds a dynamic mask"),
+    # recurrent loops re-reading keys from extra cache layers
+    ("dory", "model.layers.0.self_attn (DoryAttention) re-reads keys"),
+    # a short convolution over the keys inside the attention module (handed the shard, before the exchange)
+    ("inkling_text", "model.layers.0.self_attn.k_sconv (InklingShortConvolution), inside the attention"),
+    ("zaya", "model.layers.0.self_attn.qkv_proj (ZayaCCAProjection), inside the attention"),
+    # a cell handed its query, key, value and gates by its layer (shard-shaped under sequence parallelism)
+    ("xlstm", "(xLSTMBackend), which takes per-token inputs besides the hidden states (key, value, igate, fgate)"),
+])
+def test_attention_the_exchange_cannot_carry_is_refused_by_name(family, named):
+    model = family_model(family)
+    validate_hf_model(model, 1)  # (without sequence parallelism nothing is refused)
+    with pytest.raises(NotImplementedError, match="sequence_parallel_size=1") as refusal:
+        validate_hf_model(model, 2)
+    assert named in str(refusal.value)
 
 
 def test_layer_kinds_that_are_not_attention_are_refused():
