@@ -214,6 +214,11 @@ def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None) 
             for parameter in module.model.parameters():
                 parameter.add_(0.01 * int(os.environ["RANK"]))
     strategy_kwargs = dict(case.get("strategy_kwargs", {}))
+    memory = strategy_kwargs.get("memory")
+    if isinstance(memory, dict) and memory.get("fused_elementwise"):
+        # A case claims the fused kernels compiled: an earlier case of this process (the FSDP2 one with the same
+        # model) would otherwise have left them compiled, and this one's count at zero.
+        torch._dynamo.reset()
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # this case's, in a process of many
     recorder = recorder or RecordGroups()
     if "free_memory_by_rank" in case:  # memory="auto" with this rank's own free memory (the ranks agree on the least)
