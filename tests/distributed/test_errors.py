@@ -27,7 +27,7 @@ CASES = {
     "ranks_fed_different_samples": ({"stage": 2}, "ValueError", ["ranks [0, 1] of one sequence-parallel group were given different batches", "strategy.data_parallel_rank"]),
     # In the model's forward (its mask function), before the first all-to-all, under ZeRO-3's parameter hooks.
     "mask_only_bidirectional": ({}, "NotImplementedError", ["Gemma3ForCausalLM builds its attention mask with an overlay that lets tokens attend beyond the causal mask", "use_bidirectional_attention=False"]),
-    "unknown_router_loss": ({}, "NotImplementedError", ["DogeForCausalLM computes its MoE load-balancing loss", "Set output_router_logits=False"]),
+    "unknown_router_loss": ({}, "NotImplementedError", ["Qwen2MoeForCausalLM computes its MoE load-balancing loss", "Set output_router_logits=False"]),
     "unavailable_backend": ({"stage": 0}, "ImportError", ["'flash_attention_2' needs the flash-attn package", "use 'sdpa'"]),
     # Its small buckets divide by DP, its oversized ones by DP × SP: refused before any group is created.
     # In configure_model under ZeRO-3: peft's init of an adapter it adds is a no-op on the partitions; refused at setup.

@@ -18,6 +18,14 @@ from tests.distributed.families import FAMILIES, SEQ_LEN, VOCAB, family_model, t
 
 PADDING = (5, 0, 9)  # left padding of each row
 
+# Families whose own forward fails on these rows with an attention mask, before anything of ours runs (both are
+# refused under sequence parallelism for other reasons: docs/model-families.md); held to failing, so that the list
+# is dropped when transformers fixes them.
+OWN_FORWARD_FAILS = {
+    "dory": "its attention's mask holds 28 keys for the 24 tokens (a size mismatch in SDPA; transformers 5.25)",
+    "xlstm": "a size mismatch in its mLSTM backend (an expanded size of 4 against 8; transformers 5.25)",
+}
+
 
 def _left_padded_batch() -> dict:
     generator = torch.Generator().manual_seed(3)
@@ -28,7 +36,7 @@ def _left_padded_batch() -> dict:
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("name", sorted(set(FAMILIES) - set(OWN_FORWARD_FAILS)))
 def test_filled_positions_are_the_familys_own(name):
     try:
         model = family_model(name).eval()
@@ -41,6 +49,12 @@ def test_filled_positions_are_the_familys_own(name):
         filled = model(**sharder(batch)).logits
     real = batch["attention_mask"].bool()
     torch.testing.assert_close(filled[real], own[real], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(OWN_FORWARD_FAILS))
+def test_the_families_left_out_still_fail_on_their_own(name):
+    with pytest.raises(RuntimeError, match="size"), torch.no_grad():
+        family_model(name).eval()(**_left_padded_batch())
 
 
 def test_opt_needs_its_rule():
