@@ -156,6 +156,35 @@ def _reject_attention_the_exchange_cannot_carry(model: PreTrainedModel) -> None:
                 " Train this model without sequence parallelism (sequence_parallel_size=1).")
 
 
+# Encoder and encoder-decoder families whose causal-LM heads transformers' causal-LM mapping lists beside the
+# decoders (BertLMHeadModel, BartForCausalLM, ...): known by their masked-LM or sequence-to-sequence heads, and these
+# three, which have neither. Their attention (bidirectional unless `is_decoder`, cross-attention, relative or
+# permuted positions) is outside what the family matrix holds exact (decoder-only families: docs/model-families.md).
+_ENCODER_FAMILIES_WITHOUT_SUCH_HEADS = frozenset({"bert-generation", "trocr", "xlnet"})
+
+
+def _encoder_family(model: PreTrainedModel) -> Optional[str]:
+    from transformers.models.auto import modeling_auto
+
+    encoders = (set(modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+                | set(modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
+                | set(modeling_auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES) | _ENCODER_FAMILIES_WITHOUT_SUCH_HEADS)
+    for config in (model.config, model.config.get_text_config()):
+        if getattr(config, "model_type", None) in encoders:
+            return config.model_type
+    return None
+
+
+def _reject_encoder_families(model: PreTrainedModel) -> None:
+    family = _encoder_family(model)
+    if family is not None:
+        raise NotImplementedError(
+            f"{type(model).__name__} is the causal-LM head of {family!r}, an encoder (or encoder-decoder) family:"
+            " lightning_ulysses holds decoder-only families exact under sequence parallelism (docs/model-families.md)"
+            " and has not verified this one's attention on shards (bidirectional or cross-attention, its own"
+            " positions). Train it with sequence_parallel_size=1, or use a decoder-only family.")
+
+
 def _unswitchable_submodel(model: PreTrainedModel) -> Optional[PreTrainedModel]:
     """transformers only logs a warning when it cannot switch a model's attention (its source heuristic
     `_can_set_attn_implementation`: attention classes that do not dispatch through the interface, classes defined
@@ -192,6 +221,7 @@ def validate_hf_model(model: PreTrainedModel, sequence_parallel_size: int, ring_
     backend = model.config._attn_implementation
     sharded = sequence_parallel_size * ring_size > 1
     if sharded:
+        _reject_encoder_families(model)
         # First: for a Mamba or RWKV model "build it with sdpa" (below) would be no advice at all.
         _reject_token_mixing_outside_attention(model)
         _reject_attention_the_exchange_cannot_carry(model)

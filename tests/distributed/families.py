@@ -65,7 +65,8 @@ NEWER_FAMILIES = {
 # release has them (`test_the_matrix_covers_every_causal_lm`: any other family missing from it is an error).
 SINCE_5_25 = frozenset({"ergo", "kolibri1_1", "minicpm5_moe", "param2moe"})
 
-_ENCODER = "an encoder (or an encoder-decoder's decoder) with a causal-LM head, not a decoder-only family"
+_ENCODER = ("an encoder (or an encoder-decoder's decoder) with a causal-LM head, not a decoder-only family: refused"
+            " at SP > 1 by name (hf/validation.py `_reject_encoder_families`)")
 _COMPOSITE = "a multimodal model: its text decoder is in the matrix as"
 # The causal LMs of the installed MODEL_FOR_CAUSAL_LM_MAPPING the matrix does not build, and why (the coverage test
 # holds the two lists to the mapping: a family transformers adds fails it until it is put in one of them).
