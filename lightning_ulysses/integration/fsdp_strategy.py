@@ -8,7 +8,6 @@ ranks (`fsdp.py`) instead of DeepSpeed. The run's description, with what FSDP2 r
 
 from __future__ import annotations
 
-import functools
 from datetime import timedelta
 from typing import Any, Mapping, Optional, Sequence, Union, Literal
 
@@ -29,7 +28,7 @@ from lightning_ulysses.integration import console, faults, fsdp, preparation
 from lightning_ulysses.integration.callbacks import correct_progress_bar
 from lightning_ulysses.integration.checkpoint.resume import StrategyCheckpoints
 from lightning_ulysses.integration.parallel_run import ParallelRun
-from lightning_ulysses.integration.rng import SequenceParallelRNG, seed_workers_by_data_parallel_rank
+from lightning_ulysses.integration.rng import SequenceParallelRNG
 from lightning_ulysses.integration.sequence_parallel_hooks import SequenceParallelHooks
 from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.parallel.layout import SequenceParallelGroups
@@ -192,31 +191,8 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
         self._faults.stop_watchdog()
         super().teardown()
 
-    # -- checkpoints (`checkpoint.resume.StrategyCheckpoints`; the shards: torch Distributed Checkpoint) -----------
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        """Atomic: every rank writes its Distributed Checkpoint shard into `<path>.partial`; rank 0 renames it to
-        `<path>` once all have finished, with the manifest."""
-        self._checkpoints.save(checkpoint, filepath, storage_options, super().save_checkpoint, self.hf_model_configs)
-
-    @override
-    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        return self._checkpoints.load(checkpoint_path, functools.partial(super().load_checkpoint,
-                                                                         weights_only=weights_only))
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        """After a resume in the middle of an epoch, skip the samples that epoch already trained on; seed data-loader
-        workers by the DP rank, so that the ranks of an SP group load the same samples."""
-        dataloader = self._checkpoints.process_dataloader(dataloader)
-        seed_workers_by_data_parallel_rank(dataloader, self.parallel_groups.data_parallel_rank)
-        return dataloader
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._checkpoints.on_train_batch_start()  # the resumed random generators; the epoch of the batch's data
-        self._faults.signals.agree(self.lightning_module.trainer, self.world_size, self.root_device)
-        super().on_train_batch_start(batch, batch_idx)
+    # (checkpoints, data loaders and the batch's start: `SequenceParallelHooks`; the shards: torch Distributed
+    # Checkpoint, through ModelParallelStrategy's own save and load)
 
     # -- registry -----------------------------------------------------------------------------------------------
     @classmethod

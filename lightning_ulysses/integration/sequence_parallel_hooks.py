@@ -3,7 +3,7 @@ ZeRO in `strategy.py`, FSDP2 in `fsdp_strategy.py`).
 
 A strategy that mixes it in (first, before its Lightning parent) owns a `ParallelRun` (`_parallel`), an
 `auto.AutoDecisions` (`_auto`), a `SameBatchCheck` (`_batch_check`), a `SequenceParallelRNG` (`_random_streams`),
-a `faults.RunFaults` (`_faults`), `sequence_parallel_in_evaluation`, and a `_prepare_modules()` that runs the module
+a `faults.RunFaults` (`_faults`), a `StrategyCheckpoints` (`_checkpoints`), `sequence_parallel_in_evaluation`, and a `_prepare_modules()` that runs the module
 pipeline for its backend. What this class gives it: the groups and the run's description by name, the DP-only
 sampler, the sequence sharding of every batch, the steps under the SDPA kernel order and the SP rank's own random
 stream, the whole-sequence loss, the refusal of a shard-local loss, evaluation on whole rows (opt-in), a
@@ -13,13 +13,17 @@ scheduler's signals turned into one save at a step boundary, and a rank's except
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Optional
 
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_ulysses.attention.backends import sdpa_priority
 from lightning_ulysses.batch.check import CheckBatches
 from lightning_ulysses.batch.sharding import SequencePadding
+from lightning_ulysses.integration.rng import seed_workers_by_data_parallel_rank
 from lightning_ulysses.parallel.layout import SequenceParallelGroups
 from lightning_ulysses.parallel.run_spec import RunSpec
 from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss, refuse_shard_local_loss
@@ -151,6 +155,39 @@ class SequenceParallelHooks:
     validation_step = _step_hook("validation_step")
     test_step = _step_hook("test_step")
     predict_step = _step_hook("predict_step")
+
+    # -- checkpoints (`checkpoint.resume.StrategyCheckpoints`, `_checkpoints`) and data ---------------------------
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        """Atomic: every rank writes its part (DeepSpeed's files, or its Distributed Checkpoint shard) into
+        `<path>.partial`; rank 0 renames it to `<path>` once all have finished, with the manifest."""
+        self._checkpoints.save(checkpoint, filepath, storage_options, super().save_checkpoint, self.hf_model_configs)
+
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        return self._checkpoints.load(checkpoint_path, functools.partial(super().load_checkpoint,
+                                                                         weights_only=weights_only))
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """After a resume in the middle of an epoch, skip the samples that epoch already trained on; seed data-loader
+        workers by the DP rank, so that the ranks of an SP group load the same samples."""
+        dataloader = self._checkpoints.process_dataloader(dataloader)
+        seed_workers_by_data_parallel_rank(dataloader, self.parallel_groups.data_parallel_rank)
+        return dataloader
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._checkpoints.on_train_batch_start()  # the resumed random generators; the epoch of the batch's data
+        self._faults.signals.agree(self.lightning_module.trainer, self.world_size, self.root_device)
+        # memory="auto": the first steps of the first fit, timed and logged against the prediction
+        confirmation = self._auto.confirm(self.root_device, self._reduces_over_ranks())
+        if confirmation is not None:
+            (rank_zero_warn if confirmation.exceeds_plan else rank_zero_info)(confirmation.report())
+        super().on_train_batch_start(batch, batch_idx)
+
+    def _reduces_over_ranks(self) -> bool:
+        return torch.distributed.is_initialized() and self.world_size > 1
 
     def _step_random_stream(self) -> contextlib.AbstractContextManager:
         """This SP rank's own random stream while batches are sharded (each rank drops its own tokens and heads);

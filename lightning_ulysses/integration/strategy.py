@@ -13,7 +13,6 @@ and resume state in `checkpoint/`, signals, requeue and the rank watchdog in `fa
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from typing import Any, Iterator, Literal, Mapping, Optional, Sequence, Union
 
@@ -22,7 +21,7 @@ import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_ulysses.attention import copy_engine
@@ -37,7 +36,7 @@ from lightning_ulysses.integration.checkpoint.resume import StrategyCheckpoints
 from lightning_ulysses.integration.notebook import check_start_method, configure_launcher
 from lightning_ulysses.integration.parallel_run import ParallelRun
 from lightning_ulysses.integration.sequence_parallel_hooks import SequenceParallelHooks
-from lightning_ulysses.integration.rng import SequenceParallelRNG, seed_workers_by_data_parallel_rank
+from lightning_ulysses.integration.rng import SequenceParallelRNG
 from lightning_ulysses.memory import MemoryOptions, apply_allocator_settings
 from lightning_ulysses.parallel.run_spec import RunSpec, deep_merge, inference_config, read_sequence_parallel_size
 from lightning_ulysses.planning import auto, preflight
@@ -231,9 +230,6 @@ class UlyssesDeepSpeedStrategy(SequenceParallelHooks, DeepSpeedStrategy):
             self.config.update(run.written_into(self.config))  # in place: the dict Lightning and DeepSpeed read
             rank_zero_info(self.memory_choice.report())
 
-    def _reduces_over_ranks(self) -> bool:
-        return torch.distributed.is_initialized() and self.world_size > 1
-
     @override
     def teardown(self) -> None:
         self._parallel.end()  # the user's models leave the Trainer with their own attention and loss again
@@ -272,39 +268,11 @@ class UlyssesDeepSpeedStrategy(SequenceParallelHooks, DeepSpeedStrategy):
         started, self._parallel.mpu = engine.initialize(self.parallel_groups, device_rank, **kwargs)
         return started
 
-    # -- checkpoints (`checkpoint.resume.StrategyCheckpoints`) -----------------------------------------------------
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        """Atomic: every rank writes into `<path>.partial`; rank 0 renames it to `<path>` once all have finished."""
-        self._checkpoints.save(checkpoint, filepath, storage_options, super().save_checkpoint, self.hf_model_configs)
-
-    @override
-    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        return self._checkpoints.load(checkpoint_path, functools.partial(super().load_checkpoint,
-                                                                         weights_only=weights_only))
-
+    # -- checkpoints (`checkpoint.resume.StrategyCheckpoints`; saving, loading: `SequenceParallelHooks`) -----------
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if not self._checkpoints.load_model_state_dict(checkpoint, strict):
             super().load_model_state_dict(checkpoint, strict)
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        """After a resume in the middle of an epoch, skip the samples that epoch already trained on; seed data-loader
-        workers by the DP rank, so that the ranks of an SP group load the same samples."""
-        dataloader = self._checkpoints.process_dataloader(dataloader)
-        seed_workers_by_data_parallel_rank(dataloader, self.parallel_groups.data_parallel_rank)
-        return dataloader
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._checkpoints.on_train_batch_start()  # the resumed random generators; the epoch of the batch's data
-        self._faults.signals.agree(self.lightning_module.trainer, self.world_size, self.root_device)
-        # memory="auto": the first steps of the first fit, timed and logged against the prediction
-        confirmation = self._auto.confirm(self.root_device, self._reduces_over_ranks())
-        if confirmation is not None:
-            (rank_zero_warn if confirmation.exceeds_plan else rank_zero_info)(confirmation.report())
-        super().on_train_batch_start(batch, batch_idx)
 
     # -- steps (the step hooks themselves: `SequenceParallelHooks`) ----------------------------------------------
     @override
