@@ -7,9 +7,9 @@ the Llama 3.2 1B and Llama 3 8B shapes (`strategy_overhead.SHAPES`) at 8K, 32K a
     python benchmarks/fsdp_vs_deepspeed.py --smoke                          # a tiny shape on the CPU, 2 ranks' worth
 
 Both backends train the same module (the recipes' `CausalLMModule` around an HF Llama, random init, sdpa, bf16-mixed,
-torch AdamW, the model's own activation checkpointing: the memory features are not on FSDP2 yet, so neither side uses
-them) at SP 1, each run in a process of its own (its own peak memory), the order of the two alternating from point to
-point. FSDP2's bf16-mixed is its MixedPrecisionPolicy (bf16 compute, fp32 parameters and reduction); DeepSpeed's is
+torch AdamW; by default the model's own activation checkpointing, or with `--memory '{...}'` the same
+`MemoryOptions` on both sides instead, e.g. layer checkpointing + tiled logits and loss) at SP 1, each run in a
+process of its own (its own peak memory), the order of the two alternating from point to point. FSDP2's bf16-mixed is its MixedPrecisionPolicy (bf16 compute, fp32 parameters and reduction); DeepSpeed's is
 its bf16 mode (bf16 parameters, fp32 master copy). Timing as `strategy_overhead.py`: CUDA-synchronised whole steps,
 median after warm-up; MFU against the measured 772 TFLOP/s bf16 peak and the 989 TFLOP/s datasheet peak. An out of
 memory is a line with `error`.
@@ -47,7 +47,8 @@ def _config(shape: str, seq: int):
     return LlamaConfig(**TINY, max_position_embeddings=max(seq, 128))
 
 
-def train(backend: str, shape: str, seq: int, steps: int, warmup: int, on_cuda: bool) -> list[float]:
+def train(backend: str, shape: str, seq: int, steps: int, warmup: int, on_cuda: bool,
+          memory: dict | None = None) -> list[float]:
     """One run: `warmup + steps` optimizer steps of one sequence of `seq` tokens; the measured steps' times."""
     import lightning as L
 
@@ -57,7 +58,8 @@ def train(backend: str, shape: str, seq: int, steps: int, warmup: int, on_cuda: 
     class Module(CausalLMModule):
         def configure_model(self):
             super().configure_model()
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if memory is None:  # otherwise the memory engine checkpoints the layers (when asked to)
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
         def training_step(self, batch, batch_idx):
             return self.model(**batch).loss
@@ -69,8 +71,8 @@ def train(backend: str, shape: str, seq: int, steps: int, warmup: int, on_cuda: 
     options = {key: value for key, value in config.to_dict().items()
                if key in (TINY if shape == "tiny" else SHAPES[shape]) or key in ("max_position_embeddings", "rope_theta")}
     module = Module(HuggingFaceCausalLM("llama", attn_implementation="sdpa", **options))
-    strategy = (UlyssesFSDPStrategy(sequence_parallel_size=1) if backend == "fsdp2"
-                else UlyssesDeepSpeedStrategy(sequence_parallel_size=1, stage=3))
+    strategy = (UlyssesFSDPStrategy(sequence_parallel_size=1, memory=memory) if backend == "fsdp2"
+                else UlyssesDeepSpeedStrategy(sequence_parallel_size=1, stage=3, memory=memory))
     timer = step_timer(StepProfiler(argparse.Namespace(profile=False, warmup=0))) if on_cuda else _CpuTimer()
     trainer = L.Trainer(accelerator="cuda" if on_cuda else "cpu", devices=1, strategy=strategy,
                         precision="bf16-mixed" if on_cuda else "32-true", max_steps=warmup + steps, logger=False,
@@ -108,12 +110,13 @@ def worker(args) -> None:
         torch.cuda.reset_peak_memory_stats()
     times, error = [], None
     try:
-        times = train(args.backend, args.shape, args.seq, args.steps, args.warmup, on_cuda)
+        times = train(args.backend, args.shape, args.seq, args.steps, args.warmup, on_cuda,
+                      json.loads(args.memory) if args.memory else None)
     except torch.OutOfMemoryError as oom:
         error = f"OOM: {str(oom).splitlines()[0]}"
     config = _config(args.shape, args.seq)
     result = {"backend": args.backend, "shape": args.shape, "seq": args.seq, "sequence_parallel_size": 1,
-              "steps": len(times), "error": error, "torch": torch.__version__,
+              "steps": len(times), "error": error, "memory": args.memory, "torch": torch.__version__,
               "device": torch.cuda.get_device_name() if on_cuda else "cpu",
               "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if on_cuda else None}
     result.update(timed_fields(config, args.seq, times))
@@ -128,6 +131,8 @@ def main(argv=None) -> None:
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
     parser.add_argument("--steps", type=int, default=6, help="measured steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="steps before measuring")
+    parser.add_argument("--memory", help="MemoryOptions fields as JSON, the same on both backends (default: none; the "
+                        "model's own activation checkpointing instead)")
     parser.add_argument("--smoke", action="store_true", help="a tiny Llama on the CPU (fp32), 2 steps per backend")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--backend", choices=BACKENDS, help=argparse.SUPPRESS)
@@ -146,7 +151,8 @@ def main(argv=None) -> None:
         shape, _, seq = point.partition(":")
         for backend in order:
             command = [sys.executable, __file__, "--worker", "--backend", backend, "--shape", shape, "--seq", seq,
-                       "--steps", str(steps), "--warmup", str(warmup), *(["--smoke"] if args.smoke else [])]
+                       "--steps", str(steps), "--warmup", str(warmup), *(["--smoke"] if args.smoke else []),
+                       *(["--memory", args.memory] if args.memory else [])]
             run = subprocess.run(command, capture_output=True, text=True,
                                  env={**environment, "MASTER_PORT": str(29700 + index * len(order) + order.index(backend))})
             lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
