@@ -9,8 +9,8 @@ the Llama 3.2 1B and Llama 3 8B shapes (`strategy_overhead.SHAPES`) at 8K, 32K a
 Both backends train the same module (the recipes' `CausalLMModule` around an HF Llama, random init, sdpa, bf16-mixed,
 torch AdamW; by default the model's own activation checkpointing, or with `--memory '{...}'` the same
 `MemoryOptions` on both sides instead, e.g. layer checkpointing + tiled logits and loss) at SP 1, each run in a
-process of its own (its own peak memory), the order of the two alternating from point to point. FSDP2's bf16-mixed is its MixedPrecisionPolicy (bf16 compute, fp32 parameters and reduction); DeepSpeed's is
-its bf16 mode (bf16 parameters, fp32 master copy). Timing as `strategy_overhead.py`: CUDA-synchronised whole steps,
+process of its own (its own peak memory), the order of the two alternating from point to point. FSDP2's bf16-mixed
+is its MixedPrecisionPolicy (bf16 compute, fp32 parameters and reduction); DeepSpeed's is its bf16 mode (bf16 parameters, fp32 master copy). Timing as `strategy_overhead.py`: CUDA-synchronised whole steps,
 median after warm-up; MFU against the measured 772 TFLOP/s bf16 peak and the 989 TFLOP/s datasheet peak. An out of
 memory is a line with `error`.
 """
