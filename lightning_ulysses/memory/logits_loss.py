@@ -100,11 +100,20 @@ class TiledLogitsLoss:
                       num_items_in_batch=num_items_in_batch)
 
 
+def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                             shift_labels: torch.Tensor, tile_tokens: int, ignore_index: int = IGNORE_INDEX
+                             ) -> torch.Tensor:
+    """`cross_entropy(linear(hidden, weight, bias).float(), shift_labels, reduction="sum")` (`hidden` [batch, seq,
+    dim], `shift_labels` [batch, seq]) without holding more than `tile_tokens` tokens' logits at once; the gradients
+    are computed in the forward, tile by tile."""
+    return _LinearCrossEntropySum.apply(hidden, weight, bias, shift_labels, tile_tokens, ignore_index)
+
+
 def _head_forward(head: nn.Module, original: Callable, tile_tokens: int, ignore_index: int,
                   hidden: torch.Tensor, shift_labels: Optional[torch.Tensor] = None) -> torch.Tensor:
     if shift_labels is None:
         return original(hidden)
-    return _LinearCrossEntropySum.apply(hidden, head.weight, head.bias, shift_labels, tile_tokens, ignore_index)
+    return linear_cross_entropy_sum(hidden, head.weight, head.bias, shift_labels, tile_tokens, ignore_index)
 
 
 def fuse_head_with_loss(head: nn.Module, loss: TiledLogitsLoss) -> Callable[[], None]:
