@@ -5,7 +5,8 @@ The same module, data and checks as `test_parity.py` (its worker `train_parity.p
 SP 2 in a world of 2, for a Llama, a Qwen3-MoE and a Qwen3-Next hybrid (Gated DeltaNet split by heads), with
 gradient accumulation, gradient clipping, `labels=input_ids`, a ring (Ulysses 2 × ring 2), pretrained weights loaded
 in configure_model, the native GPT with validate/test/predict after fit, evaluation on whole rows, packed rows (each
-document alone in the reference), bf16-mixed through FSDP2's MixedPrecisionPolicy, and `ExportPretrained`. Every loss
+document alone in the reference), bf16-mixed through FSDP2's MixedPrecisionPolicy, `ExportPretrained`, every memory
+feature and `memory="auto"` (planning FSDP2's memory, whose shard terms every rank's shards are held to). Every loss
 within 1e-5 of the reference, the weights after the SGD steps within 1e-4 of the update. The cases ride in the shared
 launches of 4 and 2 ranks (pool.py).
 """
