@@ -48,9 +48,9 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
             check_batches, heartbeat_timeout, quiet_third_party: as `UlyssesDeepSpeedStrategy`'s (a SIGTERM or SLURM's
             requeue signal saves `hpc_ckpt_<n>.ckpt` at the next step boundary on every rank; a rank that raises makes
             the others exit naming it).
-        memory: the memory features (`MemoryOptions` or its fields): layer checkpointing with host offload, kept
-            attention outputs, tiled MLP, tiled logits + loss, fused elementwise kernels; `"auto"`,
-            `checkpoint_interval` > 1 and `low_memory_norms` are refused (`run_spec.FSDP2_UNPORTED_MEMORY`).
+        memory: the memory features (`MemoryOptions` or its fields), every one of the DeepSpeed strategy's; or
+            `"auto"` (`planning.auto.AutoMemory`), which plans FSDP2's memory (`planning/planner.py`) and keeps the
+            optimizer on the device (a pinned `offload_optimizer` share is refused: `RunSpec._check_fsdp2`).
         reshard_after_forward: FSDP2's: free each layer's gathered parameters after its forward (gathered again in
             backward); `False` keeps them, trading memory for one all-gather per layer and step.
         process_group_backend, timeout: `ModelParallelStrategy`'s.
@@ -61,7 +61,7 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
     `ExportPretrained` callback write `save_pretrained` folders.
 
     Refused before training (`RunSpec.of_fsdp_arguments`), with the fix: DeepSpeed's options (`stage`, `config`,
-    offloads, ...), tensor-parallel sizes, the memory features not ported, precisions other than 32-true and bf16-mixed
+    offloads, ...), tensor-parallel sizes, a share of the optimizer on the host, precisions other than 32-true and bf16-mixed
     (bf16-mixed is FSDP2's `MixedPrecisionPolicy`: bf16 compute, fp32 parameters and gradient reduction).
     """
 

@@ -366,10 +366,11 @@ class _LayerCall:
 
     def __init__(self, run: Callable, layer: str, earlier: list["_LayerCall"], previous: Optional[weakref.ref],
                  store: Optional[HostActivationStore], keep_attention_outputs: bool,
-                 mlps: list[TiledMLP]) -> None:
+                 mlps: list[TiledMLP], module: Optional[nn.Module] = None) -> None:
         # The calls before this one in its stretch. Only later calls refer to earlier ones (no cycle): each call lives
         # exactly as long as its autograd node needs it, so a graph dropped without backward frees what it kept.
         self.run, self.layer, self.earlier, self.store = run, layer, earlier, store
+        self.module = module  # the layer itself: a stretch's recompute gathers an FSDP2 unit's parameters
         self.mlps = mlps  # the layer's tiled MLPs: their forward can be left out of the recompute with gradients
         # The call checkpointed just before this one, whatever its stretch: the next to run backward, whose kept
         # tensors this call's backward starts bringing back (weak, like the stretches').
@@ -431,7 +432,8 @@ class _LayerCall:
             calls = [*self.earlier, self]
             hidden = calls[0].kept_input.get()
             for call, following in itertools.pairwise(calls):
-                outputs, _ = call.recompute(hidden, with_grad=False)
+                with _parameters_gathered(call.module):
+                    outputs, _ = call.recompute(hidden, with_grad=False)
                 hidden = outputs[0] if isinstance(outputs, tuple) else outputs
                 following.recomputed_input = hidden
         hidden, self.recomputed_input = self.recomputed_input, None
@@ -444,6 +446,26 @@ class _LayerCall:
             self.attention.drop()
         self.other_arguments = self.run = None
         self.earlier = []
+
+
+@contextlib.contextmanager
+def _parameters_gathered(layer: Optional[nn.Module]):
+    """`layer`'s parameters whole while a stretch recomputes it inside a later layer's backward. FSDP2 gathers a
+    `fully_shard` unit's parameters in its forward and backward hooks only, and this recompute runs the layer's own
+    forward outside both: without this it meets its sharded `DTensor`s. The unit is gathered (in its
+    `MixedPrecisionPolicy`'s dtype, as its forward was) and sharded again after; its own backward gathers it again
+    (verified exact against the plain model: tests/distributed/test_fsdp.py). DeepSpeed ZeRO-3 gathers through its
+    per-submodule hooks, which the recompute does call; a leaf layer is refused in `checkpoint_layers`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(layer, FSDPModule):
+        yield
+        return
+    layer.unshard()
+    try:
+        yield
+    finally:
+        layer.reshard()
 
 
 class _CheckpointedLayer(torch.autograd.Function):
@@ -523,13 +545,13 @@ class _Stretches:
         self.last_output: Optional[tuple] = None  # `view_key` of the last call's hidden-state output
         self.last_call: Optional[weakref.ref] = None
 
-    def call(self, hidden: torch.Tensor, run: Callable, layer: str, mlps: list[TiledMLP]) -> _LayerCall:
+    def call(self, hidden: torch.Tensor, run: Callable, layer: nn.Module, mlps: list[TiledMLP]) -> _LayerCall:
         earlier = [reference() for reference in self.current]
         # A call whose graph is already gone (its output was detached, say) cannot recompute the next one's input.
         continues = (self.last_output is not None and self.last_output == view_key(hidden)
                      and len(earlier) < self.interval and None not in earlier)
-        call = _LayerCall(run, layer, earlier if continues else [], self.last_call, self.store,
-                          self.keep_attention_outputs, mlps)
+        call = _LayerCall(run, type(layer).__name__, earlier if continues else [], self.last_call, self.store,
+                          self.keep_attention_outputs, mlps, layer)
         # Weak: the calls live in their autograd nodes, and a dropped graph must free them at once.
         self.current = [*self.current, weakref.ref(call)] if continues else [weakref.ref(call)]
         self.last_call = weakref.ref(call)
@@ -549,7 +571,7 @@ def _checkpointed_forward(layer: nn.Module, original: Callable, signature: inspe
     if not args or not torch.is_tensor(args[0]):
         raise ValueError(f"activation_checkpointing needs {type(layer).__name__}'s hidden states as its first"
                          " argument.")
-    call = stretches.call(args[0], functools.partial(original, **kwargs), type(layer).__name__, mlps)
+    call = stretches.call(args[0], functools.partial(original, **kwargs), layer, mlps)
     # A layer whose inputs need no gradient (frozen embeddings, adapters on a frozen base) may still have trainable
     # parameters: an input that requires grad makes autograd run its backward, which accumulates theirs.
     needs_anchor = (not any(torch.is_tensor(a) and a.requires_grad for a in args)

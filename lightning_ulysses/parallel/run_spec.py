@@ -19,7 +19,7 @@ instead of reading the DeepSpeed config; this module is the only one that knows 
 
 The same description serves the FSDP2 backend (`UlyssesFSDPStrategy`, `backend="fsdp2"`): `RunSpec.of_fsdp_arguments`
 reads that strategy's arguments, refusing — before any process group exists, on every rank alike — what the backend
-does not support (DeepSpeed's options, the memory features not yet ported, precisions other than 32-true and
+does not support (DeepSpeed's options, a share of the optimizer on the host, precisions other than 32-true and
 bf16-mixed) with a message naming the fix. FSDP2 shards parameters, gradients and optimizer state over all DP × SP
 ranks as ZeRO-3 does, so it reads as stage 3 to every reader that asks `zero3`.
 
@@ -122,13 +122,15 @@ class RunSpec:
             )
 
     def _check_fsdp2(self) -> None:
-        """What FSDP2 cannot run yet, refused with the fix (identically on every rank, before any group)."""
-        unported = [name for name in self.memory_features if name in FSDP2_UNPORTED_MEMORY]
-        if unported:
+        """What FSDP2 cannot run, refused with the fix (identically on every rank, before any group)."""
+        if FSDP2_REFUSED_OFFLOAD in self.memory_features:
             raise ValueError(
-                f"memory features {unported} are not ported to the FSDP2 strategy yet (UlyssesFSDPStrategy,"
-                f" strategy='ulysses_fsdp'; it has {list(FSDP2_MEMORY_FEATURES)}): remove them from memory=..., or use"
-                " strategy='ulysses' (UlyssesDeepSpeedStrategy), which has all of them and memory='auto'.")
+                "memory={'auto': True, 'offload_optimizer': ...} moves a share of the optimizer to the host, which the"
+                " FSDP2 strategy (strategy='ulysses_fsdp') cannot do: FSDP2's only offload, CPUOffloadPolicy, moves all"
+                " parameters, gradients and optimizer states to the host together (no share) and steps torch's AdamW"
+                " there, a different and far slower step than DeepSpeed's partial offload with its CPU Adam. Leave"
+                " offload_optimizer out (or 0.0: memory='auto' on FSDP2 keeps the optimizer on the device), or use"
+                " strategy='ulysses' (UlyssesDeepSpeedStrategy) for the optimizer on the host.")
         if self.precision not in FSDP2_PRECISIONS:
             raise ValueError(
                 f"precision={self.precision!r} is not supported by the FSDP2 strategy (strategy='ulysses_fsdp'):"
@@ -190,8 +192,8 @@ class RunSpec:
     def of_fsdp_arguments(cls, arguments: Mapping[str, Any], **facts: Any) -> "RunSpec":
         """The run `UlyssesFSDPStrategy(**arguments)` describes (`facts`: `layout`, `precision`, `device`), refusing
         the arguments FSDP2 has no counterpart for — DeepSpeed's (its ZeRO, config and offload options; the rest of
-        `UlyssesDeepSpeedStrategy`'s), `ModelParallelStrategy`'s tensor-parallel sizes — and the memory features
-        (`arguments["memory"]`: what `memory_features_of` reads), each with the fix. Unknown names: `TypeError`."""
+        `UlyssesDeepSpeedStrategy`'s), `ModelParallelStrategy`'s tensor-parallel sizes — and, in `arguments["memory"]` (what
+        `memory_features_of` reads), a share of the optimizer on the host, each with the fix. Unknown names: `TypeError`."""
         unknown = [name for name in arguments if name not in FSDP2_ARGUMENTS]
         fixed = [f"{name} ({_FIXED_FOR_FSDP2[name]})" for name in unknown if name in _FIXED_FOR_FSDP2]
         if fixed:
@@ -289,7 +291,13 @@ class RunSpec:
 
     def with_memory_choice(self, optimizer_share: float, sub_group_size: int) -> "RunSpec":
         """This run with `memory="auto"`'s choice: ZeRO-3 on CUDA takes its sub-group size; a share of the optimizer
-        on the host is offloaded to the CPU (pinned), unless the config already offloads it (kept as configured)."""
+        on the host is offloaded to the CPU (pinned), unless the config already offloads it (kept as configured).
+        FSDP2 has no sub-groups and no share on the host (`memory="auto"` never chooses one there): unchanged."""
+        if self.fsdp2:
+            if optimizer_share:
+                raise ValueError(f"FSDP2 keeps the optimizer on the device; memory='auto' chose {optimizer_share:.0%}"
+                                 " of it on the host.")
+            return self
         changes: dict[str, Any] = {}
         if self.on_cuda and self.zero3:
             changes["sub_group_size"] = sub_group_size
@@ -317,14 +325,16 @@ class RunSpec:
 
 def memory_features_of(memory: Any) -> tuple[str, ...]:
     """The memory features that change the models in a strategy's `memory` argument (a `MemoryOptions`, a mapping of
-    its fields, "auto", an `AutoMemory`), by name; () for none; `checkpoint_interval` where it is above 1. Read from
-    names only (this layer sits below `memory/`): the allocator setting `expandable_segments` changes no model and is
-    not one."""
+    its fields, "auto", an `AutoMemory`), by name; () for none; `checkpoint_interval` where it is above 1; "auto"
+    followed by `FSDP2_REFUSED_OFFLOAD` where an auto request pins a share of the optimizer on the host. Read from
+    names only (this layer sits below `memory/` and `planning/`): the allocator setting `expandable_segments` changes
+    no model and is not one."""
     if memory is None:
         return ()
     if isinstance(memory, str) or type(memory).__name__ == "AutoMemory" or (
             isinstance(memory, Mapping) and memory.get("auto")):
-        return ("auto",)
+        fields = {} if isinstance(memory, str) else memory if isinstance(memory, Mapping) else vars(memory)
+        return ("auto",) + ((FSDP2_REFUSED_OFFLOAD,) if (fields.get("offload_optimizer") or 0) > 0 else ())
     fields = memory if isinstance(memory, Mapping) else vars(memory)
     return (tuple(name for name in _MODEL_MEMORY_FEATURES if fields.get(name))
             + (("checkpoint_interval",) if (fields.get("checkpoint_interval") or 1) > 1 else ()))
@@ -332,13 +342,10 @@ def memory_features_of(memory: Any) -> tuple[str, ...]:
 
 _MODEL_MEMORY_FEATURES = ("tiled_mlp", "tiled_logits_loss", "activation_checkpointing", "offload_activations",
                           "keep_attention_outputs", "low_memory_norms", "fused_elementwise")
-# What the FSDP2 strategy runs exactly (tests/distributed/test_fsdp.py), and what it refuses: `memory="auto"` plans
-# DeepSpeed's memory; `checkpoint_interval` > 1 recomputes layers in backward outside their FSDP2 units' hooks (their
-# parameters still sharded: measured, a DTensor error); `low_memory_norms` failed with the other features together
-# (the same error), though alone and with checkpointing or tiled logits it trained exactly.
-FSDP2_MEMORY_FEATURES = ("activation_checkpointing", "offload_activations", "keep_attention_outputs", "tiled_mlp",
-                         "tiled_logits_loss", "fused_elementwise")
-FSDP2_UNPORTED_MEMORY = ("auto", "checkpoint_interval", "low_memory_norms")
+# FSDP2 runs every memory feature exactly (tests/distributed/test_fsdp.py), `checkpoint_interval` > 1 too (a stretch's
+# recompute gathers the FSDP2 units it runs: `memory/checkpointing.py`), and `memory="auto"` plans its memory
+# (`planning/planner.py`); what it refuses is a share of the optimizer on the host (`RunSpec._check_fsdp2` says why).
+FSDP2_REFUSED_OFFLOAD = "offload_optimizer"
 # `UlyssesDeepSpeedStrategy`'s own arguments and Lightning's `DeepSpeedStrategy`'s that FSDP2 does not take.
 _DEEPSPEED_ARGUMENTS = frozenset((
     "stage", "config", "config_overrides", "exchange", "zero3_leaf_layers", "start_method",

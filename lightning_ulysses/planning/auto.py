@@ -269,7 +269,7 @@ class AutoChoice:
         s, best = self.best.setup, self.best
         lines = [f'lightning_ulysses memory="auto" (decided once, the same on every rank): {self.shape.name}, seq'
                  f" {s.seq_len} × micro-batch {s.micro_batch}, sp {s.sequence_parallel_size} × dp"
-                 f" {s.data_parallel_size}, ZeRO-{s.zero_stage}, {8 * s.compute_bytes}-bit compute",
+                 f" {s.data_parallel_size}, {_sharding(s)}, {8 * s.compute_bytes}-bit compute",
                  f"  free per rank (least over ranks): device {self.free[0] / GIB:.1f} GiB, host {self.free[1] / GIB:.1f}"
                  f" GiB; usable after the margins: device {self.budget.device / GIB:.1f} GiB"
                  + ("" if self.budget.shared else f", host {self.budget.host / GIB:.1f} GiB")]
@@ -290,6 +290,10 @@ class AutoChoice:
             lines.append(f"  runner-up: {_describe(self.runner_up.setup)}, step {self.runner_up.time.total:.3f} s"
                          f" ({self.runner_up.time.total / best.time.total - 1:+.1%})")
         return "\n".join(lines)
+
+
+def _sharding(setup: TrainingSetup) -> str:
+    return "FSDP2" if setup.backend == "fsdp2" else f"ZeRO-{setup.zero_stage}"
 
 
 def _describe(setup: TrainingSetup) -> str:
@@ -336,7 +340,10 @@ def _option_sets(request: AutoMemory, run: RunSpec, fused_elementwise: bool,
 
 def _offload_choices(request: AutoMemory, run: RunSpec, shape: ModelShape) -> list[tuple[float, int]]:
     """(optimizer share on the host, sub-group size) in increasing share: DeepSpeed's partial offload needs ZeRO-3
-    and is cut by sub-group count, so a partial share comes with `SUB_GROUPS` sub-groups."""
+    and is cut by sub-group count, so a partial share comes with `SUB_GROUPS` sub-groups. FSDP2 keeps the optimizer on
+    the device (its CPUOffloadPolicy moves everything or nothing: `RunSpec._check_fsdp2`) and has no sub-groups."""
+    if run.fsdp2:
+        return [(0.0, LIGHTNING_SUB_GROUP_SIZE)]
     configured = _configured_offload(run)
     if configured is not None:
         return [configured]
@@ -437,7 +444,9 @@ def _reasons(shape, request, run, kernel, fused_elementwise, budget, offloads, b
                           dataclasses.replace(best.setup.memory, fused_elementwise=False), offloads)
         reasons["fused_elementwise"] = (f"with fused_elementwise=False: {off.time.total - best.time.total:+.3f} s per"
                                         " step" if off else "with fused_elementwise=False nothing fits")
-    if "offload_optimizer" in pinned or run.offloads_optimizer:
+    if run.fsdp2:
+        reasons["offload_optimizer"] = "FSDP2: the optimizer stays on the device"
+    elif "offload_optimizer" in pinned or run.offloads_optimizer:
         reasons["offload_optimizer"] = "set by you"
     elif not run.on_cuda:
         reasons["offload_optimizer"] = "no host offload on CPU"
@@ -478,20 +487,25 @@ def _longest_fit(shape, request, run, fused_elementwise, budget, offloads,
 def _nothing_fits(shape, request, run, fused_elementwise, budget, offloads, refused: frozenset = frozenset()) -> str:
     """The longest length the most memory-saving allowed configurations fit, and what to change."""
     longest, how = _longest_fit(shape, request, run, fused_elementwise, budget, offloads, refused)
+    sharding = "FSDP2" if run.fsdp2 else f"ZeRO-{run.zero_stage}"
     where = (f"{shape.name} at {request.seq_len} tokens × micro-batch {request.micro_batch} on sp"
-             f" {run.sequence_parallel_size} × dp {run.data_parallel_size}, ZeRO-{run.zero_stage}, with"
+             f" {run.sequence_parallel_size} × dp {run.data_parallel_size}, {sharding}, with"
              f" {budget.device / GIB:.2f} GiB of device memory" + ("" if budget.shared else
                                                                    f" and {budget.host / GIB:.2f} GiB of host memory")
              + " per rank (free, less the margins)")
     pins = request.pinned()
     unpin = f"; or unpin {sorted(pins)}" if pins else ""
+    # FSDP2 has no optimizer on the host; its plan counts torch AdamW's fp32 temporary of the optimizer step.
+    fsdp2 = (" On FSDP2 the optimizer stays on the device (an optimizer step with torch's foreach AdamW also makes"
+             " an fp32 temporary of its local state, which the plan counts): strategy='ulysses' (DeepSpeed) can put"
+             " a share of it on the host.") if run.fsdp2 else ""
     if longest == 0:
         return (f'memory="auto": nothing fits {where}, not even the shortest length: the model states alone are'
-                f" too large. Shard them over more ranks (ZeRO-3 over more GPUs), or free"
-                f" memory{unpin}.")
+                f" too large. Shard them over more ranks ({'FSDP2' if run.fsdp2 else 'ZeRO-3'} over more GPUs), or free"
+                f" memory{unpin}.{fsdp2}")
     return (f'memory="auto": nothing fits {where}. The longest length that fits is {longest} tokens (with'
             f" {_describe(how)}). To train {request.seq_len} tokens: raise sequence_parallel_size (each rank holds"
-            f" seq/SP tokens), use more GPUs, or free memory{unpin}; or train at most {longest} tokens.")
+            f" seq/SP tokens), use more GPUs, or free memory{unpin}; or train at most {longest} tokens.{fsdp2}")
 
 
 def _longest(shape: ModelShape, setup: TrainingSetup, budget: Budget, multiple: int) -> int:

@@ -7,6 +7,7 @@ published 176B figures term by term.
     python -m lightning_ulysses plan --model gpt3-175b --seq 32768 --sp 8 --dp 4 --offload-optimizer 1 --features ac
     python -m lightning_ulysses plan --published-176b
     python -m lightning_ulysses plan --model llama3-8b --seq 131072 --auto --gpu-gib 139 --host-gib 118
+    python -m lightning_ulysses plan --model llama3-8b --seq 32768 --sp 2 --backend fsdp2 --auto --gpu-gib 139
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ def main(argv=None) -> None:
     parser.add_argument("--sp", type=int, default=1, help="sequence-parallel size")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel size")
     parser.add_argument("--zero", type=int, default=3, help="ZeRO stage")
+    parser.add_argument("--backend", choices=["deepspeed", "fsdp2"], default="deepspeed",
+                        help="what shards the model: DeepSpeed ZeRO (strategy='ulysses') or torch's FSDP2"
+                             " (strategy='ulysses_fsdp': always sharded over all ranks, the optimizer on the GPU)")
     parser.add_argument("--offload-optimizer", type=float, default=0.0,
                         help="DeepSpeed's offload_optimizer.ratio: the share of optimizer sub-groups on the host")
     parser.add_argument("--sub-group-size", type=int, default=TrainingSetup.sub_group_size,
@@ -54,7 +58,7 @@ def main(argv=None) -> None:
     setup = TrainingSetup(seq_len=args.seq, micro_batch=args.micro_batch, sequence_parallel_size=args.sp,
                           data_parallel_size=args.dp, zero_stage=args.zero, offload_optimizer=args.offload_optimizer,
                           sub_group_size=args.sub_group_size, offload_pin_memory=args.pin_memory,
-                          memory=memory_options(args.features))
+                          memory=memory_options(args.features), backend=args.backend)
     shape = MODELS[args.model]
     if args.auto:
         return _auto(args, shape)
@@ -72,7 +76,7 @@ def _auto(args, shape) -> int:
     request = AutoMemory(seq_len=args.seq, micro_batch=args.micro_batch, **pins)
     # a GPU (bf16) with Triton is assumed; the planner's gated-MLP shapes are Llama-style (RMSNorms), which it fuses
     run = RunSpec(layout=ParallelLayout(world_size=args.sp * args.dp, sequence_parallel_size=args.sp),
-                  zero_stage=args.zero, precision="bf16-mixed", device="cuda")
+                  zero_stage=args.zero, precision="bf16-mixed", device="cuda", backend=args.backend)
     fused = shape.gated_mlp
     if args.longest:  # the longest length auto can train, then its choice there
         args.seq, _ = longest_fit(shape, request, run, (args.gpu_gib * GIB, args.host_gib * GIB), fused_elementwise=fused)

@@ -94,6 +94,12 @@ class ModelShape:
             return sum(layer.parameters for layer in self.layers) + embeddings + final_norm
         return self.num_layers * self.layer_parameters + embeddings + final_norm
 
+    @property
+    def root_parameters(self) -> int:
+        """The parameters outside the decoder layers (embeddings, untied head, final norm): FSDP2's root unit."""
+        return self.num_parameters - (sum(layer.parameters for layer in self.layers) if self.layers
+                                      else self.num_layers * self.layer_parameters)
+
     def parameter_numels(self) -> list[int]:
         """Every parameter tensor's size in Hugging Face Llama's registration order: embedding; per layer q, k, v, o
         (each followed by its bias), the MLP matrices (gate, up, down; up and down followed by their biases), the two
@@ -170,8 +176,17 @@ class TrainingSetup:
     # the kernel libraries loaded by the first step. Measured on the H200 (torch 2.11, cu130): 1.6 GiB RSS after
     # `deepspeed.initialize` with every state on the GPU, 0.66 GiB more after the first step.
     host_process_bytes: float = 2.3 * GIB
+    # What shards the parameters: DeepSpeed ZeRO ("deepspeed") or torch's FSDP2 ("fsdp2", `plan_memory`'s
+    # `_fsdp2_states`), and FSDP2's `reshard_after_forward`.
+    backend: str = "deepspeed"
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
+        if self.backend not in ("deepspeed", "fsdp2"):
+            raise ValueError(f"backend is 'deepspeed' or 'fsdp2', got {self.backend!r}")
+        if self.backend == "fsdp2" and (self.zero_stage != 3 or self.offload_optimizer):
+            raise ValueError("FSDP2 shards parameters, gradients and optimizer states over all ranks (zero_stage=3)"
+                             " and keeps the optimizer on the device (offload_optimizer=0)")
         if not 0.0 <= self.offload_optimizer <= 1.0:
             raise ValueError(f"offload_optimizer is a fraction in [0, 1], got {self.offload_optimizer}")
         if 0.0 < self.offload_optimizer < 1.0 and self.zero_stage != 3:
@@ -187,7 +202,8 @@ class TrainingSetup:
         sub-group size being tried, the micro-batch, ...) replace or add to them."""
         described = dict(sequence_parallel_size=run.sequence_parallel_size, data_parallel_size=run.data_parallel_size,
                          zero_stage=run.zero_stage, offload_optimizer=run.optimizer_share_on_host,
-                         compute_bytes=run.compute_bytes, offload_pin_memory=run.optimizer_offload_pin_memory)
+                         compute_bytes=run.compute_bytes, offload_pin_memory=run.optimizer_offload_pin_memory,
+                         backend=run.backend, reshard_after_forward=run.reshard_after_forward)
         if run.sub_group_size is not None:
             described["sub_group_size"] = run.sub_group_size
         return cls(seq_len=seq_len, **{**described, **choices})
@@ -222,7 +238,8 @@ class MemoryPlan:
     def table(self, unit: float = GIB, unit_name: str = "GiB") -> str:
         s = self.setup
         lines = [f"{self.shape.name}: {self.shape.num_parameters / 1e9:.2f}B parameters; seq {s.seq_len} × micro-batch"
-                 f" {s.micro_batch}; sp {s.sequence_parallel_size} × dp {s.data_parallel_size}; ZeRO-{s.zero_stage};"
+                 f" {s.micro_batch}; sp {s.sequence_parallel_size} × dp {s.data_parallel_size};"
+                 f" {'FSDP2' if s.backend == 'fsdp2' else f'ZeRO-{s.zero_stage}'};"
                  f" optimizer on host {s.offload_optimizer:.0%}; {self._features()}",
                  f"  {'per GPU':<44}{unit_name:>10}"]
         lines += [f"  {name:<44}{value / unit:>10.2f}" for name, value in self.gpu.items()]
@@ -342,6 +359,39 @@ def _optimizer_offload_terms(parameter_numels: Sequence[int], setup: TrainingSet
     return gpu, host, float(start_transient), max(on_gpu, default=0)
 
 
+def _fsdp2_terms(shape: ModelShape, setup: TrainingSetup) -> tuple[dict[str, float], float, float]:
+    """Device bytes of torch's FSDP2 (`fully_shard` of every decoder layer, then of the model: the root unit holding
+    the embeddings, final norm and head) over all `dp × sp` ranks, `MixedPrecisionPolicy(param_dtype=the compute
+    dtype, reduce_dtype=fp32)`; and the two transients that come after the activations are freed (the optimizer step,
+    the root unit's gradient reduction at the end of backward).
+
+    Verified on torch 2.13 (CPU, gloo, docs/internals.md): the sharded parameters are fp32 (no separate master copy),
+    and so are their sharded gradients and AdamW's m and v: 4 + 4 + 8 bytes per parameter over the ranks (DeepSpeed's
+    split is 2 + 2 + 12). The unsharded copies are in the compute dtype: the root unit's stay gathered from its
+    forward to the end of the forward and from the first to the end of backward (it wraps every layer), each layer's
+    from its forward (or backward) to its end, with the next layer's all-gather issued during a layer's backward
+    (FSDP2's backward prefetch; in forward on a GPU its implicit prefetch overlaps the next all-gather the same way).
+    A stretch of `checkpoint_interval` > 1 gathers one more layer to recompute its inputs (`memory/checkpointing.py`).
+    `reshard_after_forward=False` keeps every layer gathered from its forward to its backward. The output head's
+    gradient (the embedding's, when tied) is made at the head's backward and reduced only with the root unit's at
+    the end. One layer's reduce-scatter holds its unsharded gradients, their fp32 flat copy and the fp32 shard
+    (`foreach_reduce`). torch's AdamW (foreach, the default on CUDA) makes one fp32 temporary of the whole local
+    state (`sqrt(v)`); `fused=True` makes none."""
+    e, params, n = setup.compute_bytes, shape.num_parameters, setup.world_size
+    layer, root, head = shape.layer_parameters, shape.root_parameters, shape.vocab_size * shape.hidden_size
+    m = setup.memory
+    stretch = 1 if m.activation_checkpointing and m.checkpoint_interval > 1 else 0
+    gathered = root + (setup.prefetched_layers + stretch) * layer if setup.reshard_after_forward else params
+    reduce_scatter = (e + 4 + 4 / n)
+    gpu = {"parameters (fp32 shards, FSDP2)": 4 * params / n,
+           "gradients (fp32 shards)": 4 * params / n,
+           "optimizer: Adam m, v (fp32 shards)": 8 * params / n,
+           "gathered parameters (FSDP2: root unit + layers)": e * gathered,
+           "output head's gradient (until the end of backward)": e * head,
+           "reduce-scatter of one layer's gradients": reduce_scatter * layer}
+    return gpu, 4 * params / n, e * (root - head) + reduce_scatter * root
+
+
 def _layer_saved_bytes_per_token(shape: ModelShape, e: int, tiled_mlp: bool, low_memory_norms: bool = False,
                                  fused_elementwise: bool = False) -> float:
     """What autograd keeps of one decoder layer, per local token, without checkpointing.
@@ -404,26 +454,31 @@ def plan_memory(shape: ModelShape, setup: TrainingSetup) -> MemoryPlan:
 
     # -- model states ------------------------------------------------------------------------------------------
     host["process baseline (torch, CUDA libraries)"] = setup.host_process_bytes
-    gpu["weights (16-bit)"] = e * params / (n if stage == 3 else 1)
-    # ZeRO-3 with an offloaded optimizer keeps the 16-bit gradient partitions on the host (`_optimizer_offload_terms`)
-    gradients_on_host = stage == 3 and setup.offload_optimizer > 0
-    gpu["gradients (16-bit)"] = 0.0 if gradients_on_host else e * params / (n if stage >= 2 else 1)
-    offload_gpu, offload_host, host_start_transient, largest_gpu_sub_group = _optimizer_offload_terms(
-        shape.parameter_numels(), setup)
-    gpu.update(offload_gpu)
-    host.update(offload_host)
+    offload_host, host_start_transient, end_of_backward = {}, 0.0, None
+    if setup.backend == "fsdp2":
+        fsdp2_gpu, optimizer_transient, end_of_backward = _fsdp2_terms(shape, setup)
+        gpu.update(fsdp2_gpu)
+    else:
+        gpu["weights (16-bit)"] = e * params / (n if stage == 3 else 1)
+        # ZeRO-3 with an offloaded optimizer keeps the 16-bit gradient partitions on the host (`_optimizer_offload_terms`)
+        gradients_on_host = stage == 3 and setup.offload_optimizer > 0
+        gpu["gradients (16-bit)"] = 0.0 if gradients_on_host else e * params / (n if stage >= 2 else 1)
+        offload_gpu, offload_host, host_start_transient, largest_gpu_sub_group = _optimizer_offload_terms(
+            shape.parameter_numels(), setup)
+        gpu.update(offload_gpu)
+        host.update(offload_host)
 
-    # -- buffers -----------------------------------------------------------------------------------------------
-    if stage == 3:
-        # full 16-bit copies of the layers being computed and prefetched; at the output head, the head and a layer
-        head = shape.vocab_size * shape.hidden_size
-        gpu["gathered parameters (ZeRO-3)"] = e * max(setup.prefetched_layers * shape.layer_parameters,
-                                                      head + shape.layer_parameters)
-    if stage >= 2:
-        gpu["gradient reduce bucket"] = e * min(setup.reduce_bucket_size, params)
-    # The optimizer step runs after backward has freed the activations: its transient competes with theirs.
-    # DeepSpeed makes an fp32 copy of one sub-group's gradients, and Adam one fp32 temporary of that size.
-    optimizer_transient = 2 * 4 * largest_gpu_sub_group
+        # -- buffers -------------------------------------------------------------------------------------------
+        if stage == 3:
+            # full 16-bit copies of the layers being computed and prefetched; at the output head, the head and a layer
+            head = shape.vocab_size * shape.hidden_size
+            gpu["gathered parameters (ZeRO-3)"] = e * max(setup.prefetched_layers * shape.layer_parameters,
+                                                          head + shape.layer_parameters)
+        if stage >= 2:
+            gpu["gradient reduce bucket"] = e * min(setup.reduce_bucket_size, params)
+        # The optimizer step runs after backward has freed the activations: its transient competes with theirs.
+        # DeepSpeed makes an fp32 copy of one sub-group's gradients, and Adam one fp32 temporary of that size.
+        optimizer_transient = 2 * 4 * largest_gpu_sub_group
 
     # -- activations -------------------------------------------------------------------------------------------
     layers_full, layer_full = _layers_saved_bytes_per_token(shape, e, m)
@@ -473,6 +528,8 @@ def plan_memory(shape: ModelShape, setup: TrainingSetup) -> MemoryPlan:
     activation_terms = sum(v for k, v in gpu.items() if k in _ACTIVATION_TERMS)
     candidates = {"logits + loss": logits_transient, "one layer's backward": layer_transient,
                   "optimizer step (activations freed)": optimizer_transient - activation_terms}
+    if end_of_backward is not None:
+        candidates["end of backward: the root unit's gradients reduced"] = end_of_backward - activation_terms
     largest = max(candidates, key=candidates.get)
     gpu[f"largest transient: {largest}"] = max(0.0, candidates[largest])
     if offload_host:

@@ -296,7 +296,8 @@ def plan(cfg: DictConfig) -> str:
         memory = dataclasses.replace(memory, activation_checkpointing=True)  # the model's own: same bytes
     setup = TrainingSetup(seq_len=seq_len, micro_batch=micro, sequence_parallel_size=layout.sequence_parallel_size,
                           data_parallel_size=layout.data_parallel_size, zero_stage=run.zero_stage,
-                          offload_optimizer=offload, memory=memory, sub_group_size=sub_group_size)
+                          offload_optimizer=offload, memory=memory, sub_group_size=sub_group_size,
+                          backend=run.backend, reshard_after_forward=run.reshard_after_forward)
     memory_plan = plan_memory(_shape(spec, strict=False), setup)
     gib = 2**30
     lines = [

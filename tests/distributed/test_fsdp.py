@@ -5,7 +5,8 @@ The same module, data and checks as `test_parity.py` (its worker `train_parity.p
 SP 2 in a world of 2, for a Llama, a Qwen3-MoE and a Qwen3-Next hybrid (Gated DeltaNet split by heads), with
 gradient accumulation, gradient clipping, `labels=input_ids`, a ring (Ulysses 2 × ring 2), pretrained weights loaded
 in configure_model, the native GPT with validate/test/predict after fit, evaluation on whole rows, packed rows (each
-document alone in the reference), bf16-mixed through FSDP2's MixedPrecisionPolicy, and `ExportPretrained`. Every loss
+document alone in the reference), bf16-mixed through FSDP2's MixedPrecisionPolicy, `ExportPretrained`, every memory
+feature and `memory="auto"` (planning FSDP2's memory, whose shard terms every rank's shards are held to). Every loss
 within 1e-5 of the reference, the weights after the SGD steps within 1e-4 of the update. The cases ride in the shared
 launches of 4 and 2 ranks (pool.py).
 """
@@ -51,20 +52,39 @@ CASES = [
     _case(2, 2, "mqa", "-gpt-then-validate", model="gpt", validate=True),
     _case(2, 2, "mha", "-unsharded-evaluation", validate=True, strategy_kwargs={"sequence_parallel_in_evaluation": False}),
 ]
-# The memory features FSDP2 runs (`run_spec.FSDP2_MEMORY_FEATURES`), as test_memory_parity.py trains them: layer
+# The memory features on FSDP2 (every one of the DeepSpeed strategy's), as test_memory_parity.py trains them: layer
 # checkpointing with host offload, tiled MLP and tiled logits + loss together (HF Llama and the native GPT; DP ranks
-# on rows of 16 and 12 tokens, so they run different numbers of MLP tiles), and checkpointing with kept attention
-# outputs and the fused elementwise kernels (aot_eager). Plain reference, losses 1e-5, weights 1e-4 of the update.
+# on rows of 16 and 12 tokens, so they run different numbers of MLP tiles), checkpointing with kept attention outputs
+# and the fused elementwise kernels (aot_eager), and all of them with low-memory norms and sparser checkpoints (both
+# layers in one stretch: the second's input is recomputed in its backward, FSDP2 gathering the first layer again,
+# `memory/checkpointing.py`). Plain reference, losses 1e-5, weights 1e-4 of the update.
 MEMORY = {"tiled_mlp": True, "mlp_tile_tokens": 3, "tiled_logits_loss": True, "logits_tile_tokens": 4,
           "activation_checkpointing": True, "offload_activations": True}
 KEPT_FUSED = {"activation_checkpointing": True, "keep_attention_outputs": True, "fused_elementwise": True,
               "fused_backend": "aot_eager"}
+STRETCH_NORMS = {**MEMORY, "checkpoint_interval": 2, "keep_attention_outputs": True, "low_memory_norms": True}
+# memory="auto" planning FSDP2's memory for 4096-token rows (the rows trained are shorter) with the least of the
+# ranks' free memory (planner, the tiny Llama: at SP 2 x DP 2, 4.5 MB gives low-memory norms, a tiled MLP and layer
+# checkpointing, 4.22 MB planned; at SP 1 x DP 4, 11 MB a tiled MLP and checkpointing with kept attention outputs,
+# 10.4 MB planned). The first step confirms the choice (`memory_confirmation`).
+AUTO = {"auto": True, "seq_len": 4096, "device_margin": 0, "host_margin": 0, "mlp_tile_tokens": 3,
+        "logits_tile_tokens": 4, "confirm_steps": 1}
+AUTO_CHOICES = {2: ([[9e6] * 2, [4.5e6] * 2, [8e6] * 2, [7e6] * 2],
+                    {"low_memory_norms", "tiled_mlp", "activation_checkpointing"}),
+                1: ([[1.2e7] * 2, [1.1e7] * 2, [1.3e7] * 2, [2e7] * 2],
+                    {"tiled_mlp", "activation_checkpointing", "keep_attention_outputs"})}
 MEMORY_CASES = [dict(_case(4, 2, "gqa", f"-{model}-{suffix}"), model=model, batch_size=1,
                      dataset_kwargs={"odd_rows_shorter_by": 4}, strategy_kwargs={"memory": memory}, wrapped=sorted(wrapped))
                 for model, suffix, memory, wrapped in [
                     ("llama", "memory", MEMORY, {"FSDPLlamaDecoderLayer", "FSDPLlamaForCausalLM", "LlamaMLP"}),
                     ("gpt", "memory", MEMORY, {"FSDPBlock", "MLP"}),
-                    ("llama", "kept-attention-fused", KEPT_FUSED, {"FSDPLlamaDecoderLayer", "LlamaRMSNorm"})]]
+                    ("llama", "kept-attention-fused", KEPT_FUSED, {"FSDPLlamaDecoderLayer", "LlamaRMSNorm"}),
+                    ("llama", "stretch-norms", STRETCH_NORMS, {"FSDPLlamaDecoderLayer", "LlamaMLP", "LlamaRMSNorm"})]]
+AUTO_CASES = [dict(_case(4, sp, "gqa", "-llama-auto"), model="llama", batch_size=1,
+                   dataset_kwargs={"odd_rows_shorter_by": 4}, strategy_kwargs={"memory": AUTO},
+                   free_memory_by_rank=free, chosen=sorted(chosen), wrapped=["FSDPLlamaDecoderLayer", "LlamaMLP"])
+              for sp, (free, chosen) in AUTO_CHOICES.items()]
+MEMORY_CASES += AUTO_CASES
 # Packed rows (the recipes' PackedTokenRows): each document alone in the reference (test_packing.py's check).
 PACKED = [dict(_case(4, 2, "mqa", "-packed"), model="llama", data="packed", lr=0.5)]
 
@@ -127,7 +147,9 @@ def test_fsdp2_memory_features_match_plain_reference(case, tmp_path_factory):
     ranks = _ranks(case, tmp_path_factory)
     # the features were applied (their forwards wrapped) and every checkpointed layer ran again in backward
     assert all(set(case["wrapped"]) <= set(rank["wrapped_modules"]) for rank in ranks), ranks[0]["wrapped_modules"]
-    assert all(rank["attention_runs"] == [2 * STEPS] * 2 for rank in ranks), ranks[0]["attention_runs"]
+    # a stretch of both layers runs the first once more per step, to recompute the second's input
+    stretch = ranks[0]["memory"]["checkpoint_interval"] == 2
+    assert all(rank["attention_runs"] == [(2 + stretch) * STEPS, 2 * STEPS] for rank in ranks), ranks[0]["attention_runs"]
     if case["strategy_kwargs"]["memory"].get("fused_elementwise"):
         assert all(rank["compiled_graphs"] > 0 for rank in ranks)
     steps = []
@@ -137,6 +159,45 @@ def test_fsdp2_memory_features_match_plain_reference(case, tmp_path_factory):
     reference = reference_training(case["kv_heads"], SEQ_LEN, steps, kind=case["model"],
                                    dataset_kwargs=case["dataset_kwargs"])
     assert_training_matches(ranks, reference)
+
+
+@pytest.mark.parametrize("case", AUTO_CASES, ids=[case["name"] for case in AUTO_CASES])
+def test_fsdp2_memory_auto_chooses_from_fsdp2s_memory_on_every_rank_and_confirms(case, tmp_path_factory):
+    ranks = _ranks(case, tmp_path_factory)
+    choices = [rank["memory_choice"] for rank in ranks]
+    assert all(choice == choices[0] for choice in choices)  # from the least free memory, on every rank
+    assert choices[0]["offload_optimizer"] == 0  # FSDP2 keeps the optimizer on the device
+    assert choices[0]["predicted_device_bytes"] <= min(free for free, _ in case["free_memory_by_rank"])
+    features = ("tiled_logits_loss", "low_memory_norms", "tiled_mlp", "activation_checkpointing",
+                "keep_attention_outputs", "offload_activations")
+    assert sorted(name for name in features if ranks[0]["memory"][name]) == case["chosen"]
+    # the first step confirmed once, from the slowest rank's time (the same on every rank); no device peak on CPU
+    confirmations = [rank["memory_confirmation"] for rank in ranks]
+    assert confirmations[0]["steps"] == 1 and confirmations[0]["step_s"] > 0
+    assert confirmations[0]["device_peak_bytes"] is None
+    assert all(confirmation == confirmations[0] for confirmation in confirmations)
+
+
+BF16_MIXED = next(case for case in CASES if case["name"].endswith("-bf16-mixed"))
+
+
+@pytest.mark.parametrize("case", [AUTO_CASES[0], BF16_MIXED], ids=[AUTO_CASES[0]["name"], BF16_MIXED["name"]])
+def test_fsdp2_shards_hold_what_the_planner_counts(case, tmp_path_factory):
+    """The planner's FSDP2 model states (`planner._fsdp2_terms`) against what every rank holds after training: fp32
+    parameter shards (no other master copy, under bf16-mixed too) and fp32 gradient shards, 4 bytes per parameter
+    each over all ranks (the tiny Llama's dimensions divide by 4: no padding)."""
+    from lightning_ulysses.planning.auto import shape_of
+    from lightning_ulysses.planning.planner import TrainingSetup, plan_memory
+    from tests.distributed.common import tiny_llama
+
+    ranks = _ranks(case, tmp_path_factory)
+    setup = TrainingSetup(seq_len=SEQ_LEN, sequence_parallel_size=case["sp"], data_parallel_size=4 // case["sp"],
+                          compute_bytes=2 if case.get("precision") == "bf16-mixed" else 4, backend="fsdp2")
+    planned = plan_memory(shape_of([tiny_llama(case["kv_heads"])]), setup).gpu
+    for rank in ranks:
+        assert rank["shard_bytes"]["dtypes"] == ["torch.float32"]
+        assert rank["shard_bytes"]["parameters"] == planned["parameters (fp32 shards, FSDP2)"]
+        assert rank["shard_bytes"]["gradients"] == planned["gradients (fp32 shards)"]
 
 
 # Checkpoints (torch Distributed Checkpoint through the same protocol as the DeepSpeed strategy's), with

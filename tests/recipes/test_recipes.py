@@ -381,9 +381,18 @@ def test_schedule_weight_decay_groups_auto_resume_and_preemption(tmp_path):
 
 def test_plan_of_the_fsdp2_strategy():
     """`strategy=ulysses_fsdp plan=true`: the FSDP2 run described as `UlyssesFSDPStrategy` reads its arguments
-    (sharded over all ranks as ZeRO-3, nothing offloaded); what FSDP2 refuses is refused by the plan already."""
+    (sharded over all ranks, nothing offloaded) and planned with FSDP2's memory (fp32 shards, the root unit gathered);
+    `memory=auto` chooses from it; what FSDP2 refuses is refused by the plan already."""
     report = plan(_compose(["strategy=ulysses_fsdp", "plan=true"]))
     assert "dp(1) × sp(2) = world_size(2)" in report and "(on GPU)" in report and "features: none" in report
+    assert "parameters (fp32 shards, FSDP2)" in report and "; FSDP2;" in report and "weights (16-bit)" not in report
     assert "features: tiled_mlp" in plan(_compose(["strategy=ulysses_fsdp", "plan=true", "strategy.memory.tiled_mlp=true"]))
-    with pytest.raises(ValueError, match=r"memory features \['low_memory_norms'\] are not ported to the FSDP2"):
-        plan(_compose(["strategy=ulysses_fsdp", "plan=true", "+strategy.memory.low_memory_norms=true"]))
+    assert "low_memory_norms" in plan(_compose(["strategy=ulysses_fsdp", "plan=true",
+                                                "+strategy.memory.low_memory_norms=true"]))
+    auto = plan(_compose(["strategy=ulysses_fsdp", "plan=true", "~strategy.memory",
+                          "+strategy.memory={auto: true, free_memory: [1e10, 1e10]}"]))
+    assert 'memory="auto" (decided once' in auto and "FSDP2, 32-bit compute" in auto
+    assert "FSDP2: the optimizer stays on the device" in auto
+    with pytest.raises(ValueError, match="moves a share of the optimizer to the host"):
+        plan(_compose(["strategy=ulysses_fsdp", "plan=true", "~strategy.memory",
+                       "+strategy.memory={auto: true, offload_optimizer: 0.5}"]))

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from lightning_ulysses.memory import MemoryOptions
+from lightning_ulysses.parallel.layout import ParallelLayout
 from lightning_ulysses.parallel.run_spec import RunSpec
 from lightning_ulysses.planning.auto import AutoMemory, Confirmation, StepProbe, choose, coerce_memory, longest_fit
 from lightning_ulysses.planning.calibration import (AUTO_VS_HAND_PAIRS, CALIBRATION, DEFERRED_MLP_PAIRS, FUSED_PAIRS,
@@ -291,3 +292,70 @@ def test_an_offloading_choice_needs_deepspeeds_cpu_adam():
         check_optimizer(offloading, sgd)
     check_optimizer(_choice(LLAMA_1B, 32768, 130), sgd)  # nothing on the host: any optimizer
     check_optimizer(None, sgd)  # memory not "auto"
+
+
+# -- FSDP2 (`strategy="ulysses_fsdp"`): the planner's FSDP2 memory model and what auto chooses with it ---------------
+FSDP2 = RunSpec(precision="bf16-mixed", device="cuda", backend="fsdp2")
+
+
+def test_fsdp2_model_states_term_by_term():
+    """8B shape, one rank, bf16 compute: fp32 parameter shards (the master copy), fp32 gradient shards and fp32 Adam
+    m, v (4 + 4 + 8 bytes per parameter: DeepSpeed's 2 + 2 + 12 split differently); the root unit (embeddings, head,
+    final norm) gathered in bf16 with two layers; the head's bf16 gradient held to the end of backward; one layer's
+    reduce-scatter (bf16 gradients, fp32 flat copy, fp32 shard); foreach AdamW's fp32 sqrt(v)."""
+    shape, n = LLAMA_8B, 2
+    params, layer = shape.num_parameters, shape.layer_parameters
+    head = shape.vocab_size * shape.hidden_size
+    root = 2 * head + shape.hidden_size
+    assert shape.root_parameters == root and params == 8_030_261_248
+    setup = TrainingSetup.of_run(dataclasses.replace(FSDP2, layout=dataclasses.replace(FSDP2.layout, world_size=n)),
+                                 seq_len=8192, memory=MemoryOptions(activation_checkpointing=True))
+    assert setup.backend == "fsdp2" and setup.world_size == n
+    plan = plan_memory(shape, setup)
+    gpu = plan.gpu
+    assert gpu["parameters (fp32 shards, FSDP2)"] == gpu["gradients (fp32 shards)"] == 4 * params / n
+    assert gpu["optimizer: Adam m, v (fp32 shards)"] == 8 * params / n
+    assert gpu["gathered parameters (FSDP2: root unit + layers)"] == 2 * (root + 2 * layer)
+    assert gpu["output head's gradient (until the end of backward)"] == 2 * head
+    assert gpu["reduce-scatter of one layer's gradients"] == (2 + 4 + 4 / n) * layer
+    # no DeepSpeed term, no host term beyond the process
+    assert not {"weights (16-bit)", "gradient reduce bucket", "gathered parameters (ZeRO-3)"} & set(gpu)
+    assert set(plan.host) == {"process baseline (torch, CUDA libraries)"}
+    # after backward the activations are gone: foreach AdamW's fp32 temporary of the local state is the largest
+    activations = gpu["checkpointed layer inputs"]
+    assert gpu["largest transient: optimizer step (activations freed)"] == 4 * params / n - activations
+    # a stretch gathers one more layer; reshard_after_forward=False keeps every unit gathered from forward to backward
+    stretch = plan_memory(shape, dataclasses.replace(setup, memory=MemoryOptions(activation_checkpointing=True,
+                                                                                 checkpoint_interval=2)))
+    assert stretch.gpu["gathered parameters (FSDP2: root unit + layers)"] == 2 * (root + 3 * layer)
+    kept = plan_memory(shape, dataclasses.replace(setup, reshard_after_forward=False))
+    assert kept.gpu["gathered parameters (FSDP2: root unit + layers)"] == 2 * params
+    with pytest.raises(ValueError, match="keeps the optimizer on the device"):
+        dataclasses.replace(setup, offload_optimizer=0.5)
+
+
+def test_fsdp2_on_one_h200_refuses_the_8b_shape_that_deepspeed_fits_and_agrees_on_two():
+    """8B on one 141 GB H200 (139 GiB free): DeepSpeed fits it at 32K (checkpointing, kept attention outputs, inputs
+    on the host) and at 128K (15% of the optimizer on the host); FSDP2's 16 bytes per parameter on the device plus
+    its optimizer step's fp32 temporary (30 GiB) do not fit at any length, and auto says so, naming DeepSpeed's
+    optimizer offload. On two GPUs (SP 2) both choose the same features, FSDP2's plan ~3 GiB larger (the root unit
+    gathered, the head's gradient, fp32 reduce-scatter)."""
+    free = (139 * GIB, 125 * GIB)
+    allowed = {"kernel": "cudnn", "fused_elementwise": True}
+    deepspeed_32k = choose(LLAMA_8B, AutoMemory(seq_len=32768), GPU, free, **allowed)
+    assert _on(deepspeed_32k) == {"tiled_logits_loss", "activation_checkpointing", "keep_attention_outputs",
+                                  "offload_activations"}
+    assert _on(choose(LLAMA_8B, AutoMemory(seq_len=131072), GPU, free, **allowed)) >= {"optimizer offload"}
+    with pytest.raises(ValueError) as refused:
+        choose(LLAMA_8B, AutoMemory(seq_len=32768), FSDP2, free, **allowed)
+    for fragment in ("FSDP2, with", "the model states alone are too large", "FSDP2 over more GPUs",
+                     "foreach AdamW", "strategy='ulysses'"):
+        assert fragment in str(refused.value)
+    two = ParallelLayout(world_size=2, sequence_parallel_size=2)
+    for seq in (32768, 131072):
+        on_deepspeed = choose(LLAMA_8B, AutoMemory(seq_len=seq), dataclasses.replace(GPU, layout=two), free, **allowed)
+        on_fsdp2 = choose(LLAMA_8B, AutoMemory(seq_len=seq), dataclasses.replace(FSDP2, layout=two), free, **allowed)
+        assert _on(on_fsdp2) == _on(on_deepspeed) and on_fsdp2.offload_optimizer == 0
+        extra = on_fsdp2.best.plan.gpu_total - on_deepspeed.best.plan.gpu_total
+        assert 2.5 * GIB < extra < 3.5 * GIB, extra / GIB
+        assert "FSDP2" in on_fsdp2.report() and "the optimizer stays on the device" in on_fsdp2.report()

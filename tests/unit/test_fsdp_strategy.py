@@ -1,5 +1,5 @@
 """`UlyssesFSDPStrategy` without processes: its registry name, its description (`RunSpec` of backend "fsdp2"), and
-what it refuses when it is built (DeepSpeed's options, the memory features not ported, unknown names), each naming
+what it refuses when it is built (DeepSpeed's options, a share of the optimizer on the host, unknown names), each naming
 the fix."""
 
 from __future__ import annotations
@@ -40,11 +40,10 @@ def test_description_reads_as_zero3_scaled_by_sp():
      ["['config', 'offload_optimizer']", "use strategy='ulysses' (UlyssesDeepSpeedStrategy)"]),
     ({"tensor_parallel_size": 2}, ["tensor parallelism is not combined with sequence parallelism"]),
     ({"exchange": "copy_engine"}, ["collective backend only"]),
-    ({"memory": {"tiled_mlp": True, "activation_checkpointing": True, "low_memory_norms": True,
-                 "checkpoint_interval": 2}},
-     ["memory features ['low_memory_norms', 'checkpoint_interval'] are not ported to the FSDP2 strategy",
-      "remove them from memory=...", "strategy='ulysses'"]),
-    ({"memory": "auto"}, ["memory features ['auto']"]),
+    # a share of the optimizer on the host: FSDP2's CPUOffloadPolicy offloads everything or nothing
+    ({"memory": {"auto": True, "offload_optimizer": 0.3}},
+     ["moves a share of the optimizer to the host", "CPUOffloadPolicy", "Leave offload_optimizer out",
+      "strategy='ulysses'"]),
 ])
 def test_refused_when_built_with_the_fix(arguments, fragments):
     with pytest.raises(ValueError) as raised:
@@ -53,12 +52,24 @@ def test_refused_when_built_with_the_fix(arguments, fragments):
         assert fragment in str(raised.value)
 
 
-def test_ported_memory_features_and_the_allocator_setting_are_taken():
+def test_every_memory_feature_auto_and_the_allocator_setting_are_taken():
     UlyssesFSDPStrategy(2, memory={"expandable_segments": True})
     strategy = UlyssesFSDPStrategy(2, memory={"activation_checkpointing": True, "offload_activations": True,
                                               "keep_attention_outputs": True, "tiled_mlp": True,
-                                              "tiled_logits_loss": True, "fused_elementwise": True})
-    assert strategy.memory.tiled_mlp and strategy.memory.activation_checkpointing
+                                              "tiled_logits_loss": True, "fused_elementwise": True,
+                                              "low_memory_norms": True, "checkpoint_interval": 2})
+    assert strategy.memory.tiled_mlp and strategy.memory.checkpoint_interval == 2 and strategy.memory.low_memory_norms
+    from lightning_ulysses.planning.auto import AutoMemory
+
+    assert isinstance(UlyssesFSDPStrategy(2, memory="auto").memory, AutoMemory)
+    assert UlyssesFSDPStrategy(2, memory={"auto": True, "seq_len": 8, "offload_optimizer": 0.0}).memory.seq_len == 8
+
+
+def test_memory_auto_on_fsdp2_never_puts_the_optimizer_on_the_host():
+    spec = RunSpec.of_fsdp_arguments({"memory": "auto"}, device="cuda", precision="bf16-mixed")
+    assert spec.with_memory_choice(0.0, 10**6) is spec  # no sub-groups, no offload written
+    with pytest.raises(ValueError, match="FSDP2 keeps the optimizer on the device"):
+        spec.with_memory_choice(0.15, 10**6)
 
 
 def test_unknown_argument_is_a_type_error():

@@ -214,6 +214,18 @@ def test_longest_sequence_is_the_boundary(capsys):
     assert ": 0 tokens" in out and "16-bit gradient partitions                       16.00" in out
 
 
+def test_plan_command_takes_the_fsdp2_backend(capsys):
+    """`plan --backend fsdp2`: FSDP2's terms (fp32 shards, the root unit gathered), and auto's choice for it."""
+    plan_command(["--model", "llama3-8b", "--seq", "32768", "--backend", "fsdp2", "--features", "ac,logits"])
+    out = capsys.readouterr().out
+    assert "; FSDP2;" in out and "parameters (fp32 shards, FSDP2)                  29.92" in out
+    assert "weights (16-bit)" not in out
+    plan_command(["--model", "llama3-8b", "--seq", "32768", "--sp", "2", "--backend", "fsdp2", "--auto",
+                  "--gpu-gib", "139", "--host-gib", "118"])
+    out = capsys.readouterr().out
+    assert "sp 2 × dp 1, FSDP2, 16-bit compute" in out and "FSDP2: the optimizer stays on the device" in out
+
+
 def test_published_176b_case(capsys):
     shape = MODELS["gpt3-175b"]
     assert abs(2 * shape.num_parameters / 1e9 - 352) < 4  # 16-bit parameters ≈ 352 GB

@@ -31,6 +31,11 @@ class CaptureWeights(L.Callback):
             from lightning_ulysses.integration.fsdp import full_weights
 
             pl_module.final_weights = full_weights(pl_module.model)
+            # What this rank holds of the model states (the planner's FSDP2 terms): local shards' bytes and dtypes.
+            local = [(p.to_local(), p.grad.to_local() if p.grad is not None else None) for p in params.values()]
+            pl_module.shard_bytes = {"parameters": sum(w.numel() * w.element_size() for w, _ in local),
+                                     "gradients": sum(g.numel() * g.element_size() for _, g in local if g is not None),
+                                     "dtypes": sorted({str(t.dtype) for pair in local for t in pair if t is not None})}
         else:
             with deepspeed.zero.GatheredParameters(list(params.values()), enabled=trainer.strategy.zero_stage_3):
                 pl_module.final_weights = {name: p.detach().clone() for name, p in params.items()}
@@ -299,6 +304,7 @@ def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None) 
         "memory_choice": strategy.memory_choice and strategy.memory_choice.as_dict(),
         "memory_confirmation": strategy.memory_confirmation and strategy.memory_confirmation.as_dict(),
         "memory": dataclasses.asdict(strategy.memory),
+        "shard_bytes": getattr(module, "shard_bytes", None),
         "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before,
         "resume_refusal": saves[0].refusal if saves else None,
     }
