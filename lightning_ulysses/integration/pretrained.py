@@ -121,7 +121,14 @@ class PendingLoad:
         import torch.distributed.checkpoint as dcp
 
         computed = {name: buffer.clone() for name, buffer in self.model.named_buffers() if not buffer.is_meta}
+        shared = _shared_parameters(self.model)
         self.model.to_empty(device=device)  # FSDP2: on the unit's root, the shards (torchtitan's meta-device init)
+        for names in shared:  # `Module.to_empty` gives each name its own tensor (FSDP2's one parameter stays one)
+            first = self.model.get_parameter(names[0])
+            for name in names[1:]:
+                module_path, _, attribute = name.rpartition(".")
+                if self.model.get_parameter(name) is not first:
+                    setattr(self.model.get_submodule(module_path), attribute, first)
         with torch.no_grad():
             for name, buffer in self.model.named_buffers():
                 if name in computed:
@@ -129,6 +136,14 @@ class PendingLoad:
         state = {tensor.key: getattr(tensor.module, tensor.name) for tensor in self.tensors}
         # In place into each DTensor's local shard; every key must be in the files (no partial load).
         dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(self.folder))
+
+
+def _shared_parameters(model: torch.nn.Module) -> list[list[str]]:
+    """The names of each parameter held under several (tied weights)."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
 
 
 class ShardedPretrainedLoads:
