@@ -201,6 +201,18 @@ def checkpoint_runs(tmp_path_factory):
     return CHECKPOINT_JOB.ranks(tmp_path_factory), CHECKPOINT_JOB.workdir(tmp_path_factory)
 
 
+@pytest.fixture(scope="module")
+def other_world_resume(checkpoint_runs, tmp_path_factory):
+    """The world of 4's mid-epoch checkpoint (SP 2 × DP 2, batches of 2: 4 samples a step) resumed by a world of 2 at
+    SP 2 × DP 1 with batches of 2 accumulated over 2: the same 4 samples a step. Registered once the world of 4 has
+    written it (its own launch of 2 ranks when the shared one has already run)."""
+    results, workdir = checkpoint_runs
+    case = {"name": "fsdp2_world4_to_world2_accumulate2", "backend": "fsdp2", "sp": 2, "batch_size": 2,
+            "accumulate": 2, "steps": CHECKPOINT_STEPS, "resume": str(workdir / f"fsdp2_sp2/step={SAVE_AT}.ckpt")}
+    job = shared(2, "fsdp2_other_world_resume", WORKER.parent / "resume.py", {"cases": [case]}, timeout=300)
+    return results, job.ranks(tmp_path_factory)
+
+
 def test_fsdp2_checkpoint_resumes_exactly_at_the_same_split(checkpoint_runs):
     from tests.distributed.test_checkpoints import steps
 
@@ -241,6 +253,27 @@ def test_fsdp2_checkpoint_resumes_at_another_split(checkpoint_runs):
         after_mean = sum(after[step]["losses"]) / len(after[step]["losses"])
         assert abs(full_mean - after_mean) < 1e-5
     assert max_relative_weight_error(results, "fsdp2_sp2_to_sp4", "fsdp2_sp2") < 1e-4
+
+
+def test_fsdp2_checkpoint_resumes_at_another_world_size(other_world_resume):
+    """Distributed Checkpoint reshards the model and optimizer (momentum, the scheduler) to 2 ranks; Lightning's count
+    of the epoch's batches is translated to the new batch size, so the epoch continues at the same sample, each step
+    on the uninterrupted run's samples with its loss (the fully labelled rows: the mean of the micro-batches' means is
+    the DP ranks' one) and its weights (float rounding apart, as at another split)."""
+    from tests.distributed.test_checkpoints import max_relative_weight_error, steps
+
+    results, resumed = other_world_resume
+    name = "fsdp2_world4_to_world2_accumulate2"
+    full, after = steps(results, "fsdp2_sp2"), steps(resumed, name)
+    assert sorted(after) == list(range(SAVE_AT, CHECKPOINT_STEPS))
+    for step in after:
+        assert after[step]["samples"] == full[step]["samples"], step
+        assert after[step]["epochs"] == full[step]["epochs"], step
+        full_mean = sum(full[step]["losses"]) / len(full[step]["losses"])
+        after_mean = sum(after[step]["losses"]) / len(after[step]["losses"])
+        assert abs(full_mean - after_mean) < 1e-5, step
+    merged = [{**rank, name: resumed_rank[name]} for rank, resumed_rank in zip(results, resumed)]
+    assert max_relative_weight_error(merged, name, "fsdp2_sp2") < 1e-4
 
 
 def test_fsdp2_checkpoint_exports_a_pretrained_model(checkpoint_runs, tmp_path):
