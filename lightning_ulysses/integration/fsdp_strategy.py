@@ -58,9 +58,11 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
         process_group_backend, timeout: `ModelParallelStrategy`'s.
 
     Checkpoints are torch Distributed Checkpoint folders (`ModelParallelStrategy`'s, always distributed), saved
-    atomically with the same manifest as the DeepSpeed strategy's (`checkpoint/`): they resume exactly, and at any
-    other SP × DP split of the same number of ranks; `python -m lightning_ulysses checkpoint export` and the
-    `ExportPretrained` callback write `save_pretrained` folders.
+    atomically with the same manifest as the DeepSpeed strategy's (`checkpoint/`): they resume exactly, at any other
+    SP × DP split and on any other number of ranks (Distributed Checkpoint reshards); `python -m lightning_ulysses
+    checkpoint export` and the `ExportPretrained` callback write `save_pretrained` folders. `from_pretrained` in
+    `configure_model` builds on the meta device; each rank reads its own shards after `fully_shard`
+    (`pretrained.ShardedPretrainedLoads`).
 
     Refused before training (`RunSpec.of_fsdp_arguments`), with the fix: DeepSpeed's options (`stage`, `config`,
     offloads, ...), tensor-parallel sizes, the memory features not ported, precisions other than 32-true and bf16-mixed

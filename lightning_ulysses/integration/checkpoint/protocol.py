@@ -26,7 +26,8 @@ any point leaves either the old checkpoint at `<path>` or, during the two rename
 ZeRO partitions are laid out over the whole world (global rank order) at every SP/DP split, so a checkpoint
 loads unchanged at another split of the same number of ranks; only the data position needs translating
 (`resume.ResumableSampler`). A different number of ranks is refused before anything is loaded (the shards are cut
-per rank); `command_line.export` still recovers the weights from such a checkpoint.
+per rank); `command_line.export` still recovers the weights from such a checkpoint. FSDP2's Distributed Checkpoint
+(`backend="fsdp2"`) reshards to any number of ranks, and loads at any.
 """
 
 from __future__ import annotations

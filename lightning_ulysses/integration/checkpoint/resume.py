@@ -216,8 +216,9 @@ class StrategyCheckpoints:
 
     # -- load -------------------------------------------------------------------------------------------------------
     def load(self, checkpoint_path: Any, load: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
-        """Refuse interrupted saves and other world sizes, keep what a resume must restore later, and load
-        (`load`: the parent's `load_checkpoint`), or consolidate ZeRO-3 shards for an evaluation."""
+        """Refuse interrupted saves and, under ZeRO, other world sizes (FSDP2's Distributed Checkpoint reshards), keep
+        what a resume must restore later, and load (`load`: the parent's `load_checkpoint`), or consolidate ZeRO-3
+        shards for an evaluation."""
         strategy = self.strategy
         fitting = self.trainer.state.fn == TrainerFn.FITTING
         manifest = None
