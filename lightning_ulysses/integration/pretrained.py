@@ -120,7 +120,8 @@ class PendingLoad:
         (non-persistent: RoPE's `inv_freq`) keep their values."""
         import torch.distributed.checkpoint as dcp
 
-        computed = {name: buffer.clone() for name, buffer in self.model.named_buffers() if not buffer.is_meta}
+        # What already has values keeps them: buffers transformers computed, adapters `models.lora` initialised.
+        computed = {name: _local(tensor).clone() for name, tensor in _tensors(self.model) if not tensor.is_meta}
         shared = _shared_parameters(self.model)
         self.model.to_empty(device=device)  # FSDP2: on the unit's root, the shards (torchtitan's meta-device init)
         for names in shared:  # `Module.to_empty` gives each name its own tensor (FSDP2's one parameter stays one)
@@ -130,12 +131,24 @@ class PendingLoad:
                 if self.model.get_parameter(name) is not first:
                     setattr(self.model.get_submodule(module_path), attribute, first)
         with torch.no_grad():
-            for name, buffer in self.model.named_buffers():
+            for name, tensor in _tensors(self.model):
                 if name in computed:
-                    buffer.copy_(computed[name])
+                    _local(tensor).copy_(computed[name])
         state = {tensor.key: getattr(tensor.module, tensor.name) for tensor in self.tensors}
         # In place into each DTensor's local shard; every key must be in the files (no partial load).
         dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(self.folder))
+
+
+def _tensors(model: torch.nn.Module):
+    yield from model.named_parameters()
+    yield from model.named_buffers()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2's parameters), any other tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _shared_parameters(model: torch.nn.Module) -> list[list[str]]:
@@ -180,8 +193,10 @@ class ShardedPretrainedLoads:
                     f"Under the FSDP2 strategy, from_pretrained in configure_model builds {type(pending.model).__name__}"
                     f" on the meta device and each rank reads its shards of the checkpoint after sharding; parameters"
                     f" added to it on the meta device after from_pretrained have no values to read:"
-                    f" {unfilled[:3]}{' ...' if len(unfilled) > 3 else ''}. Create them on a real device (e.g. with"
-                    " `with torch.device('cpu'):`), or load the model in the LightningModule's __init__.")
+                    f" {unfilled[:3]}{' ...' if len(unfilled) > 3 else ''}. For LoRA adapters use"
+                    " lightning_ulysses.models.lora.with_lora / add_adapter (they give the adapters peft's initial"
+                    " values on the host); otherwise create them on a real device (`with torch.device('cpu'):`), or"
+                    " load the model in the LightningModule's __init__.")
 
     def read_shards(self, device: torch.device) -> None:
         pending, self.pending = self.pending, []

@@ -51,6 +51,9 @@ CASES = [
     _case(4, 2, "mha", "-pretrained", model="pretrained", in_configure_model=True),
     _case(2, 2, "gqa", "-pretrained-tied", model="pretrained-tied", in_configure_model=True, check_loading=True),
     _case(2, 1, "mha", "-pretrained-yarn", model="pretrained-yarn", in_configure_model=True, check_loading=True),
+    # LoRA added after that load (`models.lora.with_lora`: peft's initial values on the host, kept by the shard read)
+    # against peft's own LoRA model in one process; the frozen base unchanged (the weights claim).
+    _case(2, 2, "mha", "-pretrained-lora", model="pretrained-lora", in_configure_model=True),
     # The native GPT (UlyssesAttention, tied embeddings, swapped loss), then validate, test and predict; and a Llama
     # evaluated on whole rows (sequence_parallel_in_evaluation=False: the model's own attention, unsharded).
     _case(2, 2, "mqa", "-gpt-then-validate", model="gpt", validate=True),

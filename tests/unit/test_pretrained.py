@@ -106,13 +106,28 @@ def test_deferred_on_meta_then_read_exactly(world_of_one, tmp_path, tied):
     assert torch.equal(model.model.rotary_emb.inv_freq, saved.model.rotary_emb.inv_freq)
 
 
-def test_parameters_added_on_meta_after_the_load_are_refused(world_of_one, tmp_path):
+def test_lora_on_the_deferred_model(world_of_one, tmp_path):
+    """`models.lora.with_lora` after the deferred load gives the adapters peft's own initial values (as on a model
+    loaded whole), which the shard reading keeps; peft's `get_peft_model` alone leaves them valueless on the meta
+    device: refused, naming the fix."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
     from lightning_ulysses.models.lora import LoraSettings, with_lora
 
     _tiny_llama().save_pretrained(tmp_path / "model")
+    settings = LoraSettings(r=2, alpha=4, target_modules=["q_proj", "down_proj"], seed=1)
+    expected = with_lora(AutoModelForCausalLM.from_pretrained(tmp_path / "model"), settings).state_dict()
     loads = ShardedPretrainedLoads()
-    with_lora(_load(tmp_path / "model", loads), LoraSettings(r=2, alpha=4, target_modules=["q_proj"], seed=1))
-    with pytest.raises(ValueError, match=r"no values to read: \['model.layers.0.self_attn.q_proj.lora_A"):
+    adapted = with_lora(_load(tmp_path / "model", loads), settings)
+    loads.check()
+    loads.read_shards(torch.device("cpu"))
+    assert adapted.state_dict().keys() == expected.keys()
+    for name, value in adapted.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    loads = ShardedPretrainedLoads()
+    get_peft_model(_load(tmp_path / "model", loads), settings.peft_config())
+    with pytest.raises(ValueError, match=r"no values to read: \['model.layers.0.self_attn.q_proj.lora_A.*with_lora"):
         loads.check()
 
 
