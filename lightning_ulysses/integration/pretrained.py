@@ -116,11 +116,10 @@ class PendingLoad:
 
     def read_shards(self, device: torch.device) -> None:
         """Allocate the model's tensors on `device` (each rank its DTensor shards) and read each shard's slice of
-        the checkpoint (collective: every rank, in the same order). Buffers transformers already computed
-        (non-persistent: RoPE's `inv_freq`) keep their values."""
+        the checkpoint (collective: every rank, in the same order). Tensors that already hold values keep them
+        (non-persistent buffers transformers computed, such as RoPE's `inv_freq`; adapters `models.lora` made)."""
         import torch.distributed.checkpoint as dcp
 
-        # What already has values keeps them: buffers transformers computed, adapters `models.lora` initialised.
         computed = {name: _local(tensor).clone() for name, tensor in _tensors(self.model) if not tensor.is_meta}
         shared = _shared_parameters(self.model)
         self.model.to_empty(device=device)  # FSDP2: on the unit's root, the shards (torchtitan's meta-device init)
@@ -212,11 +211,12 @@ def readable_by_shards(model: torch.nn.Module, checkpoint_files: Sequence[str]) 
     import torch.distributed as dist
     from safetensors import safe_open
 
-    files = [os.path.realpath(file) for file in checkpoint_files]
+    # (not resolving links: a Hub cache's snapshot folder holds links to its blobs, which the reader lists by name)
+    files = [os.path.abspath(file) for file in checkpoint_files]
     if not files or not dist.is_initialized() or not all(file.endswith(".safetensors") for file in files):
         return None
     folder = os.path.dirname(files[0])
-    in_folder = {os.path.realpath(os.path.join(folder, name)) for name in os.listdir(folder)
+    in_folder = {os.path.join(folder, name) for name in os.listdir(folder)
                  if name.endswith(".safetensors")}
     if in_folder != set(files):
         return None
