@@ -151,6 +151,19 @@ def epoch_batch_progress(trainer: "pl.Trainer") -> tuple[int, bool]:
     return progress.current.processed, progress.is_last_batch
 
 
+def count_epoch_batches_as(trainer: "pl.Trainer", batches: int) -> None:
+    """`trainer.fit_loop.epoch_loop.batch_progress` (`_BatchProgress`) restored from a checkpoint, moved so that its
+    current epoch's `processed` counter is `batches`: every counter, current and total, shifted by as much (their
+    differences, which tell the epoch loop where in a step the save happened, are kept). The same position in the
+    epoch counted in batches of another size. Read by the epoch loop (`batch_idx`, the accumulation window:
+    `current.ready % accumulate_grad_batches`, the epoch's end) after `setup_data`; private, with no public setter."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    shift = batches - progress.current.processed
+    for counter in PROGRESS_COUNTERS:
+        setattr(progress.current, counter, getattr(progress.current, counter) + shift)
+        setattr(progress.total, counter, getattr(progress.total, counter) + shift)
+
+
 def epochs_processed(trainer: "pl.Trainer") -> int:
     """`trainer.fit_loop.epoch_progress.current.processed` (`_Progress`): the counter Lightning sets the sampler's
     epoch from when an epoch begins (`trainer.current_epoch` reads `completed`, which differs inside `fit`)."""

@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_ulysses.integration.pretrained import ShardedPretrainedLoads
 from lightning_ulysses.memory import decoder_layers
 from lightning_ulysses.parallel.run_spec import RunSpec
 
@@ -39,12 +40,13 @@ def mixed_precision_policy(spec: RunSpec):
 
 
 def shard_models(root: torch.nn.Module, models: Sequence[torch.nn.Module], mesh, spec: RunSpec,
-                 device: torch.device) -> list[str]:
+                 device: torch.device, pretrained: Optional[ShardedPretrainedLoads] = None) -> list[str]:
     """`fully_shard` each of `models` (layer by layer, then the model) unless already sharded; returns the paths of
     the models it sharded. Refuses, before sharding anything (identically on every rank: the module tree alone),
     trainable parameters of `root` outside every model: no FSDP2 unit would own them, and their gradients would not
     be reduced. The models' parameters are first made the same on every rank (rank 0's, as DDP does, through
-    `device`): `fully_shard` keeps each rank's own slice of its own copy."""
+    `device`): `fully_shard` keeps each rank's own slice of its own copy. `pretrained`: models `from_pretrained`
+    built on the meta device in `configure_model`; each rank reads its shards of them once sharded."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     models = list(models)
@@ -55,6 +57,8 @@ def shard_models(root: torch.nn.Module, models: Sequence[torch.nn.Module], mesh,
             f" parameters outside them would not be reduced: {outside[:3]}{' ...' if len(outside) > 3 else ''}. Move"
             " them into the model, or apply torch.distributed.fsdp.fully_shard to the module holding them in your"
             " LightningModule's configure_model (with mesh=self.trainer.strategy.shard_mesh).")
+    if pretrained is not None:
+        pretrained.check()
     names = {id(module): name for name, module in root.named_modules()}
     options = dict(mesh=mesh, reshard_after_forward=spec.reshard_after_forward, mp_policy=mixed_precision_policy(spec))
     sharded = []
@@ -67,6 +71,8 @@ def shard_models(root: torch.nn.Module, models: Sequence[torch.nn.Module], mesh,
                 fully_shard(layer, **options)
         fully_shard(model, **options)
         sharded.append(names.get(id(model), type(model).__name__))
+    if pretrained is not None:
+        pretrained.read_shards(device)
     return sharded
 
 

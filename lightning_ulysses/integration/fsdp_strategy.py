@@ -8,8 +8,9 @@ ranks (`fsdp.py`) instead of DeepSpeed. The run's description, with what FSDP2 r
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Mapping, Optional, Sequence, Union, Literal
+from typing import Any, Generator, Mapping, Optional, Sequence, Union, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -28,6 +29,7 @@ from lightning_ulysses.integration import console, faults, fsdp, preparation
 from lightning_ulysses.integration.callbacks import correct_progress_bar
 from lightning_ulysses.integration.checkpoint.resume import StrategyCheckpoints
 from lightning_ulysses.integration.parallel_run import ParallelRun
+from lightning_ulysses.integration.pretrained import ShardedPretrainedLoads
 from lightning_ulysses.integration.rng import SequenceParallelRNG
 from lightning_ulysses.integration.sequence_parallel_hooks import SequenceParallelHooks
 from lightning_ulysses.memory import MemoryOptions
@@ -56,9 +58,11 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
         process_group_backend, timeout: `ModelParallelStrategy`'s.
 
     Checkpoints are torch Distributed Checkpoint folders (`ModelParallelStrategy`'s, always distributed), saved
-    atomically with the same manifest as the DeepSpeed strategy's (`checkpoint/`): they resume exactly, and at any
-    other SP × DP split of the same number of ranks; `python -m lightning_ulysses checkpoint export` and the
-    `ExportPretrained` callback write `save_pretrained` folders.
+    atomically with the same manifest as the DeepSpeed strategy's (`checkpoint/`): they resume exactly, at any other
+    SP × DP split and on any other number of ranks (Distributed Checkpoint reshards); `python -m lightning_ulysses
+    checkpoint export` and the `ExportPretrained` callback write `save_pretrained` folders. `from_pretrained` in
+    `configure_model` builds on the meta device; each rank reads its own shards after `fully_shard`
+    (`pretrained.ShardedPretrainedLoads`).
 
     Refused before training (`RunSpec.of_fsdp_arguments`), with the fix: DeepSpeed's options (`stage`, `config`,
     offloads, ...), tensor-parallel sizes, a share of the optimizer on the host, precisions other than 32-true and bf16-mixed
@@ -111,6 +115,8 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
         # resume from it is refused (`checkpoint/resume.py`).
         self.micro_batches_accumulated = 0
         self._shard_mesh = None  # the one-dimensional mesh of all ranks that fully_shard uses (`setup_environment`)
+        # from_pretrained in configure_model: built on the meta device, each rank's shards read after fully_shard.
+        self._pretrained_loads = ShardedPretrainedLoads()
 
     @property
     def shard_mesh(self):
@@ -149,7 +155,7 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
         self.accelerator.setup(trainer)
         found = self._prepare_modules()
         fsdp.shard_models(self.lightning_module, found.memory_engine_models(), self.shard_mesh, self.run_spec,
-                          self.root_device)
+                          self.root_device, pretrained=self._pretrained_loads)
         lightning_private.materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -159,6 +165,14 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             lightning_private.optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """`configure_model`: `from_pretrained` there builds on the meta device and reads nothing; `setup` reads each
+        rank's shards once `fully_shard` has placed them (`pretrained.ShardedPretrainedLoads`)."""
+        with self._pretrained_loads.deferring(), super().model_sharded_context():
+            yield
 
     def _prepare_modules(self) -> preparation.ModuleScan:
         """The module pipeline (`preparation.py`, through `ParallelRun`), as the DeepSpeed strategy runs it, with the

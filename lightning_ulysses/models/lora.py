@@ -122,11 +122,14 @@ def _initialise_adapter(peft_model, name: str, seed: int) -> None:
     adapted layer, in creation order (the module tree's), `nn.Linear`'s default init of `A` then of `B` (discarded by
     peft), then `A` redrawn like `nn.Linear`'s (`kaiming_uniform_(a=sqrt(5))`) and `B` zero (`reset_lora_parameters`).
     `tests/unit/test_lora.py` pins this order against peft itself. One adapter per call: a peft call creates one,
-    and the draws of two would interleave by layer, not by adapter. Without partitioning, peft's own values stand.
+    and the draws of two would interleave by layer, not by adapter. Without partitioning, peft's own values stand;
+    on the meta device (FSDP2's `from_pretrained` in `configure_model`) the same values are put on the host.
     Every weight set (or left) here is marked (`INITIALISED_MARK`)."""
     from peft.tuners.lora import LoraLayer
 
     layers = [m for m in peft_model.modules() if isinstance(m, LoraLayer) and name in m.lora_A]
+    if layers and layers[0].lora_A[name].weight.is_meta:
+        _materialise_adapter(layers, name, seed)
     pairs = [(layer.lora_A[name].weight, layer.lora_B[name].weight) for layer in layers]
     for weight in (w for pair in pairs for w in pair):
         setattr(weight, INITIALISED_MARK, True)
@@ -142,6 +145,18 @@ def _initialise_adapter(peft_model, name: str, seed: int) -> None:
             for (a, b), (a_value, b_value) in zip(pairs, values):
                 a.copy_(a_value)
                 b.copy_(b_value)
+
+
+def _materialise_adapter(layers, name: str, seed: int) -> None:
+    """Under the FSDP2 strategy, `from_pretrained` in `configure_model` leaves the model on the meta device until each
+    rank reads its shards (`integration/pretrained.py`), so peft builds the adapter `name` there, without values: each
+    pair becomes a host tensor with the values peft draws (`_initialise_adapter`), which the shard reading keeps."""
+    generator = torch.Generator().manual_seed(seed)
+    for layer in layers:
+        a, b = layer.lora_A[name], layer.lora_B[name]
+        a_value, b_value = _peft_initial_pair(a.weight.shape, b.weight.shape, generator)
+        a.weight = torch.nn.Parameter(a_value.to(a.weight.dtype), requires_grad=a.weight.requires_grad)
+        b.weight = torch.nn.Parameter(b_value.to(b.weight.dtype), requires_grad=b.weight.requires_grad)
 
 
 def _peft_initial_pair(a_shape, b_shape, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

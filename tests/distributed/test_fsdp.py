@@ -45,8 +45,16 @@ CASES = [
     _case(4, 2, "mqa", "-bf16-mixed", precision="bf16-mixed"),
     # Hybrid Ulysses × ring (zig-zag shards): 2 KV heads at SP 4 = Ulysses 2 × ring 2.
     _case(4, 4, "gqa", "-ring2", strategy_kwargs={"ring_size": 2}),
-    # Pretrained weights loaded in configure_model (each rank loads the folder, then the strategy shards it).
+    # Pretrained weights loaded in configure_model: built on the meta device, each rank reads its own shards of the
+    # folder's safetensors after fully_shard (`pretrained.ShardedPretrainedLoads`). In a world of 2 (SP 2 with tied
+    # embeddings; SP 1 × DP 2 through the recipes' PretrainedCausalLM with YaRN, whose inv_freq the file lacks) the
+    # loaded model is also held to the one-process load bit for bit, and each rank's reads to its shards (`loaded`).
     _case(4, 2, "mha", "-pretrained", model="pretrained", in_configure_model=True),
+    _case(2, 2, "gqa", "-pretrained-tied", model="pretrained-tied", in_configure_model=True, check_loading=True),
+    _case(2, 1, "mha", "-pretrained-yarn", model="pretrained-yarn", in_configure_model=True, check_loading=True),
+    # LoRA added after that load (`models.lora.with_lora`: peft's initial values on the host, kept by the shard read)
+    # against peft's own LoRA model in one process; the frozen base unchanged (the weights claim).
+    _case(2, 2, "mha", "-pretrained-lora", model="pretrained-lora", in_configure_model=True),
     # The native GPT (UlyssesAttention, tied embeddings, swapped loss), then validate, test and predict; and a Llama
     # evaluated on whole rows (sequence_parallel_in_evaluation=False: the model's own attention, unsharded).
     _case(2, 2, "mqa", "-gpt-then-validate", model="gpt", validate=True),
@@ -101,7 +109,8 @@ def _ranks(case: dict, tmp_path_factory) -> list[dict]:
 def _claims(case: dict) -> list[str]:
     claims = ["shards", "losses", "weights", "replicas", "groups"]
     return claims + [claim for claim, key in (("evaluation", "validate"), ("split_mixers", "split_mixers"),
-                                              ("export", "export"), ("tying", "in_configure_model")) if case.get(key)]
+                                              ("export", "export"), ("tying", "in_configure_model"),
+                                              ("loaded", "check_loading")) if case.get(key)]
 
 
 @pytest.mark.parametrize(("case", "claim"), [(case, claim) for case in CASES for claim in _claims(case)],
@@ -110,6 +119,8 @@ def test_fsdp2_matches_single_process_reference(case, claim, tmp_path_factory):
     ranks = _ranks(case, tmp_path_factory)
     if claim == "groups":
         _check_groups_released(case, ranks)
+    elif claim == "loaded":
+        _check_sharded_load(case, ranks)
     else:
         check_parity(case, ranks, claims=(claim,))
 
@@ -125,6 +136,33 @@ def _check_groups_released(case: dict, ranks: list[dict]) -> None:
         groups = rank["groups"]
         assert ("fit", "sequence_parallel") in groups["recorded"], groups
         assert {kind for _, kind in groups["registered"]} <= whole_world, groups
+
+
+def _check_sharded_load(case: dict, ranks: list[dict]) -> None:
+    """`from_pretrained` in configure_model: the sharded model (gathered before training) equals the one-process load
+    bit for bit — every parameter, tied embeddings, and the buffers the file lacks (RoPE's inv_freq, YaRN's here) —
+    and each rank read only its own rows of each checkpoint tensor: at most ⌈rows / world⌉ of them, every byte of the
+    file read by exactly one rank (a rank that loaded the whole model, as before, reads each tensor whole)."""
+    from safetensors import safe_open
+
+    from tests.distributed.common import pretrained_model
+
+    folder = ranks[0]["pretrained"]
+    expected = pretrained_model(case["model"], case["kv_heads"], "sdpa", folder)
+    loaded = ranks[0]["loaded"]
+    assert set(loaded["parameters"]) == {name for name, _ in expected.named_parameters()}
+    for name, value in expected.named_parameters():
+        assert torch.equal(loaded["parameters"][name], value), name
+    for name, value in expected.named_buffers():
+        assert torch.equal(loaded["buffers"][name], value), name
+    world = case["world_size"]
+    with safe_open(f"{folder}/model.safetensors", framework="pt") as handle:
+        sizes = {key: handle.get_tensor(key) for key in handle.keys()}
+    for key, tensor in sizes.items():
+        whole, rows = tensor.numel() * tensor.element_size(), tensor.shape[0]
+        read = [rank["loaded"]["bytes_by_key"].get(key, 0) for rank in ranks]
+        assert sum(read) == whole, (key, read, whole)
+        assert max(read) <= -(-rows // world) * (whole // rows), (key, read, whole)
 
 
 @pytest.mark.parametrize("case", PACKED, ids=[case["name"] for case in PACKED])
@@ -227,6 +265,18 @@ def checkpoint_runs(tmp_path_factory):
     return CHECKPOINT_JOB.ranks(tmp_path_factory), CHECKPOINT_JOB.workdir(tmp_path_factory)
 
 
+@pytest.fixture(scope="module")
+def other_world_resume(checkpoint_runs, tmp_path_factory):
+    """The world of 4's mid-epoch checkpoint (SP 2 × DP 2, batches of 2: 4 samples a step) resumed by a world of 2 at
+    SP 2 × DP 1 with batches of 2 accumulated over 2: the same 4 samples a step. Registered once the world of 4 has
+    written it (its own launch of 2 ranks when the shared one has already run)."""
+    results, workdir = checkpoint_runs
+    case = {"name": "fsdp2_world4_to_world2_accumulate2", "backend": "fsdp2", "sp": 2, "batch_size": 2,
+            "accumulate": 2, "steps": CHECKPOINT_STEPS, "resume": str(workdir / f"fsdp2_sp2/step={SAVE_AT}.ckpt")}
+    job = shared(2, "fsdp2_other_world_resume", WORKER.parent / "resume.py", {"cases": [case]}, timeout=300)
+    return results, job.ranks(tmp_path_factory)
+
+
 def test_fsdp2_checkpoint_resumes_exactly_at_the_same_split(checkpoint_runs):
     from tests.distributed.test_checkpoints import steps
 
@@ -267,6 +317,27 @@ def test_fsdp2_checkpoint_resumes_at_another_split(checkpoint_runs):
         after_mean = sum(after[step]["losses"]) / len(after[step]["losses"])
         assert abs(full_mean - after_mean) < 1e-5
     assert max_relative_weight_error(results, "fsdp2_sp2_to_sp4", "fsdp2_sp2") < 1e-4
+
+
+def test_fsdp2_checkpoint_resumes_at_another_world_size(other_world_resume):
+    """Distributed Checkpoint reshards the model and optimizer (momentum, the scheduler) to 2 ranks; Lightning's count
+    of the epoch's batches is translated to the new batch size, so the epoch continues at the same sample, each step
+    on the uninterrupted run's samples with its loss (the fully labelled rows: the mean of the micro-batches' means is
+    the DP ranks' one) and its weights (float rounding apart, as at another split)."""
+    from tests.distributed.test_checkpoints import max_relative_weight_error, steps
+
+    results, resumed = other_world_resume
+    name = "fsdp2_world4_to_world2_accumulate2"
+    full, after = steps(results, "fsdp2_sp2"), steps(resumed, name)
+    assert sorted(after) == list(range(SAVE_AT, CHECKPOINT_STEPS))
+    for step in after:
+        assert after[step]["samples"] == full[step]["samples"], step
+        assert after[step]["epochs"] == full[step]["epochs"], step
+        full_mean = sum(full[step]["losses"]) / len(full[step]["losses"])
+        after_mean = sum(after[step]["losses"]) / len(after[step]["losses"])
+        assert abs(full_mean - after_mean) < 1e-5, step
+    merged = [{**rank, name: resumed_rank[name]} for rank, resumed_rank in zip(results, resumed)]
+    assert max_relative_weight_error(merged, name, "fsdp2_sp2") < 1e-4
 
 
 def test_fsdp2_checkpoint_exports_a_pretrained_model(checkpoint_runs, tmp_path):

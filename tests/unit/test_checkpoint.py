@@ -146,7 +146,8 @@ def _resuming(quiet=True, consumed=4):
     progress = SimpleNamespace(epoch_progress=SimpleNamespace(current=SimpleNamespace(processed=0)))
     trainer = SimpleNamespace(state=SimpleNamespace(stage=RunningStage.TRAINING), fit_loop=progress)
     strategy = SimpleNamespace(lightning_module=SimpleNamespace(trainer=trainer),
-                               parallel_groups=SimpleNamespace(data_parallel_world_size=1))
+                               parallel_groups=SimpleNamespace(data_parallel_world_size=1),
+                               run_spec=SimpleNamespace(fsdp2=False))
     strategy_checkpoints = resume.StrategyCheckpoints(strategy, quiet=quiet)
     strategy_checkpoints.resume = resume.PendingResume(epoch_samples_consumed=consumed, global_batch_size=2,
                                                        rng_state=None)
@@ -195,3 +196,20 @@ def test_lightnings_not_resumable_warning_is_hidden_only_while_an_exact_resume_s
                                          (_resuming(consumed=consumed), DataLoader(Stream(), batch_size=2))]:
         strategy_checkpoints.process_dataloader(loader)  # (for the iterable dataset, ours says the epoch restarts)
         assert len(_lightning_says_not_resumable()) == 1
+
+
+def test_distributed_checkpoint_is_read_through_public_names_only():
+    """`checkpoint export` of FSDP2 checkpoints used `state_dict_loader._load_state_dict_from_keys` (private in torch
+    2.13); the package now names nothing private of `torch.distributed.checkpoint` (docs/internals.md)."""
+    import ast
+    from pathlib import Path
+
+    import lightning_ulysses
+
+    found = []
+    for source in Path(lightning_ulysses.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed.checkpoint"):
+                found += [f"{source.name}: {node.module}.{alias.name}" for alias in node.names
+                          if alias.name.startswith("_") or "._" in node.module]
+    assert not found, found

@@ -141,6 +141,13 @@ def test_fit_loop_and_signal_internals(tmp_path):
         for scope in ("total", "current"):
             assert set(fit[key][scope]) == set(private.PROGRESS_COUNTERS), key
     assert "is_last_batch" in fit[private.FIT_LOOP_BATCH_PROGRESS]
+    # The epoch's position counted in other batches: every counter moved alike (a resume's translation, FSDP2).
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    progress.current.completed -= 1  # as a save in on_train_batch_end leaves it
+    before = {scope: vars(getattr(progress, scope)).copy() for scope in ("current", "total")}
+    private.count_epoch_batches_as(trainer, progress.current.processed + 3)
+    for scope in ("current", "total"):
+        assert vars(getattr(progress, scope)) == {name: value + 3 for name, value in before[scope].items()}, scope
     assert not trainer.received_sigterm
     private.flag_sigterm(trainer)
     assert trainer.received_sigterm

@@ -26,7 +26,8 @@ any point leaves either the old checkpoint at `<path>` or, during the two rename
 ZeRO partitions are laid out over the whole world (global rank order) at every SP/DP split, so a checkpoint
 loads unchanged at another split of the same number of ranks; only the data position needs translating
 (`resume.ResumableSampler`). A different number of ranks is refused before anything is loaded (the shards are cut
-per rank); `command_line.export` still recovers the weights from such a checkpoint.
+per rank); `command_line.export` still recovers the weights from such a checkpoint. FSDP2's Distributed Checkpoint
+(`backend="fsdp2"`) reshards to any number of ranks, and loads at any.
 """
 
 from __future__ import annotations
@@ -230,17 +231,38 @@ def deepspeed_tag(path: Path) -> str:
 def consolidated_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """The LightningModule's full fp32 state dict, assembled from the ZeRO shards of the complete checkpoint at
     `path` (as `resolve_checkpoint` returns it; CPU memory: one model copy), or from its Distributed Checkpoint
-    shards (FSDP2: the `state_dict` entry alone, read without a process group; the optimizer state is not read)."""
+    shards (FSDP2: the `state_dict` entry alone, read without a process group; the optimizer state is not read:
+    `_distributed_checkpoint_weights`)."""
     manifest = read_manifest(Path(path))
     if manifest is not None and manifest.backend == "fsdp2":
-        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.filterwarnings("ignore", "torch.distributed is unavailable or uninitialized")
-            return dict(_load_state_dict_from_keys(keys={"state_dict"}, checkpoint_id=str(path))["state_dict"])
+        return _distributed_checkpoint_weights(Path(path))
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     return get_fp32_state_dict_from_zero_checkpoint(str(path), tag=deepspeed_tag(path))
+
+
+# The entry of a Lightning checkpoint that holds the LightningModule's state dict (`ModelParallelStrategy` saves the
+# checkpoint dict through Distributed Checkpoint, which names each tensor by its path of keys joined with dots).
+STATE_DICT_ENTRY = "state_dict"
+
+
+def _distributed_checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The `state_dict` entry of the Distributed Checkpoint at `path`, whole, in this process (no process group):
+    tensors allocated from the checkpoint's metadata (`FileSystemReader.read_metadata`), then filled by the public
+    `torch.distributed.checkpoint.load` (`no_dist=True`), which assembles each tensor from every rank's shards. The
+    optimizer state is not read."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(path))
+    prefix = f"{STATE_DICT_ENTRY}."
+    weights = {key[len(prefix):]: torch.empty(entry.size, dtype=entry.properties.dtype)
+               for key, entry in reader.read_metadata().state_dict_metadata.items()
+               if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process" (also when told so): it is
+        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load({STATE_DICT_ENTRY: weights}, storage_reader=reader, no_dist=True)
+    return weights
 
 
 def save_hf_configs(directory: Path, configs: Mapping[str, Any], module: Optional[torch.nn.Module] = None) -> None:

@@ -216,15 +216,18 @@ class StrategyCheckpoints:
 
     # -- load -------------------------------------------------------------------------------------------------------
     def load(self, checkpoint_path: Any, load: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
-        """Refuse interrupted saves and other world sizes, keep what a resume must restore later, and load
-        (`load`: the parent's `load_checkpoint`), or consolidate ZeRO-3 shards for an evaluation."""
+        """Refuse interrupted saves and, under ZeRO, other world sizes (FSDP2's Distributed Checkpoint reshards), keep
+        what a resume must restore later, and load (`load`: the parent's `load_checkpoint`), or consolidate ZeRO-3
+        shards for an evaluation."""
         strategy = self.strategy
         fitting = self.trainer.state.fn == TrainerFn.FITTING
         manifest = None
         if os.path.isdir(checkpoint_path) or not os.path.exists(checkpoint_path):
             path = resolve_checkpoint(Path(checkpoint_path))  # refuses interrupted saves
             manifest = read_manifest(path)
-            if manifest is not None and manifest.world_size != strategy.world_size:
+            # FSDP2's Distributed Checkpoint reshards model and optimizer state to any number of ranks; ZeRO's files
+            # are cut per rank (DeepSpeed's universal checkpoints are not used).
+            if manifest is not None and manifest.world_size != strategy.world_size and manifest.backend != "fsdp2":
                 raise ValueError(
                     f"{path} was written by {manifest.world_size} ranks (SP {manifest.sequence_parallel_size} × DP"
                     f" {manifest.data_parallel_size}) and this run has {strategy.world_size}: ZeRO shards are cut per"
@@ -235,7 +238,8 @@ class StrategyCheckpoints:
             checkpoint_path = str(path)
         if fitting and manifest is not None:
             _refuse_resume_inside_window(path, manifest)
-            same_layout = manifest.sequence_parallel_size == strategy.sequence_parallel_world_size
+            same_layout = (manifest.sequence_parallel_size == strategy.sequence_parallel_world_size
+                           and manifest.world_size == strategy.world_size)
             self.resume = PendingResume(
                 epoch_samples_consumed=manifest.epoch_samples_consumed,
                 global_batch_size=manifest.global_batch_size,
@@ -296,11 +300,30 @@ class StrategyCheckpoints:
         data_parallel_size = self.strategy.parallel_groups.data_parallel_world_size
         sampler = ResumableSampler(dataloader.sampler, data_parallel_size)
         global_batch = None if dataloader.batch_size is None else dataloader.batch_size * data_parallel_size
+        saved_global_batch = resume.global_batch_size
+        if self.strategy.run_spec.fsdp2 and None not in (saved_global_batch, global_batch):
+            # FSDP2: Lightning's count of the epoch's batches is translated to this run's batch size (e.g. a world of
+            # 4 at DP 2 resumed by a world of 2 at DP 1 accumulating 2 batches: the same samples per step).
+            self._count_epoch_batches(resume.epoch_samples_consumed, global_batch)
+            saved_global_batch = None
         # Raises before any collective (every rank has the same manifest and loader) if the position cannot continue.
-        sampler.skip_once(resume.epoch_samples_consumed, resume.global_batch_size, global_batch)
+        sampler.skip_once(resume.epoch_samples_consumed, saved_global_batch, global_batch)
         resume.epoch_samples_consumed = 0
         self._continues_exactly(dataloader)
         return lightning_private.update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
+
+    def _count_epoch_batches(self, epoch_samples_consumed: int, global_batch: int) -> None:
+        """Lightning's restored position in the epoch, in this run's batches of `global_batch` samples (over all DP
+        ranks); refused (before any collective, on every rank alike) where they do not fall on the same sample.
+        DeepSpeed keeps its own count of micro-batches for the accumulation boundary, so there the batch stays."""
+        batches, rest = divmod(epoch_samples_consumed, global_batch)
+        if rest:
+            raise ValueError(
+                f"The checkpoint was written after {epoch_samples_consumed} samples of the current epoch, and this run's"
+                f" batches hold {global_batch} samples (batch size × data-parallel size), which do not divide it: the"
+                " epoch cannot continue at the same sample. Choose a batch size whose global batch divides it, or"
+                " resume from an epoch-end checkpoint.")
+        lightning_private.count_epoch_batches_as(self.trainer, batches)
 
     def _continues_exactly(self, dataloader: object) -> None:
         """Suspend Lightning's "not resumable" warning when the epoch's sample order is one a new process repeats:

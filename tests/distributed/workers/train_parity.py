@@ -65,6 +65,92 @@ class CaptureWeights(L.Callback):
             pl_module.tied_embeddings = None
 
 
+class CountedReads:
+    """`safetensors.safe_open` (and transformers' own reference to it) counting the bytes of every tensor read
+    through it, per checkpoint key: whole (`get_tensor`) or sliced (`get_slice(key)[...]`, what torch's
+    HuggingFaceStorageReader and transformers' loader call); headers (`keys`, `get_shape`) read no tensor."""
+
+    def __init__(self):
+        self.bytes_by_key: dict[str, int] = {}
+        self._restore = []
+
+    def _count(self, key, tensor):
+        self.bytes_by_key[key] = self.bytes_by_key.get(key, 0) + tensor.numel() * tensor.element_size()
+        return tensor
+
+    def _open(self, original):
+        counter = self
+
+        class Slice:
+            def __init__(self, key, inner):
+                self.key, self.inner = key, inner
+
+            def __getitem__(self, index):
+                return counter._count(self.key, self.inner[index])
+
+            def __getattr__(self, name):
+                return getattr(self.inner, name)
+
+        class Handle:
+            def __init__(self, *args, **kwargs):
+                self.inner = original(*args, **kwargs)
+
+            def __enter__(self):
+                self.inner.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return self.inner.__exit__(*exc)
+
+            def get_slice(self, key):
+                return Slice(key, self.inner.get_slice(key))
+
+            def get_tensor(self, key):
+                return counter._count(key, self.inner.get_tensor(key))
+
+            def __getattr__(self, name):
+                return getattr(self.inner, name)
+
+        return Handle
+
+    def __enter__(self):
+        import safetensors
+        import transformers.modeling_utils as modeling_utils
+
+        for module in (safetensors, modeling_utils):
+            self._restore.append((module, module.safe_open))
+            module.safe_open = self._open(module.safe_open)
+        return self
+
+    def __exit__(self, *exc):
+        for module, original in reversed(self._restore):
+            module.safe_open = original
+        self._restore = []
+
+
+class CaptureLoaded(L.Callback):
+    """What `from_pretrained` in configure_model put into the model before training (gathered from the shards), and
+    the checkpoint bytes this rank read from `setup` (before configure_model) to the start of fit."""
+
+    def __init__(self):
+        self.reads = CountedReads()
+
+    def setup(self, trainer, pl_module, stage):
+        self.reads.__enter__()
+
+    def on_fit_start(self, trainer, pl_module):
+        self.reads.__exit__(None, None, None)
+        from torch.distributed.tensor import DTensor
+
+        model = pl_module.model
+        pl_module.loaded = {
+            "parameters": {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                           for name, p in model.named_parameters()},
+            "buffers": {name: b.detach().clone() for name, b in model.named_buffers()},
+            "bytes_by_key": dict(self.reads.bytes_by_key),
+        }
+
+
 class CountAttentionRuns(L.Callback):
     """How often each decoder layer's attention module ran in training: forward, plus each recompute of the layer
     under activation checkpointing (the layer's own module hooks fire only in forward); and the SDPA kernel orders
@@ -242,7 +328,8 @@ def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None) 
     trainer = L.Trainer(
         accelerator="cpu", devices=case.get("devices", world_size), num_nodes=case.get("num_nodes", 1), strategy=strategy, precision=case.get("precision", "32-true"),
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[CaptureWeights(), CountAttentionRuns(), recorder, *_export(case), *saves], **length,
+        callbacks=[CaptureWeights(), CountAttentionRuns(), recorder, *_export(case), *saves,
+                   *([CaptureLoaded()] if case.get("check_loading") else [])], **length,
         **case.get("trainer_kwargs", {}),
     )
     batch_size = case["batch_size"]
@@ -307,6 +394,7 @@ def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None) 
         "shard_bytes": getattr(module, "shard_bytes", None),
         "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before,
         "resume_refusal": saves[0].refusal if saves else None,
+        "loaded": getattr(module, "loaded", None),
     }
 
 

@@ -1,0 +1,91 @@
+"""Every private transformers name lightning_ulysses relies on, in one place.
+
+transformers changes its loading internals between releases without deprecation, so nothing else in the package
+touches one: it calls the accessor here. Each entry says why no public API serves. Checked against transformers
+`TRANSFORMERS_CHECKED`; `tests/unit/test_pretrained.py` fails when the installed transformers removes or re-signs
+them (re-check the reason given here before changing an accessor to follow it).
+
+transformers is imported inside each accessor: the fences load before anything imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Callable, Iterator
+
+TRANSFORMERS_CHECKED = "5.25.0"
+
+# -- the weights `from_pretrained` reads ---------------------------------------------------------------------------
+# `PreTrainedModel.from_pretrained` builds the model on the meta device, then calls the static method
+# `_load_pretrained_model(model, state_dict, checkpoint_files, load_config)`, which reads every checkpoint tensor whole
+# into host memory and assigns it, then `_finalize_model_loading(model, load_config, loading_info)`, which moves the
+# keys reported missing and the non-persistent buffers (RoPE's `inv_freq`) off the meta device and initialises them.
+# transformers reads a rank's shard only of parameters that are already DTensors when it loads (its own
+# `DistributedConfig` path, which applies its own `fully_shard` plan and mesh); no public argument leaves the
+# parameters on the meta device unread. The FSDP2 strategy's `from_pretrained` in `configure_model` therefore
+# replaces this one step while `configure_model` runs (`integration/pretrained.ShardedPretrainedLoads`).
+PRETRAINED_LOAD = "_load_pretrained_model"
+PRETRAINED_LOAD_PARAMETERS = ("model", "state_dict", "checkpoint_files", "load_config", "expected_keys")
+
+
+@contextlib.contextmanager
+def pretrained_load_replaced(replacement: Callable[..., Any]) -> Iterator[None]:
+    """Within the context, `PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config,
+    ...)` calls `replacement(original, model, state_dict, checkpoint_files, load_config, ...)` instead (process-wide:
+    it is a static method of the base class). Restored on exit, also when the body raises."""
+    from transformers import PreTrainedModel
+
+    original = inspect.getattr_static(PreTrainedModel, PRETRAINED_LOAD)
+    load = original.__func__ if isinstance(original, staticmethod) else original
+
+    def replaced(*args: Any, **kwargs: Any) -> Any:
+        return replacement(load, *args, **kwargs)
+
+    setattr(PreTrainedModel, PRETRAINED_LOAD, staticmethod(replaced))
+    try:
+        yield
+    finally:
+        setattr(PreTrainedModel, PRETRAINED_LOAD, original)
+
+
+def nothing_loaded(tied_keys: Any = ()) -> tuple[Any, None]:
+    """What `_load_pretrained_model` returns when it read nothing and only `tied_keys` are missing (the names
+    `_finalize_model_loading` ties to others: its `tie_weights(missing_keys=...)` ties only those) in a
+    `transformers.utils.loading_report.LoadStateDictInfo`: `_finalize_model_loading` then initialises only the
+    non-persistent buffers (tied names are neither moved nor initialised), and reports nothing; no disk-offload
+    index."""
+    from transformers.utils.loading_report import LoadStateDictInfo
+
+    return LoadStateDictInfo(missing_keys=set(tied_keys), unexpected_keys=set(), mismatched_keys=set(), conversion_errors={},
+                             error_msgs=[], skipped_pp_keys=set()), None
+
+
+def pretrained_load_parameters() -> tuple[str, ...]:
+    """The parameter names of the installed `_load_pretrained_model` (for the fence's test)."""
+    from transformers import PreTrainedModel
+
+    return tuple(inspect.signature(getattr(PreTrainedModel, PRETRAINED_LOAD)).parameters)
+
+
+def reads_plain_weights(load_config: Any) -> bool:
+    """Whether the `LoadStateDictConfig` transformers hands `_load_pretrained_model` (a private dataclass of
+    `modeling_utils`) asks for nothing but the checkpoint's tensors in the model's own dtypes: no quantizer, device
+    map, disk offload, tensor-parallel mesh, or per-module dtype plan (`keep_in_fp32` modules)."""
+    return (getattr(load_config, "hf_quantizer", None) is None and getattr(load_config, "device_map", None) is None
+            and getattr(load_config, "device_mesh", None) is None and not getattr(load_config, "dtype_plan", None)
+            and getattr(load_config, "disk_offload_folder", None) is None)
+
+
+# -- the device `from_pretrained` kernelizes for --------------------------------------------------------------------
+# With the `kernels` package installed, `from_pretrained` ends with `set_use_kernels` → `hub_kernels.kernelize`, which
+# picks each layer's kernel for `model._kernels_device or model.device` (transformers' own answer for parameters left
+# on the meta device by offloading) and refuses "meta". No argument of `from_pretrained` sets it.
+KERNELS_DEVICE = "_kernels_device"
+
+
+def kernelize_for(model: Any, device_type: str) -> None:
+    """`model._kernels_device = device_type` unless set: the device `kernelize` picks kernels for when the model's
+    parameters are still on the meta device (a plain load would have them on `device_type`)."""
+    if getattr(model, KERNELS_DEVICE, None) is None:
+        setattr(model, KERNELS_DEVICE, device_type)
