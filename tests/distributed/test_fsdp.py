@@ -55,6 +55,11 @@ CASES = [
     # LoRA added after that load (`models.lora.with_lora`: peft's initial values on the host, kept by the shard read)
     # against peft's own LoRA model in one process; the frozen base unchanged (the weights claim).
     _case(2, 2, "mha", "-pretrained-lora", model="pretrained-lora", in_configure_model=True),
+    # That load under the memory features: the model is still on the meta device when the memory engine wraps it.
+    _case(2, 2, "gqa", "-pretrained-memory", model="pretrained", in_configure_model=True, batch_size=1,
+          strategy_kwargs={"memory": {"tiled_mlp": True, "mlp_tile_tokens": 3, "tiled_logits_loss": True,
+                                      "logits_tile_tokens": 4, "activation_checkpointing": True,
+                                      "offload_activations": True}}),
     # The native GPT (UlyssesAttention, tied embeddings, swapped loss), then validate, test and predict; and a Llama
     # evaluated on whole rows (sequence_parallel_in_evaluation=False: the model's own attention, unsharded).
     _case(2, 2, "mqa", "-gpt-then-validate", model="gpt", validate=True),
