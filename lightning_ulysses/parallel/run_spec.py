@@ -331,14 +331,18 @@ def memory_features_of(memory: Any) -> tuple[str, ...]:
 
 
 _MODEL_MEMORY_FEATURES = ("tiled_mlp", "tiled_logits_loss", "activation_checkpointing", "offload_activations",
-                          "keep_attention_outputs", "low_memory_norms", "fused_elementwise")
+                          "keep_attention_outputs", "low_memory_norms", "fused_elementwise", "checkpoint_layers",
+                          "keep_matmul_outputs", "keep_token_mixer_outputs")
 # What the FSDP2 strategy runs exactly (tests/distributed/test_fsdp.py), and what it refuses: `memory="auto"` plans
 # DeepSpeed's memory; `checkpoint_interval` > 1 recomputes layers in backward outside their FSDP2 units' hooks (their
 # parameters still sharded: measured, a DTensor error); `low_memory_norms` failed with the other features together
 # (the same error), though alone and with checkpointing or tiled logits it trained exactly.
 FSDP2_MEMORY_FEATURES = ("activation_checkpointing", "offload_activations", "keep_attention_outputs", "tiled_mlp",
                          "tiled_logits_loss", "fused_elementwise")
-FSDP2_UNPORTED_MEMORY = ("auto", "checkpoint_interval", "low_memory_norms")
+# Partial layer checkpointing and kept products: run exactly under DeepSpeed (tests/distributed/test_memory_parity.py),
+# not tried under FSDP2.
+FSDP2_UNPORTED_MEMORY = ("auto", "checkpoint_interval", "low_memory_norms", "checkpoint_layers", "keep_matmul_outputs",
+                         "keep_token_mixer_outputs")
 # `UlyssesDeepSpeedStrategy`'s own arguments and Lightning's `DeepSpeedStrategy`'s that FSDP2 does not take.
 _DEEPSPEED_ARGUMENTS = frozenset((
     "stage", "config", "config_overrides", "exchange", "zero3_leaf_layers", "start_method",
