@@ -297,9 +297,11 @@ _KEPT_CHANGED = ("kept outputs: {op}'s output, kept from a checkpointed layer's 
 
 # The products whose outputs `keep_matmul_outputs` (outside any marked region) and `keep_token_mixer_outputs`
 # (inside a token mixer's region) keep: what linear layers (`mm`, `addmm`), batched products (`bmm`, `baddbmm`:
-# `@` of 3-D and more) and triangular solves dispatch to, forward and without gradients alike (checked: torch 2.13).
+# `@` of 3-D and more), grouped products (transformers' `grouped_mm` experts) and triangular solves dispatch to,
+# forward and without gradients alike (checked: torch 2.13).
 _PRODUCTS = frozenset(getattr(torch.ops.aten, name).default
-                      for name in ("mm", "addmm", "bmm", "baddbmm", "linalg_solve_triangular"))
+                      for name in ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "linalg_solve_triangular")
+                      if hasattr(torch.ops.aten, name))
 # What each keep group keeps (`checkpoint_layers`' `keep` set): by operator, and by the region it runs in.
 ATTENTION, MATMULS, TOKEN_MIXERS = "attention", "matmuls", "token_mixers"
 
@@ -313,6 +315,13 @@ def _set_generator_state(device: torch.device, state: torch.Tensor) -> None:
         torch.cuda.set_rng_state(state, device)
     else:
         torch.random.set_rng_state(state)
+
+
+@functools.lru_cache(maxsize=None)
+def _written(func) -> tuple[tuple[int, str], ...]:
+    """(position, name) of the arguments `func` writes to (`Tensor(a!)` in its schema): in-place and `out=` ops."""
+    return tuple((index, argument.name) for index, argument in enumerate(func._schema.arguments)
+                 if argument.alias_info is not None and argument.alias_info.is_write)
 
 
 def _shapes(args: tuple) -> tuple:
@@ -346,6 +355,10 @@ class _KeptOutputs(TorchDispatchMode):
         self.recorded: list[tuple] = []
         self.next_replayed: Optional[int] = None  # None while recording
         self.regions: list[str] = []  # the marked regions the layer is inside, innermost last
+        # The storages of the outputs kept (recorded) or replayed in the current forward or recompute, by address,
+        # with a tensor that holds each alive: an operation that writes into one is refused. Version counters do not
+        # see it all: a linear layer's 3-D output is an `_unsafe_view` of its product, with a counter of its own.
+        self.watched: dict[int, torch.Tensor] = {}
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -374,6 +387,11 @@ class _KeptOutputs(TorchDispatchMode):
             elif self.regions and self.regions[-1] == kind:
                 self.regions.pop()
             return func(*args, **kwargs)
+        if self.watched and _written(func):
+            for index, name in _written(func):
+                value = args[index] if index < len(args) else kwargs.get(name)
+                if torch.is_tensor(value) and value.untyped_storage().data_ptr() in self.watched:
+                    raise RuntimeError(_KEPT_CHANGED.format(op=func))
         if not self._keeps(func):
             return func(*args, **kwargs)
         attention = func in _ATTENTION_KERNELS
@@ -388,6 +406,7 @@ class _KeptOutputs(TorchDispatchMode):
             # The large outputs go where the layer inputs go; the scalars (seeds, sizes) stay as they are.
             self.recorded.append((func, _shapes(args), kept, single, device,
                                   _generator_state(device) if attention else None))
+            self._watch(outputs if single else [o for o in outputs if torch.is_tensor(o)])
             return outputs
         recorded = self.recorded[self.next_replayed] if self.next_replayed < len(self.recorded) else None
         if recorded is None or recorded[0] is not func or recorded[1] != _shapes(args):
@@ -400,7 +419,17 @@ class _KeptOutputs(TorchDispatchMode):
             if isinstance(output, _Kept) and not output.unchanged():
                 raise RuntimeError(_KEPT_CHANGED.format(op=func))
         replayed = tuple(o.get() if isinstance(o, _Kept) else o for o in outputs)
+        self._watch([o for o in replayed if torch.is_tensor(o)])
         return replayed[0] if single else replayed
+
+    def _watch(self, tensors) -> None:
+        for tensor in [tensors] if torch.is_tensor(tensors) else tensors:
+            if tensor.dim() > 0:
+                self.watched[tensor.untyped_storage().data_ptr()] = tensor
+
+    def unwatch(self) -> None:
+        """At the end of a forward or recompute: the tensors held for the in-place check are let go."""
+        self.watched = {}
 
     @contextlib.contextmanager
     def replaying(self):
@@ -412,6 +441,7 @@ class _KeptOutputs(TorchDispatchMode):
                 raise RuntimeError(_MISMATCH.format(recorded=self.recorded[self.next_replayed][0], now="nothing"))
         finally:
             self.next_replayed, self.regions = None, []
+            self.unwatch()
 
     def kept(self) -> list[_Kept]:
         return [output for _, _, outputs, _, _, _ in self.recorded for output in outputs if isinstance(output, _Kept)]
@@ -463,6 +493,7 @@ class _LayerCall:
         with torch.no_grad(), (self.kept_outputs if self.kept_outputs is not None else contextlib.nullcontext()):
             outputs = self.run(*args)
         if self.kept_outputs is not None:  # nothing changed what was kept (nor what the copies to the host read)
+            self.kept_outputs.unwatch()
             self.kept_outputs.check_unchanged(self.layer)
         if self.store is not None:  # the copies to the host are done, and nothing changed what they read
             if self.kept_input is not None:
