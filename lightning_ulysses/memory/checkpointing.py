@@ -288,9 +288,10 @@ class _Kept:
 
 
 _MISMATCH = ("kept outputs: a checkpointed layer's forward ran {recorded} where its recompute ran {now}. The recompute"
-             " must run the same kernels on the same shapes as the forward: for attention, run forward and backward"
-             " under one kernel priority (UlyssesDeepSpeedStrategy(sdpa_kernel_priority=...) wraps both); otherwise"
-             " switch keep_attention_outputs / keep_matmul_outputs / keep_token_mixer_outputs off for this model.")
+             " must pick the same SDPA kernels as the forward, and run the same products on the same shapes: run"
+             " forward and backward under one kernel priority (UlyssesDeepSpeedStrategy(sdpa_kernel_priority=...)"
+             " wraps both), or switch keep_attention_outputs / keep_matmul_outputs / keep_token_mixer_outputs off for"
+             " this model.")
 _KEPT_CHANGED = ("kept outputs: {op}'s output, kept from a checkpointed layer's forward for its recompute, was changed"
                  " in place afterwards (by the layer's own forward or an earlier recompute): replaying it would be"
                  " wrong. Switch keep_matmul_outputs / keep_token_mixer_outputs off for this model.")
