@@ -43,7 +43,7 @@ from lightning_ulysses.adapters.native_model import NativeCausalLM
 from lightning_ulysses.memory import MemoryOptions, features_refused_by, fused_elementwise_applies
 from lightning_ulysses.parallel.run_spec import LIGHTNING_SUB_GROUP_SIZE, RunSpec
 from lightning_ulysses.planning.planner import GIB, MemoryPlan, ModelShape, TrainingSetup, plan_memory
-from lightning_ulysses.planning.selective import describe as describe_layers, layer_costs, uncheckpoint_order
+from lightning_ulysses.planning.selective import describe as describe_layers, layer_costs, uncheckpoint_order, which
 from lightning_ulysses.planning.step_time import StepTime, layer_recompute_seconds, predict_step_time
 
 # The features `choose` decides, in the order the report lists them.
@@ -269,7 +269,15 @@ class AutoChoice:
         return {"memory": dataclasses.asdict(self.memory), "offload_optimizer": self.offload_optimizer,
                 "sub_group_size": self.sub_group_size, "kernel": self.kernel,
                 "predicted_step_s": self.best.time.total, "predicted_device_bytes": self.best.plan.gpu_total,
-                "predicted_host_bytes": self.best.plan.host_total}
+                "predicted_host_bytes": self.best.plan.host_total, **self.recompute_plan()}
+
+    def recompute_plan(self) -> dict[str, Any]:
+        """Which decoder layers are checkpointed, and what their recompute replays instead of running again."""
+        m = self.memory
+        layers = which(self.shape.num_layers, m.checkpoint_layers) if m.activation_checkpointing else ()
+        return {"checkpointed_layers": [index for index, on in enumerate(layers) if on],
+                "kept_in_recompute": [name for name in ("keep_attention_outputs", "keep_matmul_outputs",
+                                                        "keep_token_mixer_outputs") if getattr(m, name)]}
 
     def report(self) -> str:
         s, best = self.best.setup, self.best

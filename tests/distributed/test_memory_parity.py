@@ -63,6 +63,13 @@ CASES = [
     # in backward, with ZeRO-3 gathering the first layer's parameters again) and replayed attention outputs
     _case("zero3-sp2-llama-stretch-kept-attention", 2, 3, memory=SPARSE_FEATURES),
     _case("zero3-sp2-gpt-stretch-kept-attention", 2, 3, model="gpt", memory=SPARSE_FEATURES),
+    # selective recompute: the first layer checkpointed (its input offloaded, its products and attention replayed),
+    # the second keeping its activations; every layer with the products kept, under ZeRO-2
+    _case("zero3-sp2-llama-partial-kept-products", 2, 3,
+          memory={"activation_checkpointing": True, "checkpoint_layers": 1, "offload_activations": True,
+                  "keep_matmul_outputs": True, "keep_attention_outputs": True}, wrapped=["LlamaDecoderLayer"]),
+    _case("zero2-sp2-gpt-kept-products", 2, 2, model="gpt",
+          memory={"activation_checkpointing": True, "keep_matmul_outputs": True}, wrapped=["Block"]),
     _case("zero3-sp2-llama-auto-by-hand", 2, 3, memory=AUTO_CHOSEN, wrapped=["LlamaDecoderLayer", "LlamaMLP"]),
     dict(_case("zero3-sp2-llama-auto", 2, 3, memory=AUTO, wrapped=["LlamaDecoderLayer", "LlamaMLP"]),
          free_memory_by_rank=AUTO_FREE),
@@ -83,7 +90,8 @@ def test_memory_features_match_plain_reference(case, tmp_path_factory):
     # Each layer runs in forward and again in its backward; in a stretch of both layers (with ZeRO-3's hooks handing
     # each layer an alias of the previous layer's output) the first runs once more, to recompute the second's input.
     memory = ranks[0]["memory"]  # as applied (memory="auto": as chosen)
-    runs = [1 + memory["activation_checkpointing"]] * 2
+    checkpointed = memory["checkpoint_layers"] if memory["checkpoint_layers"] is not None else 2
+    runs = [1 + (memory["activation_checkpointing"] and layer < checkpointed) for layer in range(2)]
     runs[0] += memory["checkpoint_interval"] == 2
     assert all(rank["attention_runs"] == [STEPS * count for count in runs] for rank in ranks), ranks[0]["attention_runs"]
     # Every run of the attention, forward and each recompute in backward, under the strategy's SDPA kernel order.
