@@ -254,6 +254,7 @@ class _Kept:
         # after recording (in the forward, or by a replay's user) must refuse the replay, not replay changed values.
         self.version = tensor._version if store is None else None
         self.nbytes = tensor.untyped_storage().nbytes() if store is None else tensor.numel() * tensor.element_size()
+        self.address = tensor.untyped_storage().data_ptr()  # of the source: what the in-place check watches
 
     def unchanged(self) -> bool:
         return self.version is None or self.value is None or self.value._version == self.version
@@ -392,7 +393,7 @@ class _KeptOutputs(TorchDispatchMode):
             for index, name in _written(func):
                 value = args[index] if index < len(args) else kwargs.get(name)
                 if torch.is_tensor(value) and value.untyped_storage().data_ptr() in self.watched:
-                    raise RuntimeError(_KEPT_CHANGED.format(op=func))
+                    self._written_into(value.untyped_storage().data_ptr(), func)
         if not self._keeps(func):
             return func(*args, **kwargs)
         attention = func in _ATTENTION_KERNELS
@@ -414,6 +415,8 @@ class _KeptOutputs(TorchDispatchMode):
             raise RuntimeError(_MISMATCH.format(recorded=recorded[0] if recorded else "nothing more", now=func))
         _, _, outputs, single, device, state_after = recorded
         self.next_replayed += 1
+        if outputs is None:  # written into in the forward: not kept, run again
+            return func(*args, **kwargs)
         if state_after is not None:
             _set_generator_state(device, state_after)  # as if the kernel had drawn its dropout again
         for output in outputs:
@@ -422,6 +425,23 @@ class _KeptOutputs(TorchDispatchMode):
         replayed = tuple(o.get() if isinstance(o, _Kept) else o for o in outputs)
         self._watch([o for o in replayed if torch.is_tensor(o)])
         return replayed[0] if single else replayed
+
+    def _written_into(self, address: int, writer) -> None:
+        """An operation writes into a kept output. In the forward (DeepSpeed ZeRO-3's linear adds its bias in place
+        into the product): that output is not kept after all, and the recompute runs its operation again. In a
+        recompute: refused (the forward did not write there, so the recompute runs something else)."""
+        if self.next_replayed is not None:
+            raise RuntimeError(_KEPT_CHANGED.format(op=writer))
+        for position, (func, shapes, outputs, single, device, state) in enumerate(self.recorded):
+            if outputs is not None and any(isinstance(o, _Kept) and o.address == address for o in outputs):
+                if func in _ATTENTION_KERNELS:  # (its log-sum-exp was asked for: running it again would differ)
+                    raise RuntimeError(_KEPT_CHANGED.format(op=writer))
+                for output in outputs:
+                    if isinstance(output, _Kept):
+                        self.watched.pop(output.address, None)
+                        output.drop()
+                self.recorded[position] = (func, shapes, None, single, device, state)
+                return
 
     def _watch(self, tensors) -> None:
         for tensor in [tensors] if torch.is_tensor(tensors) else tensors:
@@ -445,12 +465,13 @@ class _KeptOutputs(TorchDispatchMode):
             self.unwatch()
 
     def kept(self) -> list[_Kept]:
-        return [output for _, _, outputs, _, _, _ in self.recorded for output in outputs if isinstance(output, _Kept)]
+        return [output for _, _, outputs, _, _, _ in self.recorded for output in outputs or ()
+                if isinstance(output, _Kept)]
 
     def check_unchanged(self, layer: str) -> None:
         """After the layer's forward: no kept output was changed in place while (or after) it was recorded."""
         for func, _, outputs, _, _, _ in self.recorded:
-            for output in outputs:
+            for output in outputs or ():
                 if isinstance(output, _Kept):
                     output.check_unchanged(layer)
                     if not output.unchanged():

@@ -158,13 +158,25 @@ def test_kept_bytes_of_a_llama_layer_are_the_planned_ones(monkeypatch):
     assert measured == [pytest.approx((cost.product_bytes + cost.attention_bytes) * 96, rel=0.03)] * 2
 
 
-def test_a_kept_product_changed_in_place_is_refused():
-    model, batch = _llama()
-    mlp = model.model.layers[0].mlp
-    down = mlp.down_proj.forward
-    # an in-place change of the product's output (through the linear layer's 3-D `_unsafe_view` of it, which has a
-    # version counter of its own)
-    mlp.down_proj.forward = lambda x: down(x).mul_(2.0)
+def test_a_product_written_into_in_the_forward_is_run_again_and_a_recompute_that_writes_is_refused():
+    """DeepSpeed ZeRO-3's linear adds its bias in place into the product (through the 3-D `_unsafe_view` of it, which
+    has a version counter of its own): that product is not kept, its recompute runs it again, exactly. A write that
+    only the recompute makes is refused."""
+    plain, batch = _llama()
+    expected = _step(plain, batch, count_backward=True)
+    model, _ = _llama()
+    down = model.model.layers[0].mlp.down_proj
+    forward = down.forward
+    down.forward = lambda x: forward(x).mul_(2.0).div_(2.0)
+    apply_memory_options(model, MemoryOptions(activation_checkpointing=True, keep_matmul_outputs=True,
+                                              keep_attention_outputs=True))
+    actual = _step(model, batch, count_backward=True)
+    _assert_same(expected, actual)
+    assert sum(actual[2].values()) == sum(expected[2].values()) + 1  # the one product run again
+    model, _ = _llama()
+    down = model.model.layers[0].mlp.down_proj
+    forward = down.forward
+    down.forward = lambda x: forward(x).mul_(1.0) if torch.is_grad_enabled() else forward(x)
     apply_memory_options(model, MemoryOptions(activation_checkpointing=True, keep_matmul_outputs=True))
     with pytest.raises(RuntimeError, match="changed in place"):
         model(**batch).loss.backward()
