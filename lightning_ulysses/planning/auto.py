@@ -42,7 +42,8 @@ from lightning_ulysses.attention.backends import FA4, fa4_installed
 from lightning_ulysses.adapters.native_model import NativeCausalLM
 from lightning_ulysses.memory import MemoryOptions, features_refused_by, fused_elementwise_applies
 from lightning_ulysses.parallel.run_spec import LIGHTNING_SUB_GROUP_SIZE, RunSpec
-from lightning_ulysses.planning.planner import GIB, MemoryPlan, ModelShape, TrainingSetup, plan_memory
+from lightning_ulysses.planning.planner import (GIB, MemoryPlan, ModelShape, TrainingSetup, _saved_bytes_by_layer,
+                                                plan_memory)
 from lightning_ulysses.planning.selective import describe as describe_layers, layer_costs, uncheckpoint_order, which
 from lightning_ulysses.planning.step_time import StepTime, layer_recompute_seconds, predict_step_time
 
@@ -769,8 +770,7 @@ def _partial_candidates(shape, request, run, kernel, budget, option_sets, offloa
             continue
         probe = _setup(request, run, options, 0.0, offloads[0][1])
         costs = layer_costs(shape, probe.compute_bytes, options,
-                            [layer.saved_bytes(options.tiled_mlp) for layer in shape.layers] if shape.layers else
-                            [plan_layer_bytes(shape, probe)] * shape.num_layers)
+                            _saved_bytes_by_layer(shape, probe.compute_bytes, options))
         order = uncheckpoint_order(costs, layer_recompute_seconds(shape, probe, kernel))
         uncheckpointed = 0
         for share, cut in offloads:  # the count that fits only grows with the share
@@ -791,13 +791,6 @@ def _partial_candidates(shape, request, run, kernel, budget, option_sets, offloa
             if uncheckpointed == shape.num_layers - 1:
                 break
     return candidates
-
-
-def plan_layer_bytes(shape: ModelShape, setup: TrainingSetup) -> float:
-    """A Llama-style layer's saved bytes per token under `setup` (the planner's count)."""
-    from lightning_ulysses.planning.planner import _saved_bytes_by_layer
-
-    return _saved_bytes_by_layer(shape, setup.compute_bytes, setup.memory)[0]
 
 
 def _checkpoint_layers_reason(shape, request, run, kernel, budget, offloads, best: Candidate) -> str:

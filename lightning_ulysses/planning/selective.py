@@ -19,12 +19,11 @@ tiny models (`tests/unit/test_selective_recompute.py`):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from lightning_ulysses.memory import MemoryOptions
 
-if TYPE_CHECKING:  # the planner imports this module
-    from lightning_ulysses.planning.planner import ModelShape
+ModelShape = Any  # `planner.ModelShape` (the planner imports this module, so it is not imported here)
 
 
 @dataclass(frozen=True)
@@ -68,14 +67,14 @@ def which(num_layers: int, checkpoint_layers) -> tuple[bool, ...]:
     return tuple(index in chosen for index in range(num_layers))
 
 
-def _llama_products(shape: "ModelShape", e: int, tiled_mlp: bool) -> tuple[float, float]:
+def _llama_products(shape: ModelShape, e: int, tiled_mlp: bool) -> tuple[float, float]:
     """(attention projections', MLP's) kept product bytes per token of a Llama-style (or native GPT) layer."""
     h, kv, inter = shape.hidden_size, shape.num_key_value_heads * shape.head_dim, shape.intermediate_size
     mlp = 0.0 if tiled_mlp else e * ((2 if shape.gated_mlp else 1) * inter + h)
     return e * (2 * h + 2 * kv), mlp
 
 
-def layer_costs(shape: "ModelShape", e: int, m: MemoryOptions, full_per_layer: Sequence[float]) -> list[LayerCost]:
+def layer_costs(shape: ModelShape, e: int, m: MemoryOptions, full_per_layer: Sequence[float]) -> list[LayerCost]:
     """Every decoder layer's `LayerCost` under `m` (`full_per_layer`: the planner's saved bytes per layer)."""
     checkpointed = which(shape.num_layers, m.checkpoint_layers) if m.activation_checkpointing else \
         (False,) * shape.num_layers
