@@ -148,7 +148,11 @@ def _auto_choice(log: str) -> dict:
     features = re.findall(r"^\s{2}(\w+)\s+True\s", log, flags=re.M)
     predicted = re.search(r"predicted: device peak ([\d.]+) GiB.*?step ([\d.]+) s", log)
     confirmed = re.search(r"confirmed over \d+ steps: step ([\d.]+) s", log)
-    return {"features": features, "predicted_peak_gib": predicted and float(predicted.group(1)),
+    # which layers are checkpointed ("all", or "N of L (layers [...])" with the reason) and what the recompute keeps
+    layers = re.search(r"^\s{2}checkpoint_layers\s+(\S+)\s+(.*)$", log, flags=re.M)
+    return {"features": features, "checkpoint_layers": layers and f"{layers.group(1)}: {layers.group(2)}",
+            "kept_in_recompute": [name for name in features if name.startswith("keep_")],
+            "predicted_peak_gib": predicted and float(predicted.group(1)),
             "predicted_step_s": predicted and float(predicted.group(2)),
             "confirmed_step_s": confirmed and float(confirmed.group(1))}
 

@@ -17,7 +17,11 @@ dropout and with `use_cache=True`.
   `offload_activations` moves those inputs to pinned host memory; `checkpoint_interval` k keeps only every k-th
   layer's input (the others are recomputed from it: k − 1 extra layer forwards per k layers, 1/k of the kept bytes);
   `keep_attention_outputs` keeps the attention kernels' outputs (where the inputs are kept) so the recompute skips
-  the attention forward, the dominant kernel at long sequences.
+  the attention forward, the dominant kernel at long sequences; `keep_matmul_outputs` keeps the products of the
+  linear layers (projections, MLPs, experts) and `keep_token_mixer_outputs` those of a token mixer's chunked
+  recurrence (the gated delta rule), so the recompute runs only the cheap elementwise work (norms, activations,
+  RoPE) again; `checkpoint_layers` checkpoints only some decoder layers (N: the first N; or the indices given), the
+  others keep their activations and are not recomputed.
 - `low_memory_norms`: every Llama-style RMSNorm of a Hugging Face model keeps only its 16-bit input and an fp32
   rstd per token for backward (not an fp32 copy of its input); other RMSNorms are refused; a no-op for the native
   GPT, whose LayerNorms keep only their input already.
@@ -64,6 +68,12 @@ class MemoryOptions:
     offload_activations: bool = False
     checkpoint_interval: int = 1
     keep_attention_outputs: bool = False
+    # None: every decoder layer (with activation_checkpointing); N: the first N layers, the others keep their
+    # activations (the last layers run backward first, so what they keep is freed before any recompute peaks);
+    # a tuple: those layer indices (what memory="auto" writes for a hybrid, by what each layer's recompute costs).
+    checkpoint_layers: Optional[Union[int, tuple[int, ...]]] = None
+    keep_matmul_outputs: bool = False
+    keep_token_mixer_outputs: bool = False
     low_memory_norms: bool = False
     fused_elementwise: bool = False
     fused_backend: str = "inductor"
@@ -73,9 +83,28 @@ class MemoryOptions:
         if self.offload_activations and not self.activation_checkpointing:
             raise ValueError("offload_activations=True moves the checkpointed layer inputs to host memory: it needs"
                              " activation_checkpointing=True as well.")
-        if (self.checkpoint_interval != 1 or self.keep_attention_outputs) and not self.activation_checkpointing:
-            raise ValueError("checkpoint_interval and keep_attention_outputs tune layer checkpointing: they need"
-                             " activation_checkpointing=True as well.")
+        tuning = ("checkpoint_interval", "keep_attention_outputs", "keep_matmul_outputs", "keep_token_mixer_outputs",
+                  "checkpoint_layers")
+        if not self.activation_checkpointing and (self.checkpoint_interval != 1 or any(
+                getattr(self, name) not in (False, None) for name in tuning[1:])):
+            raise ValueError(f"{', '.join(tuning)} tune layer checkpointing: they need activation_checkpointing=True"
+                             " as well.")
+        layers = self.checkpoint_layers
+        if isinstance(layers, (list, tuple)) or (layers is not None and not isinstance(layers, bool)
+                                                 and hasattr(layers, "__iter__")):
+            layers = tuple(int(index) for index in layers)
+            object.__setattr__(self, "checkpoint_layers", layers)  # a list from Hydra or JSON
+            if not layers or len(set(layers)) != len(layers) or min(layers) < 0:
+                raise ValueError(f"checkpoint_layers as layer indices must name distinct decoder layers (0, 1, ...),"
+                                 f" at least one, got {list(layers)}; None checkpoints every layer")
+        elif layers is not None and (isinstance(layers, bool) or int(layers) < 1):
+            raise ValueError(f"checkpoint_layers is how many decoder layers are checkpointed (the first ones), at"
+                             f" least 1, or their indices; got {layers!r}. Switch activation_checkpointing off to"
+                             " checkpoint none; None checkpoints every layer.")
+        if layers is not None and self.checkpoint_interval != 1:
+            raise ValueError("checkpoint_layers checkpoints some layers one by one; checkpoint_interval > 1 recomputes"
+                             " stretches of consecutive layers. Use one of them (checkpoint_interval=1 with"
+                             " checkpoint_layers).")
         for name in ("mlp_tile_tokens", "logits_tile_tokens", "checkpoint_interval"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be a positive integer (a number of tokens or layers), got {getattr(self, name)}")
@@ -125,6 +154,17 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     if isinstance(model, NativeCausalLM):
         return model.decoder_layers()
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def checkpointed_layers(layers: list[nn.Module], which: Optional[Union[int, tuple[int, ...]]]) -> list[nn.Module]:
+    """The decoder layers `MemoryOptions.checkpoint_layers` names: all (None), the first N, or those indices."""
+    if which is None:
+        return layers
+    indices = range(which) if isinstance(which, int) else sorted(which)
+    if max(indices) >= len(layers):
+        raise ValueError(f"checkpoint_layers={which!r} names layer {max(indices)}, but the model has {len(layers)}"
+                         f" decoder layers (0 to {len(layers) - 1}). Name fewer, or None for every layer.")
+    return [layers[index] for index in indices]
 
 
 decoder_layers = _decoder_layers  # public: the FSDP2 strategy makes each decoder layer one fully_shard unit
@@ -273,8 +313,9 @@ def apply_memory_options(model: nn.Module, options: MemoryOptions,
             if options.offload_activations and store is None:
                 store = HostActivationStore()
             offload_to = store if options.offload_activations else None
-            restores += checkpoint_layers(layers, offload_to, options.checkpoint_interval,
-                                          options.keep_attention_outputs)
+            restores += checkpoint_layers(checkpointed_layers(layers, options.checkpoint_layers), offload_to,
+                                          options.checkpoint_interval, options.keep_attention_outputs,
+                                          options.keep_matmul_outputs, options.keep_token_mixer_outputs)
             if offload_to is not None:
                 restores.insert(0, offload_to.release)  # undone last: unpins the host buffers
     except Exception:

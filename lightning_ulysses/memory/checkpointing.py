@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_ulysses.attention import fa4  # noqa: F401  (registers the operator recorded below)
 from lightning_ulysses.fences import _deepspeed_private as deepspeed_private
 from lightning_ulysses.memory.tiled_mlp import TiledMLP, deferred_recompute, tiled_mlps
+from lightning_ulysses.parallel.recompute_regions import MARK, TILED, TOKEN_MIXER
 from lightning_ulysses.parallel.views import view_key
 
 # The fused attention kernels whose outputs `keep_attention_outputs` records (what F.scaled_dot_product_attention
@@ -249,6 +250,14 @@ class _Kept:
         # Until the layer's forward ends: the tensor and its version, to refuse an in-place change racing the copy.
         self.source = (tensor, tensor._version) if store is not None else None
         self.fetched: Optional[Fetch] = None  # a copy back to the device already under way
+        # On the device, the kept tensor shares the source's storage and version counter: an in-place change of it
+        # after recording (in the forward, or by a replay's user) must refuse the replay, not replay changed values.
+        self.version = tensor._version if store is None else None
+        self.nbytes = tensor.untyped_storage().nbytes() if store is None else tensor.numel() * tensor.element_size()
+        self.address = tensor.untyped_storage().data_ptr()  # of the source: what the in-place check watches
+
+    def unchanged(self) -> bool:
+        return self.version is None or self.value is None or self.value._version == self.version
 
     def check_unchanged(self, layer: str) -> None:
         if self.source is not None:
@@ -279,10 +288,24 @@ class _Kept:
         self.drop()
 
 
-_MISMATCH = ("keep_attention_outputs: a checkpointed layer's forward ran the attention kernel {recorded} where its"
-             " recompute ran {now}. The recompute must pick the same SDPA kernels as the forward: run forward and"
-             " backward under one kernel priority (UlyssesDeepSpeedStrategy(sdpa_kernel_priority=...) wraps both), or"
-             " switch keep_attention_outputs off.")
+_MISMATCH = ("kept outputs: a checkpointed layer's forward ran {recorded} where its recompute ran {now}. The recompute"
+             " must pick the same SDPA kernels as the forward, and run the same products on the same shapes: run"
+             " forward and backward under one kernel priority (UlyssesDeepSpeedStrategy(sdpa_kernel_priority=...)"
+             " wraps both), or switch keep_attention_outputs / keep_matmul_outputs / keep_token_mixer_outputs off for"
+             " this model.")
+_KEPT_CHANGED = ("kept outputs: {op}'s output, kept from a checkpointed layer's forward for its recompute, was changed"
+                 " in place afterwards (by the layer's own forward or an earlier recompute): replaying it would be"
+                 " wrong. Switch keep_matmul_outputs / keep_token_mixer_outputs off for this model.")
+
+# The products whose outputs `keep_matmul_outputs` (outside any marked region) and `keep_token_mixer_outputs`
+# (inside a token mixer's region) keep: what linear layers (`mm`, `addmm`), batched products (`bmm`, `baddbmm`:
+# `@` of 3-D and more), grouped products (transformers' `grouped_mm` experts) and triangular solves dispatch to,
+# forward and without gradients alike (checked: torch 2.13).
+_PRODUCTS = frozenset(getattr(torch.ops.aten, name).default
+                      for name in ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "linalg_solve_triangular")
+                      if hasattr(torch.ops.aten, name))
+# What each keep group keeps (`checkpoint_layers`' `keep` set): by operator, and by the region it runs in.
+ATTENTION, MATMULS, TOKEN_MIXERS = "attention", "matmuls", "token_mixers"
 
 
 def _generator_state(device: torch.device) -> torch.Tensor:
@@ -296,64 +319,168 @@ def _set_generator_state(device: torch.device, state: torch.Tensor) -> None:
         torch.random.set_rng_state(state)
 
 
-class _AttentionOutputs(TorchDispatchMode):
-    """Records the outputs of the fused attention kernels a layer's forward runs; replays them in its recomputes.
+@functools.lru_cache(maxsize=None)
+def _written(func) -> tuple[tuple[int, str], ...]:
+    """(position, name) of the arguments `func` writes to (`Tensor(a!)` in its schema): in-place and `out=` ops."""
+    return tuple((index, argument.name) for index, argument in enumerate(func._schema.arguments)
+                 if argument.alias_info is not None and argument.alias_info.is_write)
 
-    A dispatch mode works below autograd, so a recompute with gradients still builds the attention's backward node,
-    which saves the replayed output and log-sum-exp exactly as if the kernel had run again: gradients are unchanged.
-    A kernel with attention dropout draws from its device's generator (the CUDA kernels advance the Philox offset, and
-    return the seed and offset their backward regenerates the mask from): the generator's state after the kernel is
-    recorded too and set in the replay, so the dropout after the attention (GPT-2's `resid_pdrop`, the MLP's) draws in
-    the recompute what it drew in the forward.
+
+def _shapes(args: tuple) -> tuple:
+    """What a replay checks of a kept operation's inputs: their shapes (and the other arguments' values)."""
+    return tuple(tuple(a.shape) if torch.is_tensor(a) else a for a in args)
+
+
+class _KeptOutputs(TorchDispatchMode):
+    """Records the outputs of the operations a checkpointed layer keeps in its forward; replays them in its
+    recomputes, which run everything else again. One mode for every kept kind (`keep`):
+    - `"attention"`: the fused attention kernels (output and log-sum-exp): the most expensive kernel of a long row;
+    - `"matmuls"`: the products outside any marked region (projections, MLPs, experts): the step's matmul FLOPs;
+    - `"token_mixers"`: the products inside a token mixer's region (`recompute_regions.TOKEN_MIXER`: the chunked
+      delta rule), slow per byte to recompute; the elementwise work around them runs again.
+    Nothing is kept inside a tiled MLP's region (`TILED`). What the recompute runs again (norms, activations, the
+    elementwise ops) is cheap per byte it would keep.
+
+    A dispatch mode works below autograd, so a recompute with gradients still builds every backward node, which saves
+    the replayed tensors exactly as if the operation had run again: gradients are unchanged. A kernel with attention
+    dropout draws from its device's generator (the CUDA kernels advance the Philox offset, and return the seed and
+    offset their backward regenerates the mask from): the generator's state after the kernel is recorded too and set
+    in the replay, so the dropout after the attention (GPT-2's `resid_pdrop`, the MLP's) draws in the recompute what
+    it drew in the forward. A replay checks the operator and its input shapes, and that nobody changed a kept output
+    in place since it was recorded; anything else is refused, never replayed wrong.
     """
 
-    def __init__(self, store: Optional[HostActivationStore]) -> None:
+    def __init__(self, store: Optional[HostActivationStore], keep: frozenset) -> None:
         super().__init__()
-        self.store = store
-        self.recorded: list[tuple] = []  # (kernel, outputs, device, generator state after the kernel)
+        self.store, self.keep = store, keep
+        # (operator, input shapes, outputs, device, generator state after the kernel or None, output versions)
+        self.recorded: list[tuple] = []
         self.next_replayed: Optional[int] = None  # None while recording
+        self.regions: list[str] = []  # the marked regions the layer is inside, innermost last
+        # The storages of the outputs kept (recorded) or replayed in the current forward or recompute, by address,
+        # with a tensor that holds each alive: an operation that writes into one is refused. Version counters do not
+        # see it all: a linear layer's 3-D output is an `_unsafe_view` of its product, with a counter of its own.
+        self.watched: dict[int, torch.Tensor] = {}
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         # Without this, dynamo runs every torch.compile'd function called under the mode eagerly, and a function's
         # first call under it marks its code "skip" for good (torch 2.13, `inline_torch_dispatch_torch_compile`):
         # `fused_elementwise` would silently compile nothing. The mode is then off while dynamo compiles and on when
-        # the compiled code runs; what is compiled holds no attention kernel (the kernels it records run eagerly).
+        # the compiled code runs; what is compiled holds no kept operation (those run eagerly).
         return True
 
+    def _keeps(self, func) -> bool:
+        region = self.regions[-1] if self.regions else None
+        if region == TILED:
+            return False
+        if func in _ATTENTION_KERNELS:
+            return ATTENTION in self.keep
+        if func in _PRODUCTS:
+            return (TOKEN_MIXERS if region == TOKEN_MIXER else MATMULS) in self.keep
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func not in _ATTENTION_KERNELS:
-            return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if func is MARK:
+            kind, enter = (list(args) + [kwargs.get("kind"), kwargs.get("enter")][len(args):])[:2]
+            if enter:
+                self.regions.append(kind)
+            elif self.regions and self.regions[-1] == kind:
+                self.regions.pop()
+            return func(*args, **kwargs)
+        if self.watched and _written(func):
+            for index, name in _written(func):
+                value = args[index] if index < len(args) else kwargs.get(name)
+                if torch.is_tensor(value) and value.untyped_storage().data_ptr() in self.watched:
+                    self._written_into(value.untyped_storage().data_ptr(), func)
+        if not self._keeps(func):
+            return func(*args, **kwargs)
+        attention = func in _ATTENTION_KERNELS
         device = args[0].device  # the query's: where the kernel runs, whose generator its dropout draws from
         if self.next_replayed is None:
-            args, kwargs = _with_log_sumexp(func, tuple(args), kwargs or {})
+            if attention:
+                args, kwargs = _with_log_sumexp(func, tuple(args), kwargs)
             outputs = func(*args, **kwargs)
+            single = torch.is_tensor(outputs)
+            kept = tuple(_Kept(o, self.store, "kept output") if torch.is_tensor(o) and o.dim() > 0 else o
+                         for o in ((outputs,) if single else outputs))
             # The large outputs go where the layer inputs go; the scalars (seeds, sizes) stay as they are.
-            self.recorded.append((func, tuple(_Kept(o, self.store, "attention output")
-                                              if torch.is_tensor(o) and o.dim() > 0 else o
-                                              for o in outputs), device, _generator_state(device)))
+            self.recorded.append((func, _shapes(args), kept, single, device,
+                                  _generator_state(device) if attention else None))
+            self._watch(outputs if single else [o for o in outputs if torch.is_tensor(o)])
             return outputs
-        recorded = self.recorded[self.next_replayed][0] if self.next_replayed < len(self.recorded) else None
-        if recorded is not func:
-            raise RuntimeError(_MISMATCH.format(recorded=recorded, now=func))
-        _, outputs, device, state_after = self.recorded[self.next_replayed]
+        recorded = self.recorded[self.next_replayed] if self.next_replayed < len(self.recorded) else None
+        if recorded is None or recorded[0] is not func or recorded[1] != _shapes(args):
+            raise RuntimeError(_MISMATCH.format(recorded=recorded[0] if recorded else "nothing more", now=func))
+        _, _, outputs, single, device, state_after = recorded
         self.next_replayed += 1
-        _set_generator_state(device, state_after)  # as if the kernel had drawn its dropout again
-        return tuple(o.get() if isinstance(o, _Kept) else o for o in outputs)
+        if outputs is None:  # written into in the forward: not kept, run again
+            return func(*args, **kwargs)
+        if state_after is not None:
+            _set_generator_state(device, state_after)  # as if the kernel had drawn its dropout again
+        for output in outputs:
+            if isinstance(output, _Kept) and not output.unchanged():
+                raise RuntimeError(_KEPT_CHANGED.format(op=func))
+        replayed = tuple(o.get() if isinstance(o, _Kept) else o for o in outputs)
+        self._watch([o for o in replayed if torch.is_tensor(o)])
+        return replayed[0] if single else replayed
+
+    def _written_into(self, address: int, writer) -> None:
+        """An operation writes into a kept output. In the forward (DeepSpeed ZeRO-3's linear adds its bias in place
+        into the product): that output is not kept after all, and the recompute runs its operation again. In a
+        recompute: refused (the forward did not write there, so the recompute runs something else)."""
+        if self.next_replayed is not None:
+            raise RuntimeError(_KEPT_CHANGED.format(op=writer))
+        for position, (func, shapes, outputs, single, device, state) in enumerate(self.recorded):
+            if outputs is not None and any(isinstance(o, _Kept) and o.address == address for o in outputs):
+                if func in _ATTENTION_KERNELS:  # (its log-sum-exp was asked for: running it again would differ)
+                    raise RuntimeError(_KEPT_CHANGED.format(op=writer))
+                for output in outputs:
+                    if isinstance(output, _Kept):
+                        self.watched.pop(output.address, None)
+                        output.drop()
+                self.recorded[position] = (func, shapes, None, single, device, state)
+                return
+
+    def _watch(self, tensors) -> None:
+        for tensor in [tensors] if torch.is_tensor(tensors) else tensors:
+            if tensor.dim() > 0:
+                self.watched[tensor.untyped_storage().data_ptr()] = tensor
+
+    def unwatch(self) -> None:
+        """At the end of a forward or recompute: the tensors held for the in-place check are let go."""
+        self.watched = {}
 
     @contextlib.contextmanager
     def replaying(self):
-        self.next_replayed = 0
+        self.next_replayed, self.regions = 0, []
         try:
             with self:
                 yield
             if self.next_replayed != len(self.recorded):
-                raise RuntimeError(_MISMATCH.format(recorded=self.recorded[self.next_replayed][0], now=None))
+                raise RuntimeError(_MISMATCH.format(recorded=self.recorded[self.next_replayed][0], now="nothing"))
         finally:
-            self.next_replayed = None
+            self.next_replayed, self.regions = None, []
+            self.unwatch()
 
     def kept(self) -> list[_Kept]:
-        return [output for _, outputs, _, _ in self.recorded for output in outputs if isinstance(output, _Kept)]
+        return [output for _, _, outputs, _, _, _ in self.recorded for output in outputs or ()
+                if isinstance(output, _Kept)]
+
+    def check_unchanged(self, layer: str) -> None:
+        """After the layer's forward: no kept output was changed in place while (or after) it was recorded."""
+        for func, _, outputs, _, _, _ in self.recorded:
+            for output in outputs or ():
+                if isinstance(output, _Kept):
+                    output.check_unchanged(layer)
+                    if not output.unchanged():
+                        raise RuntimeError(_KEPT_CHANGED.format(op=func))
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the kept outputs (each storage once), on the device or the host."""
+        return sum(output.nbytes for output in self.kept())
 
     def drop(self) -> None:
         for output in self.kept():
@@ -365,8 +492,8 @@ class _LayerCall:
     """One checkpointed call of one layer: what its backward, and later layers' backward, need to recompute it."""
 
     def __init__(self, run: Callable, layer: str, earlier: list["_LayerCall"], previous: Optional[weakref.ref],
-                 store: Optional[HostActivationStore], keep_attention_outputs: bool,
-                 mlps: list[TiledMLP], module: Optional[nn.Module] = None) -> None:
+                 store: Optional[HostActivationStore], keep: frozenset, mlps: list[TiledMLP],
+                 module: Optional[nn.Module] = None) -> None:
         # The calls before this one in its stretch. Only later calls refer to earlier ones (no cycle): each call lives
         # exactly as long as its autograd node needs it, so a graph dropped without backward frees what it kept.
         self.run, self.layer, self.earlier, self.store = run, layer, earlier, store
@@ -376,7 +503,7 @@ class _LayerCall:
         # tensors this call's backward starts bringing back (weak, like the stretches').
         self.previous = previous
         self.position = len(earlier)  # 0: this call keeps its input; k > 0: recomputed from the stretch's first
-        self.attention = _AttentionOutputs(store) if keep_attention_outputs else None
+        self.kept_outputs = _KeptOutputs(store, keep) if keep else None  # what the recompute replays
         self.kept_input: Optional[_Kept] = None
         self.recomputed_input: Optional[torch.Tensor] = None
 
@@ -387,12 +514,14 @@ class _LayerCall:
         self.rng = torch.random.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices]
         if self.position == 0:
             self.kept_input = _Kept(args[0], self.store, "input (hidden states)")
-        with torch.no_grad(), (self.attention if self.attention is not None else contextlib.nullcontext()):
+        with torch.no_grad(), (self.kept_outputs if self.kept_outputs is not None else contextlib.nullcontext()):
             outputs = self.run(*args)
+        if self.kept_outputs is not None:  # nothing changed what was kept (nor what the copies to the host read)
+            self.kept_outputs.unwatch()
+            self.kept_outputs.check_unchanged(self.layer)
         if self.store is not None:  # the copies to the host are done, and nothing changed what they read
-            kept = [self.kept_input] if self.kept_input is not None else []
-            for tensor in kept + (self.attention.kept() if self.attention is not None else []):
-                tensor.check_unchanged(self.layer)
+            if self.kept_input is not None:
+                self.kept_input.check_unchanged(self.layer)
             self.store.settle(args[0].device)
         return outputs
 
@@ -413,9 +542,9 @@ class _LayerCall:
             args = [a.detach().requires_grad_(needs) if torch.is_tensor(a) and (needs or a.requires_grad) else a
                     for a, needs in zip(args, self.requires_grad)]
         cpu_rng, cuda_rngs = self.rng
-        for kept in self.attention.kept() if self.attention is not None else []:
+        for kept in self.kept_outputs.kept() if self.kept_outputs is not None else []:
             kept.prefetch()
-        replay = self.attention.replaying() if self.attention is not None else contextlib.nullcontext()
+        replay = self.kept_outputs.replaying() if self.kept_outputs is not None else contextlib.nullcontext()
         with torch.random.fork_rng(devices=self.devices), torch.set_grad_enabled(with_grad), replay:
             torch.random.set_rng_state(cpu_rng)  # dropout in the recompute draws what the forward drew
             for device, state in zip(self.devices, cuda_rngs):
@@ -442,8 +571,8 @@ class _LayerCall:
     def release(self) -> None:
         """After this call's backward: drop what it kept (the rotary tables and masks in `run`'s arguments, its
         earlier calls) now rather than when its autograd node goes."""
-        if self.attention is not None:
-            self.attention.drop()
+        if self.kept_outputs is not None:
+            self.kept_outputs.drop()
         self.other_arguments = self.run = None
         self.earlier = []
 
@@ -539,8 +668,8 @@ class _Stretches:
     layer keeps its input.
     """
 
-    def __init__(self, interval: int, store: Optional[HostActivationStore], keep_attention_outputs: bool) -> None:
-        self.interval, self.store, self.keep_attention_outputs = interval, store, keep_attention_outputs
+    def __init__(self, interval: int, store: Optional[HostActivationStore], keep: frozenset) -> None:
+        self.interval, self.store, self.keep = interval, store, keep
         self.current: list[weakref.ref] = []
         self.last_output: Optional[tuple] = None  # `view_key` of the last call's hidden-state output
         self.last_call: Optional[weakref.ref] = None
@@ -551,7 +680,7 @@ class _Stretches:
         continues = (self.last_output is not None and self.last_output == view_key(hidden)
                      and len(earlier) < self.interval and None not in earlier)
         call = _LayerCall(run, type(layer).__name__, earlier if continues else [], self.last_call, self.store,
-                          self.keep_attention_outputs, mlps, layer)
+                          self.keep, mlps, layer)
         # Weak: the calls live in their autograd nodes, and a dropped graph must free them at once.
         self.current = [*self.current, weakref.ref(call)] if continues else [weakref.ref(call)]
         self.last_call = weakref.ref(call)
@@ -581,8 +710,10 @@ def _checkpointed_forward(layer: nn.Module, original: Callable, signature: inspe
 
 
 def checkpoint_layers(layers: list[nn.Module], store: Optional[HostActivationStore], interval: int = 1,
-                      keep_attention_outputs: bool = False) -> list[Callable[[], None]]:
-    """Checkpoint `layers` (in call order); keep every `interval`-th input (in `store` if given); return the undos."""
+                      keep_attention_outputs: bool = False, keep_matmul_outputs: bool = False,
+                      keep_token_mixer_outputs: bool = False) -> list[Callable[[], None]]:
+    """Checkpoint `layers` (in call order); keep every `interval`-th input (in `store` if given), and the outputs of
+    the kinds of operations named (`_KeptOutputs`); return the undos."""
     for layer in layers:
         if getattr(layer, "gradient_checkpointing", False):
             raise ValueError(
@@ -603,7 +734,9 @@ def checkpoint_layers(layers: list[nn.Module], store: Optional[HostActivationSto
             raise ValueError(f"activation_checkpointing reads the arguments of {type(layer).__name__}.forward to drop"
                              f" its KV cache in the recompute, but its signature cannot be read ({error}). Switch"
                              " activation_checkpointing off for this model.") from error
-    stretches = _Stretches(interval, store, keep_attention_outputs)
+    keep = frozenset(name for name, on in ((ATTENTION, keep_attention_outputs), (MATMULS, keep_matmul_outputs),
+                                           (TOKEN_MIXERS, keep_token_mixer_outputs)) if on)
+    stretches = _Stretches(interval, store, keep)
     restores = []
     for layer, signature in zip(layers, signatures):
         # the layer's tiled MLPs (tiled before it is checkpointed), found once rather than on every call

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from lightning_ulysses.fences import _deepspeed_private as deepspeed_private
+from lightning_ulysses.parallel.recompute_regions import TILED, recompute_region
 
 
 def _tiles(x: torch.Tensor, tile_tokens: int) -> list[torch.Tensor]:
@@ -136,6 +137,12 @@ class TiledMLP:
         self.outputs: list = []  # autograd nodes of the outputs made inside the current `deferred_recompute`
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # A region no kept-outputs mode keeps anything of: the MLP is tiled not to keep its intermediates, and a
+        # checkpointed layer's recompute may leave its forward out (then nothing recorded in it would be replayed).
+        with recompute_region(TILED):
+            return self._call(x)
+
+    def _call(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
             # Tiled without gradients too: a checkpointed layer runs its forward so, and its recompute (with
             # gradients) must draw the same dropout masks, tile by tile. It also bounds the intermediate

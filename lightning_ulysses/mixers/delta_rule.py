@@ -17,12 +17,18 @@ match the fallback's to the last bit on the rows both take.
 
 `cu_seqlens` (packed documents, one row): the state restarts at every document boundary — each document runs on
 its own — where transformers' fallback silently ignores the boundaries.
+
+The rule runs inside a `recompute_region(TOKEN_MIXER)`: a checkpointed layer with `keep_token_mixer_outputs` keeps
+its products (slow per byte to recompute: many small ones per chunk) and recomputes the rest
+(`memory/checkpointing.py`).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from lightning_ulysses.parallel.recompute_regions import TOKEN_MIXER, recompute_region
 
 
 def _l2_normalised(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -41,6 +47,13 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
     `[batch, seq, value_heads]`; `initial_state`: `[batch, value_heads, key_dim, value_dim]`. Returns the output
     `[batch, seq, value_heads, value_dim]` in `query`'s dtype, and the final state when `output_final_state`.
     """
+    with recompute_region(TOKEN_MIXER):
+        return _chunk_gated_delta_rule(query, key, value, g, beta, chunk_size, initial_state, output_final_state,
+                                       use_qk_l2norm_in_kernel, cu_seqlens)
+
+
+def _chunk_gated_delta_rule(query, key, value, g, beta, chunk_size, initial_state, output_final_state,
+                            use_qk_l2norm_in_kernel, cu_seqlens):
     if cu_seqlens is not None:
         return _per_document(query, key, value, g, beta, chunk_size, initial_state, output_final_state,
                              use_qk_l2norm_in_kernel, cu_seqlens)
@@ -105,9 +118,9 @@ def _per_document(query, key, value, g, beta, chunk_size, initial_state, output_
     outputs, states = [], []
     for index, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         state = None if initial_state is None else initial_state[index:index + 1]
-        output, final = chunk_gated_delta_rule(
+        output, final = _chunk_gated_delta_rule(
             query[:, start:end], key[:, start:end], value[:, start:end], g[:, start:end], beta[:, start:end],
-            chunk_size, state, output_final_state, use_qk_l2norm)
+            chunk_size, state, output_final_state, use_qk_l2norm, None)
         outputs.append(output)
         states.append(final)
     return torch.cat(outputs, dim=1), (torch.cat(states) if output_final_state else None)

@@ -41,13 +41,16 @@ import torch
 from lightning_ulysses.attention.backends import FA4, fa4_installed
 from lightning_ulysses.adapters.native_model import NativeCausalLM
 from lightning_ulysses.memory import MemoryOptions, features_refused_by, fused_elementwise_applies
-from lightning_ulysses.parallel.run_spec import LIGHTNING_SUB_GROUP_SIZE, RunSpec
-from lightning_ulysses.planning.planner import GIB, MemoryPlan, ModelShape, TrainingSetup, plan_memory
-from lightning_ulysses.planning.step_time import StepTime, predict_step_time
+from lightning_ulysses.parallel.run_spec import FSDP2_UNPORTED_MEMORY, LIGHTNING_SUB_GROUP_SIZE, RunSpec
+from lightning_ulysses.planning.planner import (GIB, MemoryPlan, ModelShape, TrainingSetup, _saved_bytes_by_layer,
+                                                plan_memory)
+from lightning_ulysses.planning.selective import describe as describe_layers, layer_costs, uncheckpoint_order, which
+from lightning_ulysses.planning.step_time import StepTime, layer_recompute_seconds, predict_step_time
 
 # The features `choose` decides, in the order the report lists them.
 FEATURES = ("tiled_logits_loss", "low_memory_norms", "tiled_mlp", "activation_checkpointing",
-            "keep_attention_outputs", "offload_activations", "checkpoint_interval")
+            "keep_attention_outputs", "keep_matmul_outputs", "keep_token_mixer_outputs", "offload_activations",
+            "checkpoint_interval")
 INTERVALS = (1, 2, 4, 8)
 RATIO_STEPS = 20  # optimizer shares on the host: 0, 5%, ..., 100%
 SUB_GROUPS = 40  # sub-groups the optimizer is cut into when part of it is offloaded (DeepSpeed splits by count)
@@ -81,6 +84,10 @@ class AutoMemory:
     offload_activations: Optional[bool] = None
     checkpoint_interval: Optional[int] = None
     keep_attention_outputs: Optional[bool] = None
+    keep_matmul_outputs: Optional[bool] = None
+    keep_token_mixer_outputs: Optional[bool] = None
+    # None: chosen (every layer, or as many left un-checkpointed as fit: `_partial_candidates`); set: kept as set
+    checkpoint_layers: Any = None
     low_memory_norms: Optional[bool] = None
     offload_optimizer: Optional[float] = None
     sub_group_size: Optional[int] = None
@@ -111,8 +118,8 @@ class AutoMemory:
             raise ValueError(f"memory auto: confirm_steps is a number of steps (0: off), got {self.confirm_steps}")
 
     def pinned(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in (*FEATURES, "offload_optimizer", "sub_group_size")
-                if getattr(self, name) is not None}
+        return {name: getattr(self, name) for name in (*FEATURES, "checkpoint_layers", "offload_optimizer",
+                                                       "sub_group_size") if getattr(self, name) is not None}
 
     def free_bytes(self, device, local_ranks: int = 1) -> tuple[float, float]:
         source = self.free_memory
@@ -263,7 +270,15 @@ class AutoChoice:
         return {"memory": dataclasses.asdict(self.memory), "offload_optimizer": self.offload_optimizer,
                 "sub_group_size": self.sub_group_size, "kernel": self.kernel,
                 "predicted_step_s": self.best.time.total, "predicted_device_bytes": self.best.plan.gpu_total,
-                "predicted_host_bytes": self.best.plan.host_total}
+                "predicted_host_bytes": self.best.plan.host_total, **self.recompute_plan()}
+
+    def recompute_plan(self) -> dict[str, Any]:
+        """Which decoder layers are checkpointed, and what their recompute replays instead of running again."""
+        m = self.memory
+        layers = which(self.shape.num_layers, m.checkpoint_layers) if m.activation_checkpointing else ()
+        return {"checkpointed_layers": [index for index, on in enumerate(layers) if on],
+                "kept_in_recompute": [name for name in ("keep_attention_outputs", "keep_matmul_outputs",
+                                                        "keep_token_mixer_outputs") if getattr(m, name)]}
 
     def report(self) -> str:
         s, best = self.best.setup, self.best
@@ -275,7 +290,8 @@ class AutoChoice:
                  + ("" if self.budget.shared else f", host {self.budget.host / GIB:.1f} GiB")]
         for name, reason in self.reasons.items():
             value = getattr(s.memory, name) if hasattr(s.memory, name) else getattr(s, name)
-            shown = f"{value:.0%}" if name == "offload_optimizer" else str(value)
+            shown = (f"{value:.0%}" if name == "offload_optimizer" else "all" if name == "checkpoint_layers"
+                     and value is None else "some" if name == "checkpoint_layers" else str(value))
             lines.append(f"  {name:<26}{shown:<8}{reason}")
         lines.append(f"  {'sdpa kernel':<26}{self.kernel or 'torch':<8}"
                      + {"cudnn": "cuDNN first (Hopper, measured fastest)",
@@ -299,6 +315,8 @@ def _sharding(setup: TrainingSetup) -> str:
 def _describe(setup: TrainingSetup) -> str:
     m = setup.memory
     names = [name for name in FEATURES if name != "checkpoint_interval" and getattr(m, name)]
+    if m.checkpoint_layers is not None:
+        names.append(f"checkpoint_layers={m.checkpoint_layers}")
     if m.checkpoint_interval > 1:
         names.append(f"checkpoint_interval={m.checkpoint_interval}")
     if setup.offload_optimizer:
@@ -322,6 +340,9 @@ def _option_sets(request: AutoMemory, run: RunSpec, fused_elementwise: bool,
             "tiled_mlp": values("tiled_mlp", (False, True)),
             "activation_checkpointing": values("activation_checkpointing", (False, True)),
             "keep_attention_outputs": values("keep_attention_outputs", (False, True)),
+            "keep_matmul_outputs": values("keep_matmul_outputs", (False, True)),
+            "keep_token_mixer_outputs": values("keep_token_mixer_outputs", (False, True)),
+            "checkpoint_layers": (request.checkpoint_layers,),
             "offload_activations": values("offload_activations", host),
             "checkpoint_interval": values("checkpoint_interval", INTERVALS)}
     options = []
@@ -393,8 +414,11 @@ def choose(shape: ModelShape, request: AutoMemory, run: RunSpec, free: tuple[flo
                          ' "micro_batch" if it is not 1); the recipes fill both in from data.seq_len and data.batch_size.')
     budget = Budget(free[0] * (1 - request.device_margin), free[1] * (1 - request.host_margin), not run.on_cuda)
     offloads = _offload_choices(request, run, shape)
+    refused = refused | selective_refusals(shape, run)
+    option_sets = _option_sets(request, run, fused_elementwise, refused)
     fitting = [c for c in (_best_share(shape, request, run, kernel, budget, options, offloads)
-                           for options in _option_sets(request, run, fused_elementwise, refused)) if c is not None]
+                           for options in option_sets) if c is not None]
+    fitting += _partial_candidates(shape, request, run, kernel, budget, option_sets, offloads)
     if not fitting:
         raise ValueError(_nothing_fits(shape, request, run, fused_elementwise, budget, offloads, refused))
     ranked = sorted(fitting, key=lambda c: c.key)  # stable: candidates in enumeration order on equal keys
@@ -418,7 +442,10 @@ def _reasons(shape, request, run, kernel, fused_elementwise, budget, offloads, b
         other = 1 if name == "checkpoint_interval" and value > 1 else (2 if name == "checkpoint_interval" else not value)
         change = {name: other}
         if name == "activation_checkpointing" and value:  # off, with what only tunes it
-            change.update(keep_attention_outputs=False, offload_activations=False, checkpoint_interval=1)
+            change.update(keep_attention_outputs=False, offload_activations=False, checkpoint_interval=1,
+                          keep_matmul_outputs=False, keep_token_mixer_outputs=False, checkpoint_layers=None)
+        if name == "checkpoint_interval" and best.setup.memory.checkpoint_layers is not None:
+            change.update(checkpoint_layers=None)  # (sparser stretches of every layer)
         try:
             options = dataclasses.replace(best.setup.memory, **change)
         except ValueError:
@@ -435,6 +462,7 @@ def _reasons(shape, request, run, kernel, fused_elementwise, budget, offloads, b
             delta = alternative.time.total - best.time.total
             reasons[name] = (f"with {label}: {delta:+.3f} s per step" + (" (and fewer features win ties)"
                                                                          if abs(delta) < 1e-9 else ""))
+    reasons["checkpoint_layers"] = _checkpoint_layers_reason(shape, request, run, kernel, budget, offloads, best)
     if request.fused_elementwise is not None:
         reasons["fused_elementwise"] = "set by you"
     elif not fused_elementwise:
@@ -462,14 +490,16 @@ def longest_fit(shape: ModelShape, request: AutoMemory, run: RunSpec, free: tupl
     the most memory-saving configuration it may choose, and that configuration; `(0, None)` when not even the
     shortest length fits. A multiple of 64 tokens × the SP size (`request.seq_len` is not needed)."""
     budget = Budget(free[0] * (1 - request.device_margin), free[1] * (1 - request.host_margin), not run.on_cuda)
-    return _longest_fit(shape, request, run, fused_elementwise, budget, _offload_choices(request, run, shape), refused)
+    return _longest_fit(shape, request, run, fused_elementwise, budget, _offload_choices(request, run, shape),
+                        refused | selective_refusals(shape, run))
 
 
 def _longest_fit(shape, request, run, fused_elementwise, budget, offloads,
                  refused: frozenset = frozenset()) -> tuple[int, Optional[TrainingSetup]]:
     def saving(o: MemoryOptions) -> tuple:
         return (o.activation_checkpointing, o.checkpoint_interval, o.tiled_mlp, o.tiled_logits_loss,
-                o.low_memory_norms, not o.keep_attention_outputs)
+                o.low_memory_norms, not o.keep_attention_outputs, not o.keep_matmul_outputs,
+                not o.keep_token_mixer_outputs)
 
     options = _option_sets(request, run, fused_elementwise, refused)
     most = max(map(saving, options))
@@ -716,3 +746,81 @@ def check_optimizer(choice: Optional[AutoChoice], optimizer: Any) -> None:
             f" needs deepspeed.ops.adam.DeepSpeedCPUAdam, but configure_optimizers returned"
             f" {type(optimizer).__name__}. Return DeepSpeedCPUAdam, or keep the optimizer on the device:"
             ' memory={"auto": True, "offload_optimizer": 0.0, ...}.')
+
+
+# -- partial layer checkpointing and kept products (`planning/selective.py`) ------------------------------------------
+
+
+def selective_refusals(shape: ModelShape, run: RunSpec) -> frozenset[str]:
+    """The kept-products options `memory="auto"` leaves off for `shape`: `keep_matmul_outputs` where a part's
+    products are not declared (Mamba2: its PyTorch scan's products run outside a marked region, so the option would
+    keep them too, uncounted), `keep_token_mixer_outputs` where no token mixer marks its recurrence (no hybrid, or
+    one without a Gated DeltaNet); both on FSDP2, which has not been tried with them (`FSDP2_UNPORTED_MEMORY`)."""
+    if run.fsdp2:
+        return frozenset(name for name in FSDP2_UNPORTED_MEMORY if name != "checkpoint_layers")
+    parts = [part for layer in shape.layers for part in layer.parts]
+    refused = set()
+    if any(part.product_bytes is None for part in parts):
+        refused.add("keep_matmul_outputs")
+    if not any(part.mixer_product_bytes for part in parts):
+        refused.add("keep_token_mixer_outputs")
+    return frozenset(refused)
+
+
+def _checkpoint_layers_for(order: list[int], uncheckpointed: int, num_layers: int):
+    """`checkpoint_layers` leaving the first `uncheckpointed` layers of `order` out: a count where those are the
+    last layers (the first ones checkpointed), else the indices."""
+    left_out = set(order[:uncheckpointed])
+    kept = [index for index in range(num_layers) if index not in left_out]
+    return len(kept) if kept == list(range(len(kept))) else tuple(kept)
+
+
+def _partial_candidates(shape, request, run, kernel, budget, option_sets, offloads) -> list[Candidate]:
+    """For each option set that checkpoints every layer one by one (`checkpoint_layers` not pinned), the plans that
+    leave as many layers un-checkpointed as fit — at every optimizer share on the host, since more layers kept can
+    need a larger share —, the layers taken in `uncheckpoint_order` (most recompute time saved per byte first)."""
+    candidates = []
+    if run.fsdp2:  # partial checkpointing is not tried under FSDP2 yet (`FSDP2_UNPORTED_MEMORY`)
+        return candidates
+    for options in option_sets:
+        if not options.activation_checkpointing or options.checkpoint_interval != 1 or \
+                request.checkpoint_layers is not None or options.checkpoint_layers is not None:
+            continue
+        probe = _setup(request, run, options, 0.0, offloads[0][1])
+        costs = layer_costs(shape, probe.compute_bytes, options,
+                            _saved_bytes_by_layer(shape, probe.compute_bytes, options))
+        order = uncheckpoint_order(costs, layer_recompute_seconds(shape, probe, kernel))
+        uncheckpointed = 0
+        for share, cut in offloads:  # the count that fits only grows with the share
+            def fits(count: int):
+                partial = dataclasses.replace(options, checkpoint_layers=_checkpoint_layers_for(
+                    order, count, shape.num_layers))
+                setup = _setup(request, run, partial, share, cut)
+                plan = plan_memory(shape, setup)
+                return (setup, plan) if budget.fits(plan) else None
+
+            while uncheckpointed + 1 < shape.num_layers and fits(uncheckpointed + 1):
+                uncheckpointed += 1
+            found = fits(uncheckpointed) if uncheckpointed else None
+            if found is not None:
+                setup, plan = found
+                candidates.append(Candidate(setup, plan, predict_step_time(shape, setup, kernel,
+                                                                           host_beside_device=run.on_cuda)))
+            if uncheckpointed == shape.num_layers - 1:
+                break
+    return candidates
+
+
+def _checkpoint_layers_reason(shape, request, run, kernel, budget, offloads, best: Candidate) -> str:
+    m = best.setup.memory
+    if request.checkpoint_layers is not None:
+        return "set by you"
+    if not m.activation_checkpointing:
+        return "needs layer checkpointing"
+    if m.checkpoint_layers is None:
+        return "every layer (leaving one out does not fit, or is not faster)"
+    every = _best_share(shape, request, run, kernel, budget, dataclasses.replace(m, checkpoint_layers=None), offloads)
+    layers = describe_layers(m.checkpoint_layers, shape.num_layers)
+    if every is None:
+        return f"{layers}; with every layer checkpointed nothing fits"
+    return f"{layers}; with every layer checkpointed: {every.time.total - best.time.total:+.3f} s per step"

@@ -36,7 +36,13 @@ class LayerPart:
     shared experts a token reaches, and the router); `scan_flops`: the recurrence's and the convolution's forward
     FLOPs per token beyond those (chunked: they do not grow with the row); `attention_width` and `attention_heads`:
     a causal softmax attention's `heads · head_dim` and heads (its `s²` FLOPs; 0: none); `tiles`: whether the
-    memory engine's tiled MLP applies to it (an MLP whose module is the layer's `mlp`)."""
+    memory engine's tiled MLP applies to it (an MLP whose module is the layer's `mlp`).
+
+    What a checkpointed layer keeps of it per token with the kept products (`memory/checkpointing.py`, fit to the
+    outputs its kept-outputs mode records in tiny bf16 models: `tests/unit/test_selective_recompute.py`):
+    `product_bytes`, its linear layers' outputs (`keep_matmul_outputs`; None: not declared, e.g. Mamba2, whose
+    PyTorch scan's products run outside a marked region, so the option is left off); `mixer_product_bytes`, the fp32
+    products of its chunked recurrence (`keep_token_mixer_outputs`; 0: none marked)."""
 
     kind: str
     parameters: int
@@ -46,6 +52,8 @@ class LayerPart:
     attention_width: int = 0
     attention_heads: int = 0
     tiles: bool = False
+    product_bytes: Optional[float] = None
+    mixer_product_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -97,7 +105,13 @@ def gated_deltanet(h: int, key_heads: int, key_dim: int, value_heads: int, value
     # per value head and token: the chunk's products (q·kᵀ, k·kᵀ, the triangular solves on C columns, the read of
     # the within-chunk values: ~4·C·(dk + dv)) and the state's reads and update (3·dk·dv), 2 FLOPs per multiply-add
     scan = 2 * value_heads * (4 * chunk * (key_dim + value_dim) / 2 + 3 * key_dim * value_dim) + 2 * conv * kernel
-    return LayerPart("gated_deltanet", parameters, projections, saved, scan_flops=scan)
+    # kept products: the projections' 16-bit outputs ([q | k | v | z], [b | a], the output); the delta rule's fp32
+    # products per value head: q·kᵀ and k·kᵀ within the chunk (C each), its two triangular solves (dv, dk), and per
+    # chunk the state's reads and the outputs (3·dv) and its update (dk·dv / C)
+    products = 2 * (2 * key + 2 * value + 2 * value_heads + h)
+    mixer_products = 4 * value_heads * (2 * chunk + 4 * value_dim + key_dim + key_dim * value_dim / chunk)
+    return LayerPart("gated_deltanet", parameters, projections, saved, scan_flops=scan, product_bytes=products,
+                     mixer_product_bytes=mixer_products)
 
 
 def mamba2(h: int, heads: int, head_dim: int, state: int, groups: int, kernel: int, chunk: int) -> LayerPart:
@@ -125,7 +139,9 @@ def softmax_attention(h: int, heads: int, kv_heads: int, head_dim: int, gated: b
     projections = h * q * (2 if gated else 1) + 2 * h * kv + q * h
     parameters = projections + (2 * head_dim if gated else 0)
     saved = (18 * q + 12.5 * kv + 24 * heads + 4 * h) if gated else e * (h + 3 * q + 2 * kv) + 4 * heads
-    return LayerPart("attention", parameters, projections, saved, attention_width=q, attention_heads=heads)
+    products = e * (q * (2 if gated else 1) + 2 * kv + h)  # q (and its gate), k, v, the output projection
+    return LayerPart("attention", parameters, projections, saved, attention_width=q, attention_heads=heads,
+                     product_bytes=products)
 
 
 def dense_mlp(h: int, intermediate: int, gated: bool) -> LayerPart:
@@ -133,7 +149,8 @@ def dense_mlp(h: int, intermediate: int, gated: bool) -> LayerPart:
     4), plus the 16-bit input."""
     matrices = 3 if gated else 2
     return LayerPart("mlp", matrices * h * intermediate, matrices * h * intermediate,
-                     (8 if gated else 4) * intermediate + 2 * h, tiles=True)
+                     (8 if gated else 4) * intermediate + 2 * h, tiles=True,
+                     product_bytes=2 * ((matrices - 1) * intermediate + h))
 
 
 def experts(h: int, num_experts: int, top_k: int, intermediate: int, shared_intermediate: int, gated: bool,
@@ -149,7 +166,12 @@ def experts(h: int, num_experts: int, top_k: int, intermediate: int, shared_inte
     routed = (11 if gated else 22 / 3) * intermediate + 3 * h
     saved = (max(0.0, 28.25 * num_experts - 340) + top_k * routed + (8.75 if gated else 35 / 6) * shared_intermediate
              + 9.4 * h)
-    return LayerPart("moe", parameters, top_k * expert + shared + num_experts * h, saved, tiles=tiles)
+    # kept products: the router's logits, each routed copy's gate/up and down outputs, the shared expert's and its
+    # one-value gate
+    products = 2 * (num_experts + top_k * ((matrices - 1) * intermediate + h)
+                    + ((matrices - 1) * shared_intermediate + h + 1 if shared_intermediate else 0))
+    return LayerPart("moe", parameters, top_k * expert + shared + num_experts * h, saved, tiles=tiles,
+                     product_bytes=products)
 
 
 # Nemotron-H's `hybrid_override_pattern` characters

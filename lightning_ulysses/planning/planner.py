@@ -39,6 +39,7 @@ from typing import Any, Optional
 from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.parallel.run_spec import RunSpec
 from lightning_ulysses.planning.layer_kinds import LayerKind, attention_layers, hybrid_layers
+from lightning_ulysses.planning.selective import activation_terms as layer_activation_terms, layer_costs
 
 GIB = 2**30
 GB = 10**9
@@ -427,6 +428,13 @@ def _layers_saved_bytes_per_token(shape: ModelShape, e: int, m: MemoryOptions) -
     return layer * shape.num_layers, layer
 
 
+def _saved_bytes_by_layer(shape: ModelShape, e: int, m: MemoryOptions) -> list[float]:
+    """Each decoder layer's saved bytes per local token without checkpointing."""
+    if shape.layers:
+        return [layer.saved_bytes(m.tiled_mlp) for layer in shape.layers]
+    return [_layer_saved_bytes_per_token(shape, e, m.tiled_mlp, m.low_memory_norms, m.fused_elementwise)] * shape.num_layers
+
+
 def _layer_backward_transient_per_token(shape: ModelShape, e: int) -> float:
     """Gradients alive while one layer runs backward: d(hidden) in and out, d(q, k, v), d(attention output); in a
     hybrid, d(hidden) in and out and 15% of what its largest part keeps: backward frees the saved chunks as it goes
@@ -440,7 +448,8 @@ def _layer_backward_transient_per_token(shape: ModelShape, e: int) -> float:
     return e * (2 * h + h + 2 * kv + h)
 
 
-_ACTIVATION_TERMS = ("checkpointed layer inputs", "kept attention outputs", "saved activations (all layers)",
+_ACTIVATION_TERMS = ("checkpointed layer inputs", "kept attention outputs", "kept products",
+                     "saved activations (layers not checkpointed)", "saved activations (all layers)",
                      "tiled loss: stored gradients")
 
 
@@ -481,30 +490,18 @@ def plan_memory(shape: ModelShape, setup: TrainingSetup) -> MemoryPlan:
         optimizer_transient = 2 * 4 * largest_gpu_sub_group
 
     # -- activations -------------------------------------------------------------------------------------------
-    layers_full, layer_full = _layers_saved_bytes_per_token(shape, e, m)
+    layers_full, _ = _layers_saved_bytes_per_token(shape, e, m)
     embedding_output = e * shape.hidden_size * tokens
     if m.activation_checkpointing:
-        # every `checkpoint_interval`-th layer keeps its input; with keep_attention_outputs every layer also keeps
-        # its attention output (16-bit, all heads of its tokens) and fp32 log-sum-exp per head, where inputs go
-        kept = {"checkpointed layer inputs": e * shape.hidden_size * tokens
-                * math.ceil(shape.num_layers / m.checkpoint_interval)}
-        if m.keep_attention_outputs:
-            kept["kept attention outputs"] = tokens * (
-                sum(e * part.attention_width + 4 * part.attention_heads for layer in shape.layers
-                    for part in layer.parts if part.attention_heads) if shape.layers
-                else (e * shape.hidden_size + 4 * shape.num_heads) * shape.num_layers)
-        for name, value in kept.items():
-            if m.offload_activations:
-                host[f"{name} (offloaded)"] = value
-                gpu[name] = 0.0
-            else:
-                gpu[name] = value
-        # a stretch's recomputed inputs stay on the device until their own layer's backward (k − 1 at most)
-        recomputed_inputs = (m.checkpoint_interval - 1) * e * shape.hidden_size
-        # offloaded: the next layer's kept input comes back while this one runs backward (`prefetch_input`)
-        prefetched = e * shape.hidden_size if m.offload_activations else 0
-        layer_transient = (layer_full + _layer_backward_transient_per_token(shape, e) + recomputed_inputs
-                           + prefetched) * tokens
+        # per layer (selective.py): every `checkpoint_interval`-th checkpointed layer keeps its input, and what the
+        # options keep for its recompute (attention outputs, products), where the inputs go; the layers
+        # `checkpoint_layers` leaves out keep what autograd saves of them
+        costs = layer_costs(shape, e, m, _saved_bytes_by_layer(shape, e, m))
+        kept_gpu, kept_host, layer_transient = layer_activation_terms(
+            costs, tokens, e, shape.hidden_size, m.offload_activations, _layer_backward_transient_per_token(shape, e),
+            embedding_output / tokens, m.checkpoint_interval)
+        gpu.update(kept_gpu)
+        host.update(kept_host)
     else:
         gpu["saved activations (all layers)"] = layers_full * tokens + embedding_output
         layer_transient = _layer_backward_transient_per_token(shape, e) * tokens

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lightning_ulysses.planning.planner import ModelShape, TrainingSetup, optimizer_sub_groups
+from lightning_ulysses.planning.selective import layer_costs, uses_layer_costs
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,10 @@ class DeviceSpeeds:
     # A hybrid's token-mixer recurrences (chunked delta rule, SSD scan; `layer_kinds.LayerPart.scan_flops`), forward
     # and backward, in PyTorch: many small matmuls per chunk, far below the matmul rate.
     scan_flops: float = 1.2e12
+    # What a recurrence's recompute still costs when its products are kept (`keep_token_mixer_outputs`): the
+    # elementwise ops between them (per chunk: the state's decay and update, the corrections' subtraction). Not
+    # measured yet: 3 of the 8 per-chunk operations, on the same small tensors (launch-bound), taken as a quarter.
+    kept_scan_share: float = 0.25
 
 
 # Attention rates: `benchmarks/results/2026-11-29-h200-long-sequence/attention-kernels.jsonl` (causal, 32 heads,
@@ -150,6 +155,47 @@ def _matmul_parameters(shape: ModelShape) -> tuple[float, float, float]:
     return shape.num_layers * (attention + mlp), mlp, shape.vocab_size * h
 
 
+def layer_recompute_seconds(shape: ModelShape, setup: TrainingSetup, kernel: Optional[str] = "cudnn",
+                            speeds: DeviceSpeeds = H200) -> list[float]:
+    """Per decoder layer, the seconds its recompute takes under `setup` (0 for a layer not checkpointed): its
+    matmuls, its share of the elementwise work (a third of it is forward), its attention forward unless kept, its
+    recurrence (the elementwise rest of it, `kept_scan_share`, where its products are kept)."""
+    m = setup.memory
+    tokens = setup.local_tokens
+    costs = layer_costs(shape, setup.compute_bytes, m, [0.0] * shape.num_layers)
+    attention = setup.micro_batch * 2 * setup.seq_len ** 2 / setup.sequence_parallel_size
+    elementwise = (speeds.elementwise_s * tokens * shape.hidden_size
+                   * (speeds.fused_elementwise_factor if m.fused_elementwise else 1.0))
+    forwards = 1 + (m.checkpoint_interval - 1) / m.checkpoint_interval  # a stretch's inputs, recomputed once more
+    seconds = []
+    for cost in costs:
+        time = (2 * cost.recompute_matmul_parameters * tokens / speeds.matmul_flops
+                + (cost.recompute_scan_flops + speeds.kept_scan_share * cost.kept_scan_flops) * tokens
+                / speeds.scan_flops)
+        if cost.checkpointed:
+            time += (elementwise / 3 + attention * cost.recompute_attention_width
+                     / speeds.attention_forward_flops[kernel or "flash"])
+        seconds.append(time * (forwards if cost.checkpointed else 1.0))
+    return seconds
+
+
+def _layer_by_layer_recompute(shape: ModelShape, setup: TrainingSetup, kernel: Optional[str], speeds: DeviceSpeeds,
+                              terms: dict, overlapped_copies: bool) -> float:
+    """The recompute and offload terms of `setup` layer by layer (`selective.layer_costs`), into `terms`; returns
+    the extra layer passes per layer (for the host's per-layer work)."""
+    m, tokens = setup.memory, setup.local_tokens
+    costs = layer_costs(shape, setup.compute_bytes, m, [0.0] * shape.num_layers)
+    seconds = layer_recompute_seconds(shape, setup, kernel, speeds)
+    terms["recompute: checkpointed layers" if m.checkpoint_layers is None else
+          f"recompute: {sum(c.checkpointed for c in costs)} of {len(costs)} layers"] = sum(seconds)
+    if m.offload_activations:
+        kept = sum(cost.input_bytes + cost.kept_beside_input for cost in costs)
+        share = speeds.overlapped_transfer_factor if overlapped_copies else 1.0
+        terms["host transfers: offloaded activations"] = 2 * kept * tokens * share / speeds.host_link_bytes
+    forwards = 1 + (m.checkpoint_interval - 1) / m.checkpoint_interval
+    return forwards * sum(cost.checkpointed for cost in costs) / len(costs)
+
+
 def predict_step_time(shape: ModelShape, setup: TrainingSetup, kernel: Optional[str] = "cudnn",
                       speeds: DeviceSpeeds = H200, overlapped_copies: bool = True,
                       deferred_mlp: bool = True, host_beside_device: bool = True) -> StepTime:
@@ -175,7 +221,9 @@ def predict_step_time(shape: ModelShape, setup: TrainingSetup, kernel: Optional[
     if scan_forward:
         terms["token-mixer scans (forward + backward)"] = 3 * scan_forward / speeds.scan_flops
     extra_forwards = 0.0
-    if m.activation_checkpointing:
+    if uses_layer_costs(m):  # some layers checkpointed, or products kept: layer by layer (selective.py)
+        extra_forwards = _layer_by_layer_recompute(shape, setup, kernel, speeds, terms, overlapped_copies)
+    elif m.activation_checkpointing:
         extra_forwards = 1 + (m.checkpoint_interval - 1) / m.checkpoint_interval
         # a third of the matmuls and of the elementwise work is forward
         terms["recompute: layer forwards"] = extra_forwards * (2 * layers * tokens / speeds.matmul_flops
@@ -184,9 +232,9 @@ def predict_step_time(shape: ModelShape, setup: TrainingSetup, kernel: Optional[
             terms["recompute: attention forward"] = extra_forwards * terms["attention forward"]
         if scan_forward:
             terms["recompute: token-mixer scans"] = extra_forwards * scan_forward / speeds.scan_flops
-    if m.tiled_mlp and not (m.activation_checkpointing and deferred_mlp):
+    if m.tiled_mlp and not (m.activation_checkpointing and deferred_mlp) and not uses_layer_costs(m):
         terms["recompute: tiled MLP forward"] = 2 * shape.num_layers * mlp * tokens / speeds.matmul_flops
-    if m.offload_activations:
+    if m.offload_activations and not uses_layer_costs(m):
         kept = shape.hidden_size * math.ceil(shape.num_layers / m.checkpoint_interval)
         if m.keep_attention_outputs:
             kept += shape.hidden_size * shape.num_layers

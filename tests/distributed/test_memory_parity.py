@@ -31,13 +31,16 @@ FUSED = {"fused_elementwise": True, "fused_backend": "aot_eager"}
 
 
 # memory="auto" planning 4096-token rows (the rows trained are shorter) with the least of the ranks' free memory,
-# 6.0 MB: layer checkpointing with kept attention outputs and a tiled MLP (planner: 5.32 MB; with 9.0 MB, rank 0's
+# 6.0 MB: layer checkpointing of the first layer with kept attention outputs and products, a tiled MLP, low-memory
+# norms (before partial checkpointing: every layer, without the products and norms) (planner: 5.32 MB; with 9.0 MB, rank 0's
 # own, a tiled MLP alone). Tiles as in the hand-set case it is compared with.
 AUTO = {"auto": True, "seq_len": 4096, "device_margin": 0, "host_margin": 0, "mlp_tile_tokens": 3,
         "logits_tile_tokens": 4, "confirm_steps": 1}  # 3 steps: one warm-up, one timed, the next batch reports
 AUTO_FREE = [[9e6, 9e6], [6e6, 6e6], [8e6, 8e6], [7e6, 7e6]]
 AUTO_CHOSEN = {"tiled_mlp": True, "mlp_tile_tokens": 3, "logits_tile_tokens": 4, "activation_checkpointing": True,
-               "keep_attention_outputs": True, "expandable_segments": True}  # auto's default (an env var on CPU)
+               "keep_attention_outputs": True, "expandable_segments": True,  # auto's default (an env var on CPU)
+               # since partial checkpointing: the first layer checkpointed with its products kept, the second not
+               "checkpoint_layers": 1, "keep_matmul_outputs": True, "low_memory_norms": True}
 
 
 def _case(name, sp, stage, model="llama", memory=ALL_FEATURES, wrapped=None):
@@ -63,8 +66,16 @@ CASES = [
     # in backward, with ZeRO-3 gathering the first layer's parameters again) and replayed attention outputs
     _case("zero3-sp2-llama-stretch-kept-attention", 2, 3, memory=SPARSE_FEATURES),
     _case("zero3-sp2-gpt-stretch-kept-attention", 2, 3, model="gpt", memory=SPARSE_FEATURES),
-    _case("zero3-sp2-llama-auto-by-hand", 2, 3, memory=AUTO_CHOSEN, wrapped=["LlamaDecoderLayer", "LlamaMLP"]),
-    dict(_case("zero3-sp2-llama-auto", 2, 3, memory=AUTO, wrapped=["LlamaDecoderLayer", "LlamaMLP"]),
+    # selective recompute: the first layer checkpointed (its input offloaded, its products and attention replayed),
+    # the second keeping its activations; every layer with the products kept, under ZeRO-2
+    _case("zero3-sp2-llama-partial-kept-products", 2, 3,
+          memory={"activation_checkpointing": True, "checkpoint_layers": 1, "offload_activations": True,
+                  "keep_matmul_outputs": True, "keep_attention_outputs": True}, wrapped=["LlamaDecoderLayer"]),
+    _case("zero2-sp2-gpt-kept-products", 2, 2, model="gpt",
+          memory={"activation_checkpointing": True, "keep_matmul_outputs": True}, wrapped=["Block"]),
+    _case("zero3-sp2-llama-auto-by-hand", 2, 3, memory=AUTO_CHOSEN,
+          wrapped=["LlamaDecoderLayer", "LlamaMLP", "LlamaRMSNorm"]),
+    dict(_case("zero3-sp2-llama-auto", 2, 3, memory=AUTO, wrapped=["LlamaDecoderLayer", "LlamaMLP", "LlamaRMSNorm"]),
          free_memory_by_rank=AUTO_FREE),
 ]
 CASES[-3]["strategy_kwargs"]["sdpa_kernel_priority"] = ["math", "flash"]  # accepted on CPU (where torch ignores it)
@@ -83,7 +94,8 @@ def test_memory_features_match_plain_reference(case, tmp_path_factory):
     # Each layer runs in forward and again in its backward; in a stretch of both layers (with ZeRO-3's hooks handing
     # each layer an alias of the previous layer's output) the first runs once more, to recompute the second's input.
     memory = ranks[0]["memory"]  # as applied (memory="auto": as chosen)
-    runs = [1 + memory["activation_checkpointing"]] * 2
+    checkpointed = memory["checkpoint_layers"] if memory["checkpoint_layers"] is not None else 2
+    runs = [1 + (memory["activation_checkpointing"] and layer < checkpointed) for layer in range(2)]
     runs[0] += memory["checkpoint_interval"] == 2
     assert all(rank["attention_runs"] == [STEPS * count for count in runs] for rank in ranks), ranks[0]["attention_runs"]
     # Every run of the attention, forward and each recompute in backward, under the strategy's SDPA kernel order.
@@ -92,7 +104,9 @@ def test_memory_features_match_plain_reference(case, tmp_path_factory):
     assert all(rank["sdpa_orders"] == expected for rank in ranks), (ranks[0]["sdpa_orders"], expected)
     # Under ZeRO's hooks too, a checkpointed layer's recompute leaves its tiled MLP's forward out (steps 2 and 3).
     both = memory["tiled_mlp"] and memory["activation_checkpointing"]
-    assert all(rank["mlps_deferrable"] == ([True] * 2 if both else [None] * 2 * memory["tiled_mlp"]) for rank in ranks)
+    # (a layer checkpoint_layers leaves out is never recomputed: its MLP's deferral is never decided)
+    deferrable = [True if layer < checkpointed else None for layer in range(2)]
+    assert all(rank["mlps_deferrable"] == (deferrable if both else [None] * 2 * memory["tiled_mlp"]) for rank in ranks)
     # ZeRO-3 gathers each decoder layer whole, except where a stretch recomputes layers outside their hooks.
     leaves = case["stage"] == 3 and memory["checkpoint_interval"] == 1
     assert all(rank["leaf_layers"] == [leaves] * 2 for rank in ranks), ranks[0]["leaf_layers"]
@@ -121,7 +135,8 @@ def test_auto_choice_is_identical_on_every_rank_and_trains_like_the_same_options
     choices = [rank["memory_choice"] for rank in ranks]
     assert all(choice == choices[0] for choice in choices)  # from the least free memory (rank 1's), on every rank
     assert choices[0]["predicted_device_bytes"] <= min(free for free, _ in AUTO_FREE)
-    assert all(rank["memory"] == by_hand[0]["memory"] for rank in ranks)
+    assert all(rank["memory"] == by_hand[0]["memory"] for rank in ranks), {
+        key: (value, by_hand[0]["memory"][key]) for key, value in ranks[0]["memory"].items() if value != by_hand[0]["memory"][key]}
     assert by_hand[0]["memory_choice"] is None
     # the first steps confirmed once, from the slowest rank's time (the same on every rank); no device peak on CPU
     confirmations = [rank["memory_confirmation"] for rank in ranks]

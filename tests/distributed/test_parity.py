@@ -139,6 +139,12 @@ def _matrix():
         # own eager attention on whole rows) with labels=input_ids, a sliding-window family in bf16-mixed.
         _case(4, 2, 3, "gqa", suffix="-qwen3_next-accumulate2", model="family:qwen3_next", batch_size=1,
               trainer_kwargs={"accumulate_grad_batches": 2}),
+        # selective recompute on a hybrid: its first layer checkpointed with the delta rule's and the linear layers'
+        # products kept (the recompute runs only their elementwise rest), the others keeping their activations
+        _case(4, 2, 3, "gqa", suffix="-qwen3_next-selective-recompute", model="family:qwen3_next",
+              strategy_kwargs={"memory": {"activation_checkpointing": True, "checkpoint_layers": 1,
+                                          "keep_matmul_outputs": True, "keep_token_mixer_outputs": True,
+                                          "keep_attention_outputs": True}}),
         _case(4, 2, 2, "gqa", suffix="-gpt_oss-labels_are_input_ids", model="family:gpt_oss",
               step="labels_are_input_ids"),
         _case(4, 2, 3, "gqa", suffix="-mistral-bf16-mixed", model="family:mistral", precision="bf16-mixed"),

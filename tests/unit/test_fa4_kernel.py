@@ -146,7 +146,7 @@ def test_calls_fa4_cannot_serve_exactly_stay_with_sdpa(stand_in, case):
 def test_fa4_gradients_and_a_checkpointed_recompute_replays_its_outputs(stand_in):
     """The operator's backward gives SDPA's gradients; under `keep_attention_outputs`' recording, a recompute
     replays the forward's outputs instead of running the kernel again (FA4 is one of the kernels it keeps)."""
-    from lightning_ulysses.memory.checkpointing import _AttentionOutputs
+    from lightning_ulysses.memory.checkpointing import ATTENTION, _KeptOutputs
 
     q, k, v = (t.requires_grad_() for t in _qkv())
     grad = torch.randn(2, 12, 4, 16).bfloat16()
@@ -161,7 +161,7 @@ def test_fa4_gradients_and_a_checkpointed_recompute_replays_its_outputs(stand_in
     for got, want in zip(grads, expected):
         assert (got.double() - want).abs().max() < 2e-2  # bf16 inputs
     calls.clear()
-    recorder = _AttentionOutputs(None)
+    recorder = _KeptOutputs(None, frozenset({ATTENTION}))
     with torch.no_grad(), recorder, backends.sdpa_priority(("fa4",)):  # the checkpointed forward
         kept = backends.local_attention(q, k, v, "sdpa")
     with recorder.replaying(), backends.sdpa_priority(("fa4",)):  # the recompute

@@ -235,11 +235,11 @@ def test_refuses_other_norms_and_unknown_backends_before_changing_anything():
 
 def test_compiles_under_the_kept_attention_dispatch_mode():
     """Dynamo runs a compiled function eagerly under a dispatch mode that does not ignore compile internals, and
-    skips its code for good after such a first call: layer checkpointing's `_AttentionOutputs` must ignore them."""
-    from lightning_ulysses.memory.checkpointing import _AttentionOutputs
+    skips its code for good after such a first call: layer checkpointing's `_KeptOutputs` must ignore them."""
+    from lightning_ulysses.memory.checkpointing import ATTENTION, MATMULS, _KeptOutputs
 
     gate, up, graphs = torch.randn(2, 3, 8), torch.randn(2, 3, 8), _unique_graphs()
-    with _AttentionOutputs(None):
+    with _KeptOutputs(None, frozenset({ATTENTION, MATMULS})):
         fused = call_compiled(gated_activation, CHEAP, "silu", gate, up)
     assert _unique_graphs() == graphs + 1
     assert torch.equal(fused, gated_activation("silu", gate, up))

@@ -35,6 +35,15 @@ FEATURES = {
     "all_sparse": dict(tiled_mlp=True, mlp_tile_tokens=5, tiled_logits_loss=True, logits_tile_tokens=3,
                        activation_checkpointing=True, offload_activations=True, checkpoint_interval=2,
                        keep_attention_outputs=True),
+    # some layers checkpointed (the first; then the last, by index), the others keep their activations
+    "partial_checkpoints": dict(activation_checkpointing=True, checkpoint_layers=1, offload_activations=True),
+    "partial_checkpoints_by_index": dict(activation_checkpointing=True, checkpoint_layers=(1,),
+                                         keep_attention_outputs=True),
+    # selective recompute: the products (and attention) replayed, the elementwise work run again
+    "kept_products": dict(activation_checkpointing=True, keep_attention_outputs=True, keep_matmul_outputs=True),
+    "kept_products_offloaded_tiled": dict(tiled_mlp=True, mlp_tile_tokens=5, activation_checkpointing=True,
+                                          offload_activations=True, keep_matmul_outputs=True, low_memory_norms=True),
+    "kept_products_sparse": dict(activation_checkpointing=True, checkpoint_interval=2, keep_matmul_outputs=True),
 }
 
 
@@ -79,12 +88,14 @@ def test_feature_equals_plain_path(kind, feature):
     assert len(replaced_norms) == (5 if kind == "llama" and FEATURES[feature].get("low_memory_norms") else 0)
     actual = _loss_and_grads(model, input_ids, labels)
     _assert_same(expected, actual)
-    if FEATURES[feature].get("offload_activations") and "checkpoint_interval" not in FEATURES[feature]:
-        # Both layers' inputs (batch 2 × 13 tokens × width 32, fp32) went to the host store and came back; a second
-        # step reuses the same buffers.
-        assert store.host_bytes == 2 * (2 * SEQ_LEN * 32 * 4)
+    if (FEATURES[feature].get("offload_activations") and "checkpoint_interval" not in FEATURES[feature]
+            and not FEATURES[feature].get("keep_matmul_outputs")):
+        # The checkpointed layers' inputs (batch 2 × 13 tokens × width 32, fp32; both layers, or the one of
+        # checkpoint_layers=1) went to the host store and came back; a second step reuses the same buffers.
+        checkpointed = FEATURES[feature].get("checkpoint_layers", 2)
+        assert store.host_bytes == checkpointed * (2 * SEQ_LEN * 32 * 4)
         _assert_same(expected, _loss_and_grads(model, input_ids, labels))
-        assert store.host_bytes == 2 * (2 * SEQ_LEN * 32 * 4)
+        assert store.host_bytes == checkpointed * (2 * SEQ_LEN * 32 * 4)
     outputs = model(input_ids=input_ids, labels=labels)
     assert (outputs.logits is None) == bool(FEATURES[feature].get("tiled_logits_loss"))
     # Evaluation returns logits as usual; undoing gives the plain model back.
@@ -273,6 +284,15 @@ DROPOUT_FEATURES = {
                                             logits_tile_tokens=3, activation_checkpointing=True,
                                             offload_activations=True, checkpoint_interval=2,
                                             keep_attention_outputs=True),
+    # some layers checkpointed (the first; then the last, by index), the others keep their activations
+    "partial_checkpoints": dict(activation_checkpointing=True, checkpoint_layers=1, offload_activations=True),
+    "partial_checkpoints_by_index": dict(activation_checkpointing=True, checkpoint_layers=(1,),
+                                         keep_attention_outputs=True),
+    # selective recompute: the products (and attention) replayed, the elementwise work run again
+    "kept_products": dict(activation_checkpointing=True, keep_attention_outputs=True, keep_matmul_outputs=True),
+    "kept_products_offloaded_tiled": dict(tiled_mlp=True, mlp_tile_tokens=5, activation_checkpointing=True,
+                                          offload_activations=True, keep_matmul_outputs=True, low_memory_norms=True),
+    "kept_products_sparse": dict(activation_checkpointing=True, checkpoint_interval=2, keep_matmul_outputs=True),
 }
 
 
