@@ -81,7 +81,7 @@ def local_attention(
 
 
 def _sdpa(query, key, value, documents, is_causal, scale, dropout_p, pattern=None):
-    if _fa4_first[0] and fa4_serves(query, dropout_p, pattern):
+    if fa4_first_for(query, dropout_p, pattern):
         return _flash(query, key, value, _FA4_BACKEND, documents, is_causal, scale, dropout_p, pattern)
     # Left-padding queries get an empty row: SDPA (torch >= 2.5) returns zeros there, with finite gradients.
     if pattern is not None:  # a dense mask, as transformers' own sdpa mask for windows and chunks
@@ -203,6 +203,12 @@ def fa4_serves(query: torch.Tensor, dropout_p: float, pattern: Optional[Attentio
         return False
     head_dim = query.size(-1)
     return 8 <= head_dim <= 256 and head_dim % 8 == 0
+
+
+def fa4_first_for(query: torch.Tensor, dropout_p: float = 0.0, pattern: Optional[AttentionPattern] = None) -> bool:
+    """Whether the kernel order in force (`sdpa_priority`) puts FA4 first and FA4 serves this call: then FA4
+    computes it (the Ulysses attention's SDPA calls, and ring attention's blocks)."""
+    return _fa4_first[0] and fa4_serves(query, dropout_p, pattern)
 
 
 def check_sdpa_kernel_priority(names) -> Optional[tuple[str, ...]]:

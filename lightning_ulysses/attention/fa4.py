@@ -11,6 +11,10 @@ It calls the wheel's forward and backward entry points, `_flash_attn_fwd` / `_fl
 `flash_attn.cute.interface` (verified on flash-attn-4 4.0.0b40: the functions its own autograd Function calls, with
 the arguments used here; docs/internals.md). The log-sum-exp is an output for the backward only: the attention
 backends drop it, so its gradient is never anything but zero and is not passed on.
+
+Ring attention (attention/ring.py) attends its blocks with the operator's forward (output and log-sum-exp, which
+it merges block by block) and differentiates each block with `block_backward` against the *merged* output and
+log-sum-exp, as it does with SDPA's kernels (the flash backward identity); its own autograd Function holds them.
 """
 
 from __future__ import annotations
@@ -63,6 +67,22 @@ def _backward(ctx, grad_output, grad_log_sumexp):
 
 
 torch.library.register_autograd(OPERATOR_NAME, _backward, setup_context=_save)
+
+
+def block_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: Optional[float],
+                  causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, log-sum-exp `[batch, heads, rows]`, fp32, natural log of the scaled scores) of `[batch, rows, heads,
+    dim]` queries on `[batch, cols, kv_heads, dim]` keys and values."""
+    return torch.ops.lightning_ulysses.fa4_attention(query, key, value, None, 0, scale, causal, -1, -1)
+
+
+def block_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor,
+                   grad_output: torch.Tensor, log_sumexp: torch.Tensor, scale: Optional[float],
+                   causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk (KV heads), dv of one block against the `output` and `log_sumexp` given (the ring's merged ones),
+    layouts as `block_forward`'s."""
+    return tuple(_interface()._flash_attn_bwd(query, key, value, output, grad_output.contiguous(), log_sumexp,
+                                              softmax_scale=scale, causal=causal)[:3])
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,

@@ -28,6 +28,9 @@ import logging
 import torch
 import torch.distributed as dist
 
+from lightning_ulysses.attention import fa4
+from lightning_ulysses.attention.backends import fa4_first_for
+
 _aten = torch.ops.aten
 
 
@@ -83,10 +86,11 @@ class BlockAttentionKernel:
     """Forward and backward of softmax attention on one (query rows × key block), with the rows' log-sum-exp.
 
     q: `[batch, heads, rows, dim]`, k/v: `[batch, kv_heads, cols, dim]`; the ring passes only the model's own KV
-    heads around. The kernel is PyTorch's own fused SDPA kernel for the device, dtype and SDPA priority
-    (`block_kernel_kind`): cuDNN (CUDA fp16/bf16 with cuDNN first, e.g. the strategy's `sdpa_kernel_priority` on
-    Hopper), flash (CPU any dtype; CUDA fp16/bf16 otherwise) or memory-efficient (CUDA fp32). KV heads are repeated
-    up to the query heads per block, except for cuDNN where it takes them as they are.
+    heads around. The kernel is FlashAttention-4's (`attention/fa4.py`) where the strategy's `sdpa_kernel_priority`
+    puts "fa4" first and FA4 serves the call; else PyTorch's own fused SDPA kernel for the device, dtype and SDPA
+    priority (`block_kernel_kind`): cuDNN (CUDA fp16/bf16 with cuDNN first, e.g. `sdpa_kernel_priority="auto"` on
+    Hopper without FA4), flash (CPU any dtype; CUDA fp16/bf16 otherwise) or memory-efficient (CUDA fp32). KV heads
+    are repeated up to the query heads per block, except for FA4 and cuDNN, which take them as they are.
     """
 
     def __init__(self, kind: str, scale: float | None, native_gqa: bool = False):
@@ -100,7 +104,12 @@ class BlockAttentionKernel:
 
     @classmethod
     def for_inputs(cls, query: torch.Tensor, key: torch.Tensor, scale: float | None, group=None):
-        """The kernel for these inputs under the SDPA priority in force; cuDNN as `_decide_cudnn` settles it."""
+        """The kernel for these inputs under the SDPA priority in force: FlashAttention-4 where the order puts it
+        first and it serves the call (`backends.fa4_first_for`: the same on every rank, which run the same dtype and
+        head dim), cuDNN as `_decide_cudnn` settles it."""
+        # (fa4_serves checks the device; the ring's blocks run in the queries' own dtype, never autocast's)
+        if query.dtype in (torch.float16, torch.bfloat16) and fa4_first_for(query):
+            return cls("cuda_fa4", scale, native_gqa=True)
         kind = block_kernel_kind(query.device.type, query.dtype, sdpa_kernel_order())
         if kind != "cuda_cudnn":
             return cls(kind, scale)
@@ -121,6 +130,9 @@ class BlockAttentionKernel:
         k, v = self._repeat_kv(k, q.size(1)), self._repeat_kv(v, q.size(1))
         if self.kind == "cpu_flash":
             out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=self.scale)
+        elif self.kind == "cuda_fa4":  # [batch, rows, heads, dim] in and out; the KV heads as they are
+            out, lse = fa4.block_forward(*(t.transpose(1, 2) for t in (q, k, v)), self.scale, is_causal)
+            out = out.transpose(1, 2)
         elif self.kind == "cuda_cudnn":
             out, lse, _, _, _, _, seed, offset, _ = _cudnn_forward(q, k, v, None, True, 0.0, is_causal, False,
                                                                    scale=self.scale)
@@ -145,6 +157,9 @@ class BlockAttentionKernel:
             dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 grad_out, q, k, v, out, lse, 0.0, is_causal, scale=self.scale
             )
+        elif self.kind == "cuda_fa4":
+            dq, dk, dv = (g.transpose(1, 2) for g in fa4.block_backward(
+                *(t.transpose(1, 2) for t in (q, k, v, out)), grad_out.transpose(1, 2), lse, self.scale, is_causal))
         elif self.kind == "cuda_cudnn":
             seed, offset = self._extras
             dq, dk, dv = _cudnn_backward(grad_out, q, k, v, out, lse_to_cudnn(lse, self._lse_dim), seed, offset, None,

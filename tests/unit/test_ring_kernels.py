@@ -152,3 +152,89 @@ def test_cudnn_refusals_fall_back_once_with_one_log_line(stand_in, caplog):
     assert ring._decide_cudnn(q, k, None, None) == ("cuda_flash", False)  # decided once: no second line
     lines = [record.getMessage() for record in caplog.records]
     assert len(lines) == 2 and "KV heads repeated" in lines[0] and "flash (cuDNN refused" in lines[1]
+
+
+class StandInFa4:
+    """CPU stand-ins for FlashAttention-4's two entry points with its conventions (flash-attn-4 4.0.0b40): `[batch,
+    seq, heads, dim]` layouts, fewer KV heads taken as they are, a `[batch, heads, rows]` fp32 natural-log
+    log-sum-exp, and a backward that differentiates against the output and log-sum-exp it is handed (the flash
+    identity the ring relies on: CPU flash's backward, which reads them too)."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    @staticmethod
+    def _heads_first(q, k, v):
+        groups = q.size(2) // k.size(2)
+        return q.transpose(1, 2), *(t.transpose(1, 2).repeat_interleave(groups, 1) for t in (k, v))
+
+    def forward(self, q, k, v, softmax_scale=None, causal=False, window_size_left=None, window_size_right=None,
+                return_lse=False, **varlen):
+        assert return_lse and window_size_left is window_size_right is None and not varlen
+        self.calls.append("forward")
+        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(*self._heads_first(q, k, v), 0.0, causal,
+                                                                     scale=softmax_scale)
+        return out.transpose(1, 2), lse, None, None, None
+
+    def backward(self, q, k, v, out, dout, lse, softmax_scale=None, causal=False):
+        assert lse.shape == (q.size(0), q.size(2), q.size(1)) and lse.dtype == torch.float32
+        self.calls.append("backward")
+        kv_heads = k.size(2)
+        query, key, value = self._heads_first(q, k, v)
+        dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.transpose(1, 2), query, key, value, out.transpose(1, 2), lse, 0.0, causal, scale=softmax_scale)
+        dk, dv = (g.unflatten(1, (kv_heads, g.size(1) // kv_heads)).sum(2) for g in (dk, dv))
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+@pytest.fixture
+def fa4_stand_in(monkeypatch):
+    import sys
+    import types
+
+    from lightning_ulysses.attention import backends
+
+    ops = StandInFa4()
+    package, cute, interface = (types.ModuleType(name) for name in ("flash_attn", "flash_attn.cute",
+                                                                     "flash_attn.cute.interface"))
+    interface._flash_attn_fwd, interface._flash_attn_bwd = ops.forward, ops.backward
+    package.cute, cute.interface, package.__path__, cute.__path__ = cute, interface, [], []
+    for module in (package, cute, interface):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    return ops, backends
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 1)])
+@pytest.mark.parametrize("rows, columns, causal", [(slice(0, 12), slice(0, 12), True),
+                                                   (slice(0, 12), slice(0, 6), False),
+                                                   (slice(6, 12), slice(0, 12), False)])
+def test_the_fa4_kind_equals_flash_on_the_rings_blocks(fa4_stand_in, heads, kv_heads, rows, columns, causal):
+    """The ring's three block shapes through FA4's entry points (layouts transposed, KV heads as they are, the
+    backward against the log-sum-exp handed to it): output, log-sum-exp and gradients as the flash kind gives."""
+    ops, _ = fa4_stand_in
+    q, k, v, grad_out = _inputs(heads, kv_heads)
+    blocks = q[:, :, rows].detach(), k[:, :, columns].detach(), v[:, :, columns].detach()
+    results = []
+    for kernel in (BlockAttentionKernel("cuda_fa4", 0.4, native_gqa=True), BlockAttentionKernel("cpu_flash", 0.4)):
+        out, lse = kernel.forward(*blocks, causal)
+        results.append([out, lse, *kernel.backward(grad_out[:, :, rows], *blocks, out, lse, causal)])
+    assert ops.calls == ["forward", "backward"]
+    for mine, flash in zip(*results):
+        torch.testing.assert_close(mine, flash, atol=1e-6, rtol=0)
+
+
+def test_the_ring_takes_fa4_where_the_priority_puts_it_first_and_it_serves(fa4_stand_in, monkeypatch):
+    _, backends = fa4_stand_in
+    q, k = torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16), torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
+    served = []  # as on a GPU where FA4 takes this head dim and dtype (fa4_serves checks the device)
+    monkeypatch.setattr(backends, "fa4_serves", lambda query, dropout, pattern: served.append(query) or True)
+    monkeypatch.setattr(backends, "_fa4_first", [True])
+    kernel = BlockAttentionKernel.for_inputs(q, k, 0.1)
+    assert (kernel.kind, kernel.native_gqa) == ("cuda_fa4", True) and served == [q]
+    monkeypatch.setattr(ring, "block_kernel_kind", lambda *_: "cuda_flash")
+    assert BlockAttentionKernel.for_inputs(q.float(), k.float(), 0.1).kind == "cuda_flash"  # fp32 blocks: not FA4
+    monkeypatch.setattr(backends, "_fa4_first", [False])  # FA4 not first: SDPA's kernels, as before
+    assert BlockAttentionKernel.for_inputs(q, k, 0.1).kind == "cuda_flash"
+    monkeypatch.setattr(backends, "_fa4_first", [True])
+    monkeypatch.setattr(backends, "fa4_serves", lambda query, dropout, pattern: False)  # e.g. on the CPU
+    assert BlockAttentionKernel.for_inputs(q, k, 0.1).kind == "cuda_flash"
