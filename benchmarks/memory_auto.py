@@ -40,6 +40,14 @@ def run(args) -> tuple[list[float], dict]:
     from lightning_ulysses.planning.plan import memory_options
 
     class Module(CausalLMModule):
+        def configure_model(self):
+            super().configure_model()
+            if args.liger:  # Liger Kernel's RMSNorm and SwiGLU in the model (its loss stays ours: SP's, tiled)
+                from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+                apply_liger_kernel_to_llama(rope=False, cross_entropy=False, fused_linear_cross_entropy=False,
+                                            rms_norm=True, swiglu=True, model=self.model)
+
         def training_step(self, batch, batch_idx):
             return self.model(**batch).loss
 
@@ -51,7 +59,9 @@ def run(args) -> tuple[list[float], dict]:
                or key in ("max_position_embeddings", "rope_theta")}
     module = Module(HuggingFaceCausalLM("llama", attn_implementation="sdpa", **options))
     if args.variant == "auto":
-        kwargs = {"memory": {"auto": True, "seq_len": args.seq},
+        # with Liger's norms and gate, ours (fused_elementwise, low-memory norms) stay off: one set of kernels
+        liger = {"fused_elementwise": False, "low_memory_norms": False} if args.liger else {}
+        kwargs = {"memory": {"auto": True, "seq_len": args.seq, **liger},
                   "sdpa_kernel_priority": "auto" if args.sdpa_kernel_priority == "auto"
                   else args.sdpa_kernel_priority.split(",")}
     else:
@@ -90,6 +100,9 @@ def main() -> None:
     parser.add_argument("--mlp-recompute", choices=["left-out", "run"], default="left-out",
                         help="a checkpointed layer's recompute leaves its tiled MLP's forward out (the default) or runs"
                              " it (the baseline, before 2026-12-02; same results)")
+    parser.add_argument("--liger", action="store_true",
+                        help="auto: Liger Kernel's RMSNorm and SwiGLU in the model instead of our fused elementwise"
+                             " kernels (liger-kernel; issue 35's comparison)")
     parser.add_argument("--zero3-leaf-layers", choices=["on", "off"], default="on",
                         help="ZeRO-3 gathers each decoder layer whole (the default) or submodule by submodule")
     args = parser.parse_args()
@@ -109,7 +122,8 @@ def main() -> None:
     config = llama_config(args.shape, args.seq)
     result = {"variant": args.variant, "shape": args.shape, "seq": args.seq, "features": args.features,
               "offload_optimizer": args.offload_optimizer, "offload_copies": args.offload_copies,
-              "mlp_recompute": args.mlp_recompute, "zero3_leaf_layers": args.zero3_leaf_layers, "error": error,
+              "mlp_recompute": args.mlp_recompute, "zero3_leaf_layers": args.zero3_leaf_layers, "liger": args.liger,
+              "error": error,
               **extra,
               "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
               "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
