@@ -27,6 +27,7 @@ from lightning_ulysses.fences import _lightning_private as lightning_private
 from lightning_ulysses.integration import console, faults, fsdp, preparation
 from lightning_ulysses.integration.callbacks import correct_progress_bar
 from lightning_ulysses.integration.checkpoint.resume import StrategyCheckpoints
+from lightning_ulysses.integration.logged_values import ShardLocalLogCheck
 from lightning_ulysses.integration.parallel_run import ParallelRun
 from lightning_ulysses.integration.rng import SequenceParallelRNG
 from lightning_ulysses.integration.sequence_parallel_hooks import SequenceParallelHooks
@@ -104,6 +105,7 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
         self.sequence_parallel_in_evaluation = sequence_parallel_in_evaluation
         self._auto = auto.AutoDecisions(memory, sdpa_kernel_priority)
         self._batch_check = SameBatchCheck(check_batches)
+        self._logged_values = ShardLocalLogCheck(check_batches)  # evaluation's logged values, compared over SP
         self._random_streams = SequenceParallelRNG()
         # Atomic saves with a manifest, exact resume (data position, random streams) at the same or another split.
         self._checkpoints = StrategyCheckpoints(self, self._random_streams, quiet=quiet_third_party)

@@ -33,6 +33,7 @@ from lightning_ulysses.fences import _lightning_private as lightning_private
 from lightning_ulysses.integration import console, engine, faults, preparation, pretrained
 from lightning_ulysses.integration.callbacks import correct_progress_bar
 from lightning_ulysses.integration.checkpoint.resume import StrategyCheckpoints
+from lightning_ulysses.integration.logged_values import ShardLocalLogCheck
 from lightning_ulysses.integration.notebook import check_start_method, configure_launcher
 from lightning_ulysses.integration.parallel_run import ParallelRun
 from lightning_ulysses.integration.sequence_parallel_hooks import SequenceParallelHooks
@@ -131,6 +132,7 @@ class UlyssesDeepSpeedStrategy(SequenceParallelHooks, DeepSpeedStrategy):
         self.exchange: Optional[str] = None  # "nccl" or "copy_engine" once agreed in `setup` (`_decide_exchange`)
         self._transport = None  # the all-to-all transport `_decide_exchange` agreed (None: the collective one)
         self._batch_check = SameBatchCheck(check_batches)
+        self._logged_values = ShardLocalLogCheck(check_batches)  # evaluation's logged values, compared over SP
         # Dropout masks differ between the SP ranks: the steps draw from a stream of their own (`rng.py`).
         self._random_streams = SequenceParallelRNG()
         self._checkpoints = StrategyCheckpoints(self, self._random_streams, quiet=quiet_third_party)
