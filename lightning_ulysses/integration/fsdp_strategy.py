@@ -192,6 +192,7 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
         self._parallel.release(self.world_size, self.barrier)
         self._faults.stop_watchdog()
         super().teardown()
+        self._faults.after_teardown(self.launcher, self.is_global_zero)  # a preemption: the job's exit, one line
 
     # (checkpoints, data loaders and the batch's start: `SequenceParallelHooks`; the shards: torch Distributed
     # Checkpoint, through ModelParallelStrategy's own save and load)

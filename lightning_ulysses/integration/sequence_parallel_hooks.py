@@ -23,6 +23,7 @@ from typing_extensions import override
 from lightning_ulysses.attention.backends import sdpa_priority
 from lightning_ulysses.batch.check import CheckBatches
 from lightning_ulysses.batch.sharding import SequencePadding
+from lightning_ulysses.integration import faults
 from lightning_ulysses.integration.rng import seed_workers_by_data_parallel_rank
 from lightning_ulysses.parallel.layout import SequenceParallelGroups
 from lightning_ulysses.parallel.run_spec import RunSpec
@@ -132,6 +133,22 @@ class SequenceParallelHooks:
         return {"num_replicas": groups.data_parallel_world_size, "rank": groups.data_parallel_rank}
 
     # -- faults (`faults.RunFaults`) ------------------------------------------------------------------------------
+    @property
+    def preemption_note(self) -> bool:
+        """Whether global rank 0 prints, after a scheduler's signal stopped `fit` (every rank saved
+        `hpc_ckpt_<n>.ckpt`, the job exits 79), the one line saying how to continue; the recipes print their own
+        continue command and turn it off."""
+        return self._faults.preemption_note
+
+    @preemption_note.setter
+    def preemption_note(self, value: bool) -> None:
+        self._faults.preemption_note = bool(value)
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        faults.mark_launching_process(self)  # the ranks Lightning's script launcher starts from here inherit it
+
     @override
     def on_train_start(self) -> None:
         # Lightning registers its signal handlers after `setup`; replace its collective ones once they exist.

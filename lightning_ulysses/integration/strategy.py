@@ -147,7 +147,7 @@ class UlyssesDeepSpeedStrategy(SequenceParallelHooks, DeepSpeedStrategy):
     @override
     def _configure_launcher(self) -> None:
         if not configure_launcher(self):  # fork, or no launch in a notebook (notebook.py); else Lightning's own
-            super()._configure_launcher()
+            super()._configure_launcher()  # (`SequenceParallelHooks`: marks the ranks it starts)
 
     @override
     def setup_environment(self) -> None:
@@ -243,6 +243,7 @@ class UlyssesDeepSpeedStrategy(SequenceParallelHooks, DeepSpeedStrategy):
         # The engine stays `self.model` until the next run replaces it: `trainer.save_checkpoint` after `fit` still
         # saves through it (it needs no hook).
         engine.release(self.model)
+        self._faults.after_teardown(self.launcher, self.is_global_zero)  # a preemption: the job's exit, one line
 
     # -- DeepSpeed engine -----------------------------------------------------------------------------------------
     # Lightning's two `deepspeed.initialize` call sites, re-stated with the arguments Lightning passes (2.6) plus
