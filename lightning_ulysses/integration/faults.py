@@ -504,8 +504,7 @@ class SchedulerSignals:
         if isinstance(environment, SLURMEnvironment):
             _warn_unfound_by_requeue(Path(path))
         if isinstance(environment, SLURMEnvironment) and environment.auto_requeue and is_global_zero:
-            job_id = os.environ.get("SLURM_ARRAY_JOB_ID")
-            job_id = f"{job_id}_{os.environ['SLURM_ARRAY_TASK_ID']}" if job_id else os.environ["SLURM_JOB_ID"]
+            job_id = slurm_job_id()
             try:
                 subprocess.call(["scontrol", "requeue", job_id])
             except FileNotFoundError:  # saved anyway; the job just is not requeued
@@ -513,8 +512,9 @@ class SchedulerSignals:
         return Preemption(path, trainer.global_step)
 
 
-def _slurm_job_id() -> Optional[str]:
-    """This job's id as `scontrol requeue` names it (an array task: `<array job>_<task>`)."""
+def slurm_job_id() -> Optional[str]:
+    """This SLURM job's id as `scontrol requeue` names it (an array task: `<array job>_<task>`), which a requeued job
+    keeps; None outside SLURM."""
     array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
     if array_job:
         return f"{array_job}_{os.environ.get('SLURM_ARRAY_TASK_ID')}"
@@ -524,7 +524,7 @@ def _slurm_job_id() -> Optional[str]:
 def _warn_unfound_by_requeue(path: Path) -> None:
     """A requeued SLURM job runs the job script again and resumes (`fit(ckpt_path=None)`) from the newest
     hpc_ckpt_<n>.ckpt in *its* `default_root_dir`: one named for the launch is a new, empty folder then."""
-    job_id = _slurm_job_id()
+    job_id = slurm_job_id()
     stamp = launch_stamped_component(path.parent, job_id)
     if stamp is None:
         return
