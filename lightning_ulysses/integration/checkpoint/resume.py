@@ -375,10 +375,18 @@ class StrategyCheckpoints:
                 _refuse_undrawable_order(sampler, resume.epoch_order)
                 wrapped.replay_once(resume.epoch_order)
             resume.epoch_samples_consumed = 0
+        try:
+            rebuilt = lightning_private.update_dataloader(dataloader, wrapped, mode=RunningStage.TRAINING)
+        except Exception:
+            if mid_epoch:
+                raise  # Lightning names what its re-instantiation of this loader lacks
+            # Only recording (a DataLoader subclass Lightning cannot re-instantiate): the loader trains as given, and
+            # a later resume in the middle of one of its epochs is refused for the states it lacks.
+            return dataloader
         if resume is not None:
             self._continues_exactly(dataloader)
         self.order_sampler = wrapped
-        return lightning_private.update_dataloader(dataloader, wrapped, mode=RunningStage.TRAINING)
+        return rebuilt
 
     def _continues_exactly(self, dataloader: object) -> None:
         """Suspend Lightning's "not resumable" warning when the epoch's sample order is one the resumed run repeats:
