@@ -69,7 +69,8 @@ class UlyssesDeepSpeedStrategy(SequenceParallelHooks, DeepSpeedStrategy):
             serve a call exactly). `"auto"` (default): on Hopper GPUs FA4 first where installed, then cuDNN; `None`:
             torch's order.
         overlap_head_groups: head groups pipelined so that all-to-alls overlap attention; exact; 1 (default): none.
-        check_batches: `"first"` (default), `"every"` or `"never"`: batches checked to be the same over the SP group.
+        check_batches: `"first"` (default), `"every"` or `"never"`: batches checked to be the same over the SP group,
+            and evaluation steps whose logged values are checked to be the whole rows' (`logged_values.py`).
         exchange: the all-to-alls' transport: `"nccl"` (default; gloo on CPU), `"copy_engine"` (peer copies into
             symmetric memory, refused where it cannot run) or `"auto"`.
         zero3_leaf_layers: under ZeRO-3, gather each decoder layer's parameters whole (DeepSpeed leaf modules).
