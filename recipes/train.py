@@ -57,6 +57,7 @@ def main(cfg: DictConfig) -> None:
     data = instantiate(cfg.data)
     # memory=auto gets data.seq_len; the strategy's quiet console follows the recipe's
     strategy = instantiate(cfg.strategy, memory=strategy_memory(cfg), quiet_third_party=cfg.console.quiet_third_party)
+    strategy.preemption_note = False  # the recipe prints its own continue command (`end_preempted_run`)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     callbacks = build_callbacks(cfg)
     exports = export_callbacks(cfg.export, module.spec, run_dir)

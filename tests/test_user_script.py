@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_ulysses.integration.faults import EXIT_PREEMPTED
 from tests.console_noise import third_party_noise
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,8 +55,7 @@ def consoles(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
 def test_a_users_own_script_is_quiet_and_says_what_is_ours(consoles):
     result = consoles["user_script"]
     console = result.stdout + result.stderr
-    # The last fit is refused on every rank, before any collective, with its fix named; the two before it ran.
-    assert result.returncode != 0
+    # The third fit is refused on every rank, before any collective, with its fix named; the two before it ran.
     assert "ValueError: sp(3) does not divide world_size(2)" in console, console[-3000:]
     assert console.count("`Trainer.fit` stopped") == 2 and "Restored all states from the checkpoint" in console
     # Ours: the layout, the preflight report, the warning about eager attention (from both ranks).
@@ -65,6 +65,22 @@ def test_a_users_own_script_is_quiet_and_says_what_is_ours(consoles):
     # left, the epoch's 6 batches (Lightning: `6/2`).
     assert "Epoch 0/0 " in console and "3/3" in console and "6/6" in console and "6/2" not in console
     assert third_party_noise(console) == [], console
+
+
+def test_a_users_own_script_stopped_by_sigterm_exits_79_and_says_how_to_continue(consoles, tmp_path_factory):
+    # The last fit: SIGTERM to both ranks in batch 2. Lightning's SIGTERMException is a SystemExit without status:
+    # the script exited 0, a finished job to its scheduler, never requeued or resumed. Now every rank saved, the rank
+    # Lightning's launcher started exited 0 (a non-zero one makes the launcher SIGKILL every process, the script's
+    # own too: -9 here), and the script exits 79 with one line saying how to continue.
+    result = consoles["user_script"]
+    console = result.stdout + result.stderr
+    assert result.returncode == EXIT_PREEMPTED, console[-3000:]
+    folder = Path(result.args[2])
+    assert (folder / "hpc_ckpt_1.ckpt" / "ulysses.json").exists()
+    note, = [line for line in result.stdout.splitlines() if line.startswith("lightning_ulysses: preempted")]
+    assert note.startswith(f"lightning_ulysses: preempted at step 3, exit status {EXIT_PREEMPTED} (not finished);")
+    assert f"run `{sys.executable} {ROOT / 'tests' / 'user_script.py'} {folder}` again with" in note
+    assert f'trainer.fit(..., ckpt_path="{folder / "hpc_ckpt_1.ckpt"}")' in note
 
 
 def test_the_readme_contract_example_is_this_file_and_trains_quietly(consoles):

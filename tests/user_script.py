@@ -1,7 +1,10 @@
 """A user's own training script, written as the README's contract says (tests/test_user_script.py runs it and reads
-its console): 3 steps, a checkpoint, 3 more steps resumed from it in the middle of the epoch, then a configuration
-the strategy refuses. `python tests/user_script.py <folder>`."""
+its console): 3 steps, a checkpoint, 3 more steps resumed from it in the middle of the epoch, a configuration the
+strategy refuses, then a run that a scheduler's SIGTERM stops (the script lets Lightning's exception through, as
+scripts do). `python tests/user_script.py <folder>`."""
 
+import os
+import signal
 import sys
 
 import lightning as L
@@ -40,8 +43,22 @@ def trainer(max_steps, strategy="ulysses"):
                      default_root_dir=folder, enable_checkpointing=False)
 
 
+class Scheduler(L.Callback):
+    """A scheduler's SIGTERM (a time limit, a preemption), reaching every rank while batch 2 trains."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 first = trainer(3)
 first.fit(LM(), data)
 first.save_checkpoint(f"{folder}/step3.ckpt")
 trainer(6).fit(LM(), data, ckpt_path=f"{folder}/step3.ckpt")  # continues at batch 4 of 8
-trainer(6, UlyssesDeepSpeedStrategy(sequence_parallel_size=3)).fit(LM(), data)  # 3 does not divide 2 ranks
+try:
+    trainer(6, UlyssesDeepSpeedStrategy(sequence_parallel_size=3)).fit(LM(), data)  # 3 does not divide 2 ranks
+except ValueError as refused:
+    print(f"{type(refused).__name__}: {refused}", flush=True)
+preempted = trainer(6)
+preempted.callbacks.append(Scheduler())
+preempted.fit(LM(), data)  # saves hpc_ckpt_1.ckpt at step 3; the script then exits 79 (not finished), not 0

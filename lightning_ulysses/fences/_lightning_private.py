@@ -209,6 +209,8 @@ def hpc_save_path(trainer: "pl.Trainer") -> str:
 OVERRIDDEN: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     # The only point where a strategy chooses its launcher (fork launch, the one-rank notebook case).
     (DeepSpeedStrategy, "_configure_launcher", ("self",)),
+    # ... and of the FSDP2 strategy, where the ranks Lightning's script launcher starts are marked (`faults.py`).
+    (ModelParallelStrategy, "_configure_launcher", ("self",)),
     # Lightning's two `deepspeed.initialize` call sites; neither passes an `mpu`, and both pass `device_rank=None`
     # on CPU. The strategy re-states both with the same arguments plus those two.
     (DeepSpeedStrategy, "_setup_model_and_optimizer", ("self", "model", "optimizer", "lr_scheduler")),

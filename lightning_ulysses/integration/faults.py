@@ -30,13 +30,17 @@ import functools
 import json
 import logging
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -53,11 +57,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EXIT_PEER_LOST = 75  # EX_TEMPFAIL: "try again" for schedulers that requeue on it
-# What `recipes/train.py` exits with after a scheduler's signal made every rank save (`SchedulerSignals`): the run is
-# not finished, and its newest checkpoint is at the step it stopped. Not 0 (a scheduler or script would take the job
-# for done), not 75 (a lost rank: work since the last checkpoint is gone), outside sysexits' 64-78 and the shells'
-# 128+signal range.
+# What a job exits with after a scheduler's signal made every rank save (`SchedulerSignals`), a plain script's `fit`
+# as `recipes/train.py`: the run is not finished, and its newest checkpoint is at the step it stopped. Not 0 (a
+# scheduler or script would take the job for done), not 75 (a lost rank: work since the last checkpoint is gone),
+# outside sysexits' 64-78 and the shells' 128+signal range (143 would say the signal killed it, saving nothing).
 EXIT_PREEMPTED = 79
+# Set by a process before Lightning's script launcher starts the other ranks of its node from it (they inherit it):
+# its pid. A rank whose parent it names exits 0 after a preemption (see `RunFaults.on_exception`).
+_LAUNCHING_PROCESS = "LIGHTNING_ULYSSES_LAUNCHING_PID"
 _PREFIX = "lightning_ulysses/watchdog"
 _POLL = 0.5  # seconds between two looks for a failure another rank reported (a single cheap store call)
 _GRACE = 2.0  # seconds a rank gives its own main thread to raise the same error before blaming another rank
@@ -308,15 +315,78 @@ def on_rank_exception(watchdog: Optional[RankWatchdog], exception: BaseException
         watchdog.report_failure(exception)
 
 
+def mark_launching_process(strategy: Any) -> None:
+    """Before Lightning's script launcher starts this node's other ranks from this process (a plain `python
+    script.py` with `devices=N`): they inherit the mark, and know that their exit status is read by it."""
+    if strategy.launcher is not None and not strategy.cluster_environment.creates_processes_externally:
+        os.environ[_LAUNCHING_PROCESS] = str(os.getpid())
+
+
+def started_by_launching_process() -> bool:
+    """Whether Lightning's script launcher in this process's parent started it (see `mark_launching_process`)."""
+    return os.environ.get(_LAUNCHING_PROCESS) == str(os.getppid())
+
+
+def is_launching_process() -> bool:
+    """Whether this process was started as a script by hand (or by a scheduler's job script), not as a rank by a
+    launcher: the one whose command runs the job again (see `mark_launching_process`; also a later Trainer's)."""
+    return os.environ.get(_LAUNCHING_PROCESS) == str(os.getpid())
+
+
+def relaunch_command() -> str:
+    """The command line this process runs, as a shell takes it (`-m` for a module), for the launching process of
+    a script launch; how to start ranks that something else started (torchrun, srun) is that launcher's."""
+    import __main__
+
+    spec = getattr(__main__, "__spec__", None)
+    program = ["-m", spec.name] if spec is not None else [sys.argv[0]]
+    return shlex.join([sys.executable, *program, *sys.argv[1:]])
+
+
+# A path component a script names anew at every launch: a date (2026-12-04, 20261204), a time (13-27-54), a logger's
+# version folder. A requeued job's script computes another; the hpc_ckpt_<n>.ckpt saved in this one is not found.
+_LAUNCH_STAMPS = re.compile(r"(?<!\d)(20\d\d[-_]?(0[1-9]|1[0-2])[-_]?(0[1-9]|[12]\d|3[01])"
+                            r"|([01]\d|2[0-3])[-_:][0-5]\d[-_:][0-5]\d)(?!\d)|^version_\d+$")
+
+
+def launch_stamped_component(folder: Path, job_id: Optional[str]) -> Optional[str]:
+    """The first component of `folder` named for this launch (`_LAUNCH_STAMPS`), unless the folder is keyed by the
+    SLURM job (`job_id` in its path: a requeued job keeps its id); None if there is none."""
+    if job_id and job_id in str(folder):
+        return None
+    return next((part for part in folder.parts if _LAUNCH_STAMPS.search(part)), None)
+
+
+@dataclass(frozen=True)
+class Preemption:
+    """A checkpoint every rank saved together on a scheduler's signal."""
+
+    path: str
+    global_step: int
+
+    def note(self, command: Optional[str]) -> str:
+        """The one line that tells a plain script's user how to continue (`command`: the command to run again; None:
+        relaunch the job as it was launched)."""
+        how = f"run `{command}` again" if command is not None else "relaunch the job as it was launched"
+        return (f"lightning_ulysses: preempted at step {self.global_step}, exit status {EXIT_PREEMPTED} (not finished);"
+                f" every rank saved {self.path}. To continue, {how} with trainer.fit(..., ckpt_path=\"{self.path}\")"
+                " (or ckpt_path=\"hpc\": the newest hpc_ckpt_<n>.ckpt of default_root_dir; under SLURM ckpt_path=None"
+                " finds it too).")
+
+
 class RunFaults:
     """What the strategy does about faults over its runs: the rank watchdog (started at the first distributed set-up,
     stopped at every teardown), a scheduler's signals (`SchedulerSignals`: installed when training starts, agreed at
-    every batch) and, when a rank leaves by an exception, what it tells the others."""
+    every batch, saved and turned into the job's exit status) and, when a rank leaves by an exception, what it tells
+    the others."""
 
     def __init__(self, heartbeat_timeout: Optional[float]) -> None:
         self.heartbeat_timeout = heartbeat_timeout
         self.watchdog: Optional[RankWatchdog] = None
         self.signals = SchedulerSignals()
+        # The one-line note after a preemption (`Preemption.note`); the recipes print their own continue command.
+        self.preemption_note = True
+        self.preemption: Optional[Preemption] = None  # saved in this run, until its teardown has said so
 
     def start_watchdog(self, environment: Any, rank: int, world_size: int) -> None:
         if self.watchdog is None:
@@ -330,11 +400,33 @@ class RunFaults:
     def on_exception(self, exception: BaseException, trainer: Callable[[], "pl.Trainer"], environment: Any,
                      is_global_zero: bool, groups_built: bool) -> None:
         """A scheduler's signal, raised on every rank at the same step boundary (`SchedulerSignals.agree`): all ranks
-        save together. Anything else: the other ranks leave at once, naming this one (`on_rank_exception`)."""
+        save together, and the exception, a `SystemExit` without status that a plain script lets through (exit 0: a
+        finished job to its scheduler, never requeued or resumed), gets `EXIT_PREEMPTED`; except on the ranks
+        Lightning's script launcher started, which exit 0 because the launcher kills every process when one exits
+        otherwise: the launching process exits 79 once they have ended (`after_teardown`). Anything else: the other
+        ranks leave at once, naming this one (`on_rank_exception`)."""
         if isinstance(exception, SIGTERMException) and groups_built:
-            self.signals.save_and_requeue(trainer(), environment, is_global_zero)
+            self.preemption = self.signals.save_and_requeue(trainer(), environment, is_global_zero)
+            exception.code = 0 if started_by_launching_process() else EXIT_PREEMPTED
         else:
             on_rank_exception(self.watchdog, exception)
+
+    def after_teardown(self, launcher: Any, is_global_zero: bool, wait_for_ranks: float = 120.0) -> None:
+        """After a preemption's save, at the end of the strategy's teardown: the launching process of a script launch
+        waits (up to `wait_for_ranks` seconds) for the ranks it started, so that its exit status (79) is the whole
+        job's; then global rank 0 says how to continue, in one line (unless `preemption_note` is off)."""
+        preemption, self.preemption = self.preemption, None
+        if preemption is None:
+            return
+        # Lightning's script launcher's ranks, where this run's launcher started them (a later Trainer in the same
+        # process finds them started: they end on their own, after the save every rank has completed)
+        for process in getattr(launcher, "procs", None) or []:
+            try:
+                process.wait(timeout=wait_for_ranks)
+            except subprocess.TimeoutExpired:
+                pass  # its save is complete (collective): leaving it to end on its own loses nothing
+        if is_global_zero and self.preemption_note:
+            print(preemption.note(relaunch_command() if is_launching_process() else None), flush=True)
 
 
 # -- a scheduler's signals ------------------------------------------------------------------------------------------
@@ -398,20 +490,49 @@ class SchedulerSignals:
             lightning_private.flag_sigterm(trainer)
 
     @staticmethod
-    def save_and_requeue(trainer: "pl.Trainer", environment: Any, is_global_zero: bool) -> None:
+    def save_and_requeue(trainer: "pl.Trainer", environment: Any, is_global_zero: bool) -> Preemption:
         """On every rank together (Lightning raises `SIGTERMException` at the same step boundary everywhere, since
         `agree` set every rank's flag in the same batch): save `hpc_ckpt_<n>.ckpt` and, under SLURM with
-        auto-requeue, requeue the job."""
-        path = lightning_private.hpc_save_path(trainer)
+        auto-requeue, requeue the job. Under SLURM, a save into a folder named for this launch (a date, a time) is
+        one the requeued job does not look in: said once, by global rank 0."""
+        path = os.path.abspath(lightning_private.hpc_save_path(trainer))
         trainer.save_checkpoint(path)
         # How to continue depends on how the run was started (`fit(ckpt_path="hpc")`, the recipe's command with
-        # `resume=auto`): said by whoever started it, not here.
+        # `resume=auto`): said at the end of the teardown (`RunFaults.after_teardown`) or by the recipe.
         rank_zero_info(f"lightning_ulysses: every rank saved {path} at step {trainer.global_step} on a scheduler's"
                        " signal.")
+        if isinstance(environment, SLURMEnvironment):
+            _warn_unfound_by_requeue(Path(path))
         if isinstance(environment, SLURMEnvironment) and environment.auto_requeue and is_global_zero:
-            job_id = os.environ.get("SLURM_ARRAY_JOB_ID")
-            job_id = f"{job_id}_{os.environ['SLURM_ARRAY_TASK_ID']}" if job_id else os.environ["SLURM_JOB_ID"]
+            job_id = slurm_job_id()
             try:
                 subprocess.call(["scontrol", "requeue", job_id])
             except FileNotFoundError:  # saved anyway; the job just is not requeued
                 rank_zero_warn(f"lightning_ulysses: `scontrol` not found; SLURM job {job_id} was not requeued.")
+        return Preemption(path, trainer.global_step)
+
+
+def slurm_job_id() -> Optional[str]:
+    """This SLURM job's id as `scontrol requeue` names it (an array task: `<array job>_<task>`), which a requeued job
+    keeps; None outside SLURM."""
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    if array_job:
+        return f"{array_job}_{os.environ.get('SLURM_ARRAY_TASK_ID')}"
+    return os.environ.get("SLURM_JOB_ID")
+
+
+def _warn_unfound_by_requeue(path: Path) -> None:
+    """A requeued SLURM job runs the job script again and resumes (`fit(ckpt_path=None)`) from the newest
+    hpc_ckpt_<n>.ckpt in *its* `default_root_dir`: one named for the launch is a new, empty folder then."""
+    job_id = slurm_job_id()
+    stamp = launch_stamped_component(path.parent, job_id)
+    if stamp is None:
+        return
+    keyed = "os.environ['SLURM_JOB_ID']" if not os.environ.get("SLURM_ARRAY_JOB_ID") else \
+        "os.environ['SLURM_ARRAY_JOB_ID'] + '_' + os.environ['SLURM_ARRAY_TASK_ID']"
+    rank_zero_warn(
+        f"lightning_ulysses: the preemption checkpoint {path} is in a folder named for this launch ({stamp!r}): when"
+        f" SLURM requeues job {job_id}, the job script runs again and Lightning resumes only from the hpc_ckpt_<n>.ckpt"
+        " of the new launch's default_root_dir, a new folder, so it starts afresh. Name the folder by the job instead"
+        f" (Trainer(default_root_dir=f\"runs/{{{keyed}}}\")), or continue this run with"
+        f" trainer.fit(..., ckpt_path=\"{path}\").")

@@ -28,6 +28,7 @@ from lightning_ulysses.fences import _lightning_private as lightning_private
 from lightning_ulysses.integration import console, faults, fsdp, preparation
 from lightning_ulysses.integration.callbacks import correct_progress_bar
 from lightning_ulysses.integration.checkpoint.resume import StrategyCheckpoints
+from lightning_ulysses.integration.logged_values import ShardLocalLogCheck
 from lightning_ulysses.integration.parallel_run import ParallelRun
 from lightning_ulysses.integration.pretrained import ShardedPretrainedLoads
 from lightning_ulysses.integration.rng import SequenceParallelRNG
@@ -108,6 +109,7 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
         self.sequence_parallel_in_evaluation = sequence_parallel_in_evaluation
         self._auto = auto.AutoDecisions(memory, sdpa_kernel_priority)
         self._batch_check = SameBatchCheck(check_batches)
+        self._logged_values = ShardLocalLogCheck(check_batches)  # evaluation's logged values, compared over SP
         self._random_streams = SequenceParallelRNG()
         # Atomic saves with a manifest, exact resume (data position, random streams) at the same or another split.
         self._checkpoints = StrategyCheckpoints(self, self._random_streams, quiet=quiet_third_party)
@@ -204,6 +206,7 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
         self._parallel.release(self.world_size, self.barrier)
         self._faults.stop_watchdog()
         super().teardown()
+        self._faults.after_teardown(self.launcher, self.is_global_zero)  # a preemption: the job's exit, one line
 
     # (checkpoints, data loaders and the batch's start: `SequenceParallelHooks`; the shards: torch Distributed
     # Checkpoint, through ModelParallelStrategy's own save and load)

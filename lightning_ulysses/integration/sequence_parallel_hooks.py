@@ -2,11 +2,11 @@
 ZeRO in `strategy.py`, FSDP2 in `fsdp_strategy.py`).
 
 A strategy that mixes it in (first, before its Lightning parent) owns a `ParallelRun` (`_parallel`), an
-`auto.AutoDecisions` (`_auto`), a `SameBatchCheck` (`_batch_check`), a `SequenceParallelRNG` (`_random_streams`),
+`auto.AutoDecisions` (`_auto`), a `SameBatchCheck` (`_batch_check`), a `ShardLocalLogCheck` (`_logged_values`), a `SequenceParallelRNG` (`_random_streams`),
 a `faults.RunFaults` (`_faults`), a `StrategyCheckpoints` (`_checkpoints`), `sequence_parallel_in_evaluation`, and a `_prepare_modules()` that runs the module
 pipeline for its backend. What this class gives it: the groups and the run's description by name, the DP-only
 sampler, the sequence sharding of every batch, the steps under the SDPA kernel order and the SP rank's own random
-stream, the whole-sequence loss, the refusal of a shard-local loss, evaluation on whole rows (opt-in), a
+stream, the whole-sequence loss, the refusal of a shard-local loss (and of a shard-local value logged in evaluation), evaluation on whole rows (opt-in), a
 scheduler's signals turned into one save at a step boundary, and a rank's exception told to the others.
 """
 
@@ -23,6 +23,7 @@ from typing_extensions import override
 from lightning_ulysses.attention.backends import sdpa_priority
 from lightning_ulysses.batch.check import CheckBatches
 from lightning_ulysses.batch.sharding import SequencePadding
+from lightning_ulysses.integration import faults
 from lightning_ulysses.integration.rng import seed_workers_by_data_parallel_rank
 from lightning_ulysses.parallel.layout import SequenceParallelGroups
 from lightning_ulysses.parallel.run_spec import RunSpec
@@ -36,6 +37,21 @@ def _step_hook(name: str) -> Callable[..., Any]:
     def step(self, *args: Any, **kwargs: Any) -> Any:
         with sdpa_priority(self.sdpa_kernel_priority), self._step_random_stream():
             return getattr(super(SequenceParallelHooks, self), name)(*args, **kwargs)
+
+    step.__name__ = step.__qualname__ = name
+    return override(step)
+
+
+def _evaluation_step_hook(name: str) -> Callable[..., Any]:
+    """`_step_hook(name)` whose logged values are compared over the SP group while rows are sharded: one of this
+    rank's shard alone is refused after the step (`logged_values.py`)."""
+    parent_step = _step_hook(name)
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        with (self._logged_values.step(module, name, module.trainer.state.stage, self.parallel_groups)
+              if self.batches_are_sharded else contextlib.nullcontext()):
+            return parent_step(self, *args, **kwargs)
 
     step.__name__ = step.__qualname__ = name
     return override(step)
@@ -117,6 +133,22 @@ class SequenceParallelHooks:
         return {"num_replicas": groups.data_parallel_world_size, "rank": groups.data_parallel_rank}
 
     # -- faults (`faults.RunFaults`) ------------------------------------------------------------------------------
+    @property
+    def preemption_note(self) -> bool:
+        """Whether global rank 0 prints, after a scheduler's signal stopped `fit` (every rank saved
+        `hpc_ckpt_<n>.ckpt`, the job exits 79), the one line saying how to continue; the recipes print their own
+        continue command and turn it off."""
+        return self._faults.preemption_note
+
+    @preemption_note.setter
+    def preemption_note(self, value: bool) -> None:
+        self._faults.preemption_note = bool(value)
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        faults.mark_launching_process(self)  # the ranks Lightning's script launcher starts from here inherit it
+
     @override
     def on_train_start(self) -> None:
         # Lightning registers its signal handlers after `setup`; replace its collective ones once they exist.
@@ -152,8 +184,9 @@ class SequenceParallelHooks:
     # precision plugin's step contexts wrap the forward only), so each hook enters the same context here; the SP
     # rank's own random stream (`rng.py`) is entered alongside.
     training_step = _step_hook("training_step")
-    validation_step = _step_hook("validation_step")
-    test_step = _step_hook("test_step")
+    # A value an evaluation step logs from this rank's shard alone is refused (evaluation has no graph to read).
+    validation_step = _evaluation_step_hook("validation_step")
+    test_step = _evaluation_step_hook("test_step")
     predict_step = _step_hook("predict_step")
 
     # -- checkpoints (`checkpoint.resume.StrategyCheckpoints`, `_checkpoints`) and data ---------------------------

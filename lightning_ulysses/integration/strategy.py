@@ -33,6 +33,7 @@ from lightning_ulysses.fences import _lightning_private as lightning_private
 from lightning_ulysses.integration import console, engine, faults, preparation, pretrained
 from lightning_ulysses.integration.callbacks import correct_progress_bar
 from lightning_ulysses.integration.checkpoint.resume import StrategyCheckpoints
+from lightning_ulysses.integration.logged_values import ShardLocalLogCheck
 from lightning_ulysses.integration.notebook import check_start_method, configure_launcher
 from lightning_ulysses.integration.parallel_run import ParallelRun
 from lightning_ulysses.integration.sequence_parallel_hooks import SequenceParallelHooks
@@ -68,7 +69,8 @@ class UlyssesDeepSpeedStrategy(SequenceParallelHooks, DeepSpeedStrategy):
             serve a call exactly). `"auto"` (default): on Hopper GPUs FA4 first where installed, then cuDNN; `None`:
             torch's order.
         overlap_head_groups: head groups pipelined so that all-to-alls overlap attention; exact; 1 (default): none.
-        check_batches: `"first"` (default), `"every"` or `"never"`: batches checked to be the same over the SP group.
+        check_batches: `"first"` (default), `"every"` or `"never"`: batches checked to be the same over the SP group,
+            and evaluation steps whose logged values are checked to be the whole rows' (`logged_values.py`).
         exchange: the all-to-alls' transport: `"nccl"` (default; gloo on CPU), `"copy_engine"` (peer copies into
             symmetric memory, refused where it cannot run) or `"auto"`.
         zero3_leaf_layers: under ZeRO-3, gather each decoder layer's parameters whole (DeepSpeed leaf modules).
@@ -131,6 +133,7 @@ class UlyssesDeepSpeedStrategy(SequenceParallelHooks, DeepSpeedStrategy):
         self.exchange: Optional[str] = None  # "nccl" or "copy_engine" once agreed in `setup` (`_decide_exchange`)
         self._transport = None  # the all-to-all transport `_decide_exchange` agreed (None: the collective one)
         self._batch_check = SameBatchCheck(check_batches)
+        self._logged_values = ShardLocalLogCheck(check_batches)  # evaluation's logged values, compared over SP
         # Dropout masks differ between the SP ranks: the steps draw from a stream of their own (`rng.py`).
         self._random_streams = SequenceParallelRNG()
         self._checkpoints = StrategyCheckpoints(self, self._random_streams, quiet=quiet_third_party)
@@ -145,7 +148,7 @@ class UlyssesDeepSpeedStrategy(SequenceParallelHooks, DeepSpeedStrategy):
     @override
     def _configure_launcher(self) -> None:
         if not configure_launcher(self):  # fork, or no launch in a notebook (notebook.py); else Lightning's own
-            super()._configure_launcher()
+            super()._configure_launcher()  # (`SequenceParallelHooks`: marks the ranks it starts)
 
     @override
     def setup_environment(self) -> None:
@@ -241,6 +244,7 @@ class UlyssesDeepSpeedStrategy(SequenceParallelHooks, DeepSpeedStrategy):
         # The engine stays `self.model` until the next run replaces it: `trainer.save_checkpoint` after `fit` still
         # saves through it (it needs no hook).
         engine.release(self.model)
+        self._faults.after_teardown(self.launcher, self.is_global_zero)  # a preemption: the job's exit, one line
 
     # -- DeepSpeed engine -----------------------------------------------------------------------------------------
     # Lightning's two `deepspeed.initialize` call sites, re-stated with the arguments Lightning passes (2.6) plus

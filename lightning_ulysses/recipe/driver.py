@@ -564,7 +564,8 @@ def end_preempted_run(trainer: Any, decision: ResumeDecision, command: str, call
         print(f"\nPreempted at step {trainer.global_step} by a scheduler's signal: the newest checkpoint of the run"
               f" {saved}; exit status {EXIT_PREEMPTED} (not finished).", flush=True)
         if requeued:
-            print("SLURM requeues the job (Lightning's auto-requeue): the requeued job continues this run only if the"
-                  " job script's command names the run (run_name=...), as the command below does.", flush=True)
+            print("SLURM requeues the job (Lightning's auto-requeue): the requeued job runs the same command, whose"
+                  f" run folder is this one ({run_dir}: named by run_name=..., or else by the job's id and the"
+                  " command), and continues from its newest checkpoint.", flush=True)
         print(f"Continue it with the same command, the run named and resume=auto:\n  {command}", flush=True)
     return EXIT_PREEMPTED

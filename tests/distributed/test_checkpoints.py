@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_ulysses.integration.faults import EXIT_PREEMPTED
 from tests.distributed.pool import shared
 
 WORKERS = Path(__file__).parent / "workers"
@@ -117,9 +118,12 @@ def test_a_mid_epoch_resume_with_another_global_batch_is_refused_on_every_rank(r
         assert rank["sp4_to_sp2_half_batch"]["records"] == []  # refused before the first step
 
 
-def test_sigterm_saves_exits_cleanly_and_resumes_exactly(runs):
+def test_sigterm_saves_exits_79_and_resumes_exactly(runs):
     results, workdir = runs
-    assert all(rank["sp2_sigterm"]["exited_cleanly"] for rank in results)
+    # Lightning's SIGTERMException is a SystemExit without status: a script letting it through exited 0, a finished
+    # job to its scheduler. Every rank (none was started by Lightning's script launcher here) now carries 79.
+    assert all(rank["sp2_sigterm"]["exit_status"] == EXIT_PREEMPTED for rank in results)
+    assert all(rank["sp2_sigterm"]["warnings"] == [] for rank in results)  # not under SLURM: no folder note
     assert all(rank["sp2_sigterm"]["global_step"] == SAVE_AT for rank in results)
     assert (workdir / "sp2_sigterm" / "hpc_ckpt_1.ckpt" / "ulysses.json").exists()
     full, resumed = steps(results, "sp2"), steps(results, "sp2_from_sigterm")
@@ -200,17 +204,24 @@ HYBRID = "family:jamba"
 # A SIGTERM inside a gradient-accumulation window (world 2, SP 2, 6 batches of 2 per epoch, 2 batches per step).
 # Under SLURM (auto-requeue), its requeue signal SIGUSR1 reaching one rank inside a window. A SIGTERM that reaches
 # only one rank (rank 0, then rank 1) while it is inside a batch.
+DATED_ROOT = "accumulate_sigusr1/2026-12-04_13-27-54"
 ACCUMULATION_CASES = [
     {"name": "accumulate", "sp": 2, "batch_size": 2, "steps": 3, "accumulate": 2},
     {"name": "accumulate_sigterm", "sp": 2, "batch_size": 2, "steps": 3, "accumulate": 2, "sigterm_in_batch": 2},
     {"name": "accumulate_resumed", "sp": 2, "batch_size": 2, "steps": 3, "accumulate": 2, "resume": "hpc",
      "root": "accumulate_sigterm"},
+    # (its default_root_dir named for the launch, as a plain script's datetime folder: a requeue would not look there)
     {"name": "accumulate_sigusr1", "sp": 2, "batch_size": 2, "steps": 3, "accumulate": 2, "sigterm_in_batch": 2,
-     "signal": "SIGUSR1", "sigterm_ranks": [1], "slurm": True},
+     "signal": "SIGUSR1", "sigterm_ranks": [1], "slurm": True, "root": DATED_ROOT},
     {"name": "accumulate_sigusr1_resumed", "sp": 2, "batch_size": 2, "steps": 3, "accumulate": 2, "resume": "hpc",
-     "root": "accumulate_sigusr1", "slurm": True},
+     "root": DATED_ROOT, "slurm": True},
     *[{"name": f"one_rank_{rank}", "sp": 2, "batch_size": 2, "steps": 4, "sigterm_in_batch": 1, "sigterm_ranks": [rank]}
       for rank in (0, 1)],
+    # The DataLoader's own RandomSampler (use_distributed_sampler=False, shuffle=True): 3 batches of 4 an epoch, saved
+    # after step 4, in the middle of epoch 1, whose order a new process (seeded alike) would draw otherwise.
+    {"name": "random_sampler", "sp": 2, "batch_size": 4, "steps": 6, "save_every": 4, "distributed_sampler": False},
+    {"name": "random_sampler_resumed", "sp": 2, "batch_size": 4, "steps": 6, "resume": "random_sampler/step=4.ckpt",
+     "distributed_sampler": False},
     # A hybrid whose Mamba mixers are split by channels (mixers/mamba.py) and whose MoE layers hold experts: saved by
     # ModelCheckpoint mid-epoch, resumed at SP 2 and at SP 1 × DP 2 (the same global batch).
     {"name": "jamba", "model": HYBRID, "sp": 2, "batch_size": 2, "steps": STEPS, "save_every": SAVE_AT},
@@ -231,7 +242,7 @@ def accumulation_runs(tmp_path_factory):
 def test_sigterm_inside_an_accumulation_window_resumes_exactly(accumulation_runs):
     results = accumulation_runs
     full, resumed = steps(results, "accumulate"), steps(results, "accumulate_resumed")
-    assert all(rank["accumulate_sigterm"]["exited_cleanly"] for rank in results)
+    assert all(rank["accumulate_sigterm"]["exit_status"] == EXIT_PREEMPTED for rank in results)
     # The save waits for the window's optimizer step: no accumulated gradient is lost with the process.
     assert {rank["accumulate_sigterm"]["global_step"] for rank in results} == {2}
     assert sorted(resumed) == [2]
@@ -246,8 +257,13 @@ def test_slurm_requeue_signal_to_one_rank_saves_on_every_rank_at_the_step_bounda
     # of the window: its collectives would pair with whatever the other rank was doing.
     results = accumulation_runs
     assert {rank["accumulate_sigusr1"]["cluster_environment"] for rank in results} == {"SLURMEnvironment"}
-    assert all(rank["accumulate_sigusr1"]["exited_cleanly"] for rank in results)
+    assert all(rank["accumulate_sigusr1"]["exit_status"] == EXIT_PREEMPTED for rank in results)
     assert {rank["accumulate_sigusr1"]["global_step"] for rank in results} == {2}
+    # Saved into a folder named for the launch: rank 0 says, once, that a requeued job would not find it.
+    note, = [line for line in results[0]["accumulate_sigusr1"]["warnings"] if "named for this launch" in line]
+    assert f"{DATED_ROOT}/hpc_ckpt_1.ckpt is in a folder named for this launch ('2026-12-04_13-27-54')" in note
+    assert "SLURM requeues job 4244" in note and "default_root_dir=f\"runs/{os.environ['SLURM_JOB_ID']}\"" in note
+    assert not any("named for this launch" in line for line in results[1]["accumulate_sigusr1"]["warnings"])
     # Every rank trained exactly the batches up to the window's end (batch 3 of 0..5), none after it.
     assert {len(rank["accumulate_sigusr1"]["records"]) for rank in results} == {4}
     full, resumed = steps(results, "accumulate"), steps(results, "accumulate_sigusr1_resumed")
@@ -276,10 +292,23 @@ def test_a_hybrid_with_split_mixers_resumes_exactly(accumulation_runs):
     assert max_relative_weight_error(results, "jamba_to_sp1", "jamba") < 1e-4
 
 
+def test_a_random_sampler_resumed_in_the_middle_of_an_epoch_continues_its_order(accumulation_runs):
+    # The strategy skips the samples the epoch already trained on: exact only in the epoch's own order, which a
+    # RandomSampler draws from the generators when its iteration starts (another order in the resumed process).
+    results = accumulation_runs
+    full, resumed = steps(results, "random_sampler"), steps(results, "random_sampler_resumed")
+    assert sorted(resumed) == [4, 5]
+    for step in resumed:  # the same samples, losses, RNG draws and epoch, bit for bit
+        assert resumed[step] == full[step], step
+    assert set().union(*(full[step]["samples"] for step in (3, 4, 5))) == set(range(12))  # epoch 1, each sample once
+    for name, value in results[0]["random_sampler"]["weights"].items():
+        assert torch.equal(results[0]["random_sampler_resumed"]["weights"][name], value), name
+
+
 @pytest.mark.parametrize("signalled_rank", [0, 1])
 def test_sigterm_reaching_one_rank_inside_a_batch_saves_on_every_rank(accumulation_runs, tmp_path_factory,
                                                                       signalled_rank):
     name = f"one_rank_{signalled_rank}"
-    assert all(rank[name]["exited_cleanly"] for rank in accumulation_runs)
+    assert all(rank[name]["exit_status"] == EXIT_PREEMPTED for rank in accumulation_runs)
     assert {rank[name]["global_step"] for rank in accumulation_runs} == {2}
     assert (SIGNAL_JOB.workdir(tmp_path_factory) / name / "hpc_ckpt_1.ckpt" / "ulysses.json").exists()

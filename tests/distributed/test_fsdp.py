@@ -299,7 +299,7 @@ def test_fsdp2_sigterm_saves_at_the_step_boundary_and_resumes_exactly(checkpoint
     from tests.distributed.test_checkpoints import steps
 
     results, workdir = checkpoint_runs
-    assert all(rank["fsdp2_sp2_sigterm"]["exited_cleanly"] for rank in results)
+    assert all(rank["fsdp2_sp2_sigterm"]["exit_status"] == 79 for rank in results)  # faults.EXIT_PREEMPTED
     assert {rank["fsdp2_sp2_sigterm"]["global_step"] for rank in results} == {SAVE_AT}
     assert (workdir / "fsdp2_sp2_sigterm" / "hpc_ckpt_1.ckpt" / "ulysses.json").exists()
     full, resumed = steps(results, "fsdp2_sp2"), steps(results, "fsdp2_sp2_from_sigterm")

@@ -21,6 +21,21 @@ def test_sequence_parallel_metric_counts_every_token_once(results, sequence_para
         assert rank[f"counted_{sequence_parallel_in_evaluation}"] == 64
 
 
+def test_whole_row_values_logged_in_evaluation_are_kept_and_a_shard_local_loss_is_refused(results):
+    # Sharded rows: the model's loss, the strategy's loss_function and a SequenceParallel metric's batch value are
+    # the same on both SP ranks and pass the check at every step; a loss written by hand on the logits is not.
+    for rank in results:
+        sharded, whole = rank["logged_True"], rank["logged_False"]
+        assert set(sharded) == {"val_loss", "val_loss_function", "val_tokens_in_batch"}
+        assert sharded["val_loss_function"] == pytest.approx(sharded["val_loss"], rel=1e-6)
+        assert sharded["val_loss"] == pytest.approx(whole["val_loss"], rel=1e-5)
+        # On whole rows (sequence_parallel_in_evaluation=False) the hand-written loss is the model's own.
+        assert whole["val_hand_written"] == pytest.approx(whole["val_loss"], rel=1e-5)
+        refusal = rank["hand_written_refusal"]
+        assert refusal is not None and "validation_step logged 'val_hand_written'" in refusal
+        assert "self.trainer.strategy.loss_function(logits, batch['labels'])" in refusal
+
+
 def test_throughput_flops_add_up_every_rank_own_length(results):
     steps = list(zip(*(rank["throughput_steps"] for rank in results)))
     assert any(len({step["length"] for step in ranks}) > 1 for ranks in steps), "DP ranks must differ in length"

@@ -104,6 +104,42 @@ def test_skipping_the_consumed_prefix_continues_the_epoch_at_any_data_parallel_s
     assert sorted(remaining) == sorted(order[consumed:])
 
 
+@pytest.mark.parametrize("own_generator", [False, True], ids=["global-generator", "own-generator"])
+def test_a_drawn_epoch_order_is_replayed_from_the_states_it_was_drawn_from(own_generator):
+    """`DataLoader(shuffle=True)`'s RandomSampler draws its order when its iteration starts, from the global generator
+    (or its own): a new process draws another. The wrapper records the states of each epoch's draw; replayed, the
+    resumed iteration is the saved epoch's order with its prefix skipped, and the global stream is left as it was."""
+    from torch.utils.data import RandomSampler
+
+    def sampler_of_a_process(seed):
+        torch.manual_seed(seed)
+        generator = torch.Generator().manual_seed(seed + 100) if own_generator else None
+        return resume.ResumableSampler(RandomSampler(list(range(12)), generator=generator), 1)
+
+    first = sampler_of_a_process(1)
+    torch.rand(3)  # what the process drew before the epoch began
+    order = list(first)
+    saved = first.epoch_order
+    resumed = sampler_of_a_process(2)  # another process: other generator states
+    assert list(sampler_of_a_process(2)) != order  # what a plain skip of its own order would have continued
+    resumed.skip_once(4)
+    resumed.replay_once(saved)
+    before = torch.get_rng_state()
+    assert list(resumed) == order[4:]
+    if not own_generator:
+        assert torch.equal(torch.get_rng_state(), before)  # the replayed draw consumed nothing of this process's
+    assert resumed.epoch_order["torch"].equal(saved["torch"])  # and the next save records the same epoch
+
+
+def test_a_mid_epoch_resume_of_a_drawn_order_without_its_states_is_refused():
+    from torch.utils.data import DataLoader, RandomSampler
+
+    data = list(range(16))
+    strategy_checkpoints = _resuming(consumed=4)  # epoch_order None: a checkpoint that did not keep it
+    with pytest.raises(ValueError, match="RandomSampler drew.*does not hold the generator states"):
+        strategy_checkpoints.process_dataloader(DataLoader(data, batch_size=2, sampler=RandomSampler(data)))
+
+
 def test_a_position_the_new_data_parallel_size_cannot_reach_is_refused():
     sampler = resume.ResumableSampler(DistributedSampler(list(range(12)), num_replicas=4, rank=0), 4)
     with pytest.raises(ValueError, match="data-parallel size 4 does not divide"):
@@ -190,8 +226,21 @@ def test_lightnings_not_resumable_warning_is_hidden_only_while_an_exact_resume_s
     assert _lightning_says_not_resumable() == []
     sequential.end_resume()  # (the strategy's teardown, where no batch ran)
     assert len(_lightning_says_not_resumable()) == 1
-    random_order = DataLoader(data, batch_size=2, sampler=RandomSampler(data))
-    for strategy_checkpoints, loader in [(_resuming(consumed=consumed), random_order),
+    drawn = _resuming(consumed=consumed)  # its order drawn from generator states the checkpoint kept
+    drawn.resume.epoch_order = {"torch": torch.get_rng_state(), "generator": None}
+    drawn.process_dataloader(DataLoader(data, batch_size=2, sampler=RandomSampler(data)))
+    assert _lightning_says_not_resumable() == []
+    drawn.end_resume()
+
+    class OwnOrder(torch.utils.data.Sampler):  # a sampler of the user's own: whether it repeats is unknown
+        def __iter__(self):
+            return iter(range(16))
+
+        def __len__(self):
+            return 16
+
+    own_order = DataLoader(data, batch_size=2, sampler=OwnOrder())
+    for strategy_checkpoints, loader in [(_resuming(consumed=consumed), own_order),
                                          (_resuming(quiet=False, consumed=consumed), DataLoader(data, batch_size=2)),
                                          (_resuming(consumed=consumed), DataLoader(Stream(), batch_size=2))]:
         strategy_checkpoints.process_dataloader(loader)  # (for the iterable dataset, ours says the epoch restarts)
@@ -213,3 +262,18 @@ def test_distributed_checkpoint_is_read_through_public_names_only():
                 found += [f"{source.name}: {node.module}.{alias.name}" for alias in node.names
                           if alias.name.startswith("_") or "._" in node.module]
     assert not found, found
+
+
+@pytest.mark.parametrize(("folder", "stamp"), [
+    ("outputs/2026-12-04/13-27-54", "2026-12-04"),  # the recipes' unnamed run folder
+    ("runs/20261204_132754", "20261204_132754"), ("runs/exp/13:27:54", "13:27:54"),
+    ("lightning_logs/version_3", "version_3"),  # a logger's version folder: the next launch makes version_4
+    ("runs/my_experiment", None), ("runs/lr-3e-4/seed-12", None), ("runs/v100-2x8", None),
+    ("runs/slurm-4242/2026-12-04", None),  # keyed by the job, which a requeue keeps
+])
+def test_a_folder_named_for_its_launch_is_recognised(folder, stamp):
+    from pathlib import Path
+
+    from lightning_ulysses.integration.faults import launch_stamped_component
+
+    assert launch_stamped_component(Path(folder), job_id="4242") == stamp

@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
+import sys
 import shlex
 from pathlib import Path
 from types import SimpleNamespace
@@ -327,7 +329,44 @@ def test_a_preempted_run_exits_non_zero_except_ranks_the_launching_process_start
     strategy.launcher, strategy.cluster_environment = None, SLURMEnvironment(auto_requeue=True)  # srun started it
     assert end_preempted_run(trainer, launching, "c", [], tmp_path) == EXIT_PREEMPTED
     printed = capsys.readouterr().out
-    assert "the requeued job continues this run only if the job script's command names the run" in printed
+    assert f"the requeued job runs the same command, whose run folder is this one ({tmp_path}" in printed
+
+
+def test_an_unnamed_run_under_slurm_is_keyed_by_the_job_so_its_requeue_finds_the_checkpoint(tmp_path, monkeypatch):
+    """The recipes' unnamed run folder was `outputs/<date>/<time>`: a requeued SLURM job (the same job script, the same
+    job id, later) made a new one and started afresh. Under SLURM it is `slurm-<job>/<digest of the overrides>`:
+    the requeued command finds the preempted run's folder and resumes from its checkpoint; another command of the
+    same job, or another job, gets its own; outside SLURM the date and time stay."""
+    from hydra import compose, initialize_config_dir
+
+    from lightning_ulysses.recipe.config import default_run_name, register_resolvers
+
+    command = ["recipes/train.py", "trainer.max_steps=6", "data.seq_len=64"]
+    for name in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
+        monkeypatch.delenv(name, raising=False)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d", default_run_name(command))
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")  # what SLURM sets in the job, and again in its requeued run
+    first = default_run_name(command)
+    assert re.fullmatch(r"slurm-4242/[0-9a-f]{8}", first)
+    # The requeued job runs the job script's command as it was; resume and Hydra's own arguments change nothing.
+    assert default_run_name([*command, "resume=auto", "hydra.run.dir=x"]) == first
+    assert default_run_name([*command[:2], "data.seq_len=128"]) != first  # another command of the same job
+    monkeypatch.setenv("SLURM_JOB_ID", "4243")
+    assert default_run_name(command) != first
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "4000")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "7")
+    assert default_run_name(command).startswith("slurm-4000_7/")
+    # Through the recipe's config, as Hydra resolves the run folder (outputs/${run_name}).
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setattr(sys, "argv", command)
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[2] / "conf"), version_base="1.3"):
+        assert compose(config_name="train", overrides=command[1:]).run_name == first
+    run_dir = tmp_path / "outputs" / first
+    save(run_dir / "hpc_ckpt_1.ckpt", 5, recorded=True)  # where the preempted launch saved
+    path, line = resume_from("auto", [], run_dir)
+    assert path == str(run_dir / "hpc_ckpt_1.ckpt") and line.endswith("at step 5")
 
 
 def test_loggers_csv_always_others_when_installed(tmp_path, caplog, monkeypatch):

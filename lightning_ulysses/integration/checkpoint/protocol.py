@@ -211,14 +211,27 @@ def _fsync_directory(directory: Path) -> None:
 
 
 # -- random number generators ------------------------------------------------------------------------------------
-def save_rng_state(directory: Path, rank: int, streams: SequenceParallelRNG) -> None:
+EPOCH_ORDER_KEY = "lightning_ulysses/epoch_order"  # beside the generator states: where the epoch's order was drawn
+
+
+def save_rng_state(directory: Path, rank: int, streams: SequenceParallelRNG,
+                   epoch_order: Optional[Mapping[str, Any]] = None) -> None:
+    """This rank's generator states and, when its training sampler draws the epoch's order, the states it drew it
+    from (`resume.ResumableSampler.epoch_order`)."""
     (directory / "rng").mkdir(exist_ok=True)
-    torch.save(streams.collect(), directory / "rng" / f"rank_{rank}.pt")
+    states = streams.collect()
+    if epoch_order is not None:
+        states[EPOCH_ORDER_KEY] = dict(epoch_order)
+    torch.save(states, directory / "rng" / f"rank_{rank}.pt")
 
 
-def load_rng_state(directory: Path, rank: int) -> Optional[dict[str, Any]]:
+def load_rng_state(directory: Path, rank: int) -> tuple[Optional[dict[str, Any]], Optional[dict[str, Any]]]:
+    """What `save_rng_state` wrote: the generator states and the epoch order's (each None where not written)."""
     path = directory / "rng" / f"rank_{rank}.pt"
-    return torch.load(path, weights_only=False) if path.exists() else None
+    if not path.exists():
+        return None, None
+    states = torch.load(path, weights_only=False)
+    return states, states.pop(EPOCH_ORDER_KEY, None)
 
 
 

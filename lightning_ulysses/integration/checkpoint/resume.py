@@ -7,6 +7,7 @@ engine without optimizer).
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,8 @@ import torch
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler, SequentialSampler
+from torch.utils.data import (DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler,
+                              SubsetRandomSampler, WeightedRandomSampler)
 
 from lightning_ulysses.fences import _lightning_private as lightning_private
 from lightning_ulysses.integration import console
@@ -28,19 +30,35 @@ from lightning_ulysses.integration.rng import SequenceParallelRNG
 
 
 # -- data position -------------------------------------------------------------------------------------------------
+# torch's samplers that draw an epoch's order from a torch generator as their iteration starts: the global one, or
+# their own `generator`. A new process's generators are elsewhere: the order it draws is another.
+DRAWING_SAMPLERS = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
+# Samplers whose epoch order a resumed run repeats: set by seed and epoch, fixed, or drawn where the wrapper replays.
+_EXACT_ORDER_SAMPLERS = (DistributedSampler, SequentialSampler, *DRAWING_SAMPLERS)
+
+
 class ResumableSampler(Sampler):
-    """Wraps a training sampler so that the first epoch after a resume skips what was already trained on.
+    """Wraps a training sampler so that the first epoch after a resume skips what was already trained on, in the order
+    that epoch had.
 
     Lightning restores its loop counters but restarts the epoch's data from the beginning. The distributed
     sampler gives DP rank `r` samples `order[r], order[r + dp], ...` of the epoch's order (fixed by seed and
     epoch), so the first `k` batches of all ranks together are exactly the prefix `order[: k * batch * dp]`.
     Skipping that prefix is therefore exact at the same DP size and at any other DP size that divides it.
+
+    A sampler that draws its order when its iteration starts (`DRAWING_SAMPLERS`: `DataLoader(shuffle=True)`'s
+    `RandomSampler`) draws another one in a new process. The wrapper keeps the generator states each epoch's order
+    was drawn from (`epoch_order`, saved with the checkpoint); a resume puts them back for that one draw
+    (`replay_once`), so the order, and the skipped prefix of it, are the saved epoch's.
     """
 
     def __init__(self, sampler: Sampler, data_parallel_size: int) -> None:
         self.sampler = sampler
         self.data_parallel_size = data_parallel_size
         self._skip_per_rank = 0
+        self._replay: Optional[dict[str, Any]] = None
+        # The global torch generator's state and the sampler's own generator's where this epoch's iteration began.
+        self.epoch_order: Optional[dict[str, Any]] = None
 
     def skip_once(self, epoch_samples_consumed: int, saved_global_batch: Optional[int] = None,
                   global_batch: Optional[int] = None) -> None:
@@ -60,21 +78,44 @@ class ResumableSampler(Sampler):
             )
         self._skip_per_rank = epoch_samples_consumed // self.data_parallel_size
 
+    def replay_once(self, epoch_order: dict[str, Any]) -> None:
+        """Draw the next iteration's order from the generator states `epoch_order` (a saved `epoch_order`)."""
+        self._replay = epoch_order
+
     def set_epoch(self, epoch: int) -> None:
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
+        # A generator: this runs where the wrapped sampler's own iteration would begin (the batch sampler's first
+        # draw), so the states recorded are those it draws from.
         skip, self._skip_per_rank = self._skip_per_rank, 0
+        replay, self._replay = self._replay, None
+        own = getattr(self.sampler, "generator", None)
+        outside = torch.get_rng_state()
+        if replay is not None:
+            torch.set_rng_state(replay["torch"])
+            if own is not None and replay["generator"] is not None:
+                own.set_state(replay["generator"])
+        self.epoch_order = {"torch": torch.get_rng_state(), "generator": None if own is None else own.get_state()}
         iterator = iter(self.sampler)
+        first = next(iterator, _END)  # the sampler draws its order here (RandomSampler: its seed)
+        if replay is not None:  # the replayed draw leaves the rest of the process's stream as it found it
+            torch.set_rng_state(outside)
+        if first is _END:
+            return
+        iterator = itertools.chain([first], iterator)
         for _ in range(skip):
             next(iterator, None)
-        return iterator
+        yield from iterator
 
     def __len__(self) -> int:
         # The full length: Lightning counts the skipped batches as done (its restored progress), so the epoch ends
         # where it would have.
         return len(self.sampler)
+
+
+_END = object()
 
 
 # -- the strategy's side ------------------------------------------------------------------------------------------
@@ -92,6 +133,21 @@ def _refuse_resume_inside_window(path: Path, manifest: CheckpointManifest) -> No
             " validate/test/predict and `checkpoint export` read this checkpoint as it is.")
 
 
+def _refuse_undrawable_order(sampler: Sampler, epoch_order: Optional[dict[str, Any]]) -> None:
+    """A checkpoint saved in the middle of an epoch without the generator states the epoch's order was drawn from
+    (written before they were kept, or by another strategy): the resumed run would skip the first samples of another
+    order, training some samples twice and others never. Refused on every rank alike (one manifest, one loader),
+    before training."""
+    if epoch_order is not None:
+        return
+    raise ValueError(
+        f"The checkpoint was saved in the middle of an epoch whose order a {type(sampler).__name__} drew, and it does"
+        " not hold the generator states it was drawn from (it was written by another strategy, or before"
+        " lightning_ulysses kept them): this run would draw another order and skip the wrong samples. Resume from a"
+        " checkpoint saved at an epoch's end, or from one this version of the strategy saved; or train with Lightning's"
+        " DistributedSampler (Trainer(use_distributed_sampler=True), the default), whose order the epoch fixes.")
+
+
 @dataclass
 class PendingResume:
     """What a loaded checkpoint still has to restore once training starts."""
@@ -99,6 +155,7 @@ class PendingResume:
     epoch_samples_consumed: int
     global_batch_size: Optional[int]
     rng_state: Optional[dict[str, Any]]
+    epoch_order: Optional[dict[str, Any]] = None  # the saved epoch's `ResumableSampler.epoch_order` (this rank's)
 
 
 class StrategyCheckpoints:
@@ -121,6 +178,8 @@ class StrategyCheckpoints:
         # batch: suspended there when the data continues exactly.
         self._not_resumable = console.SuspendedWarning(console.NOT_RESUMABLE[1], PossibleUserWarning) if quiet else None
         self.data_epoch: Optional[int] = None  # the epoch the last training batch came from (see `resumable_loops`)
+        # The training loader's sampler wrapper of this run, which knows what its epoch's order was drawn from.
+        self.order_sampler: Optional[ResumableSampler] = None
         self._load_consolidated_weights = False  # see `load`
 
     @property
@@ -140,7 +199,8 @@ class StrategyCheckpoints:
         if "loops" in checkpoint:
             checkpoint = {**checkpoint, "loops": self.resumable_loops(checkpoint["loops"])}
         write(checkpoint, staging, storage_options)
-        save_rng_state(staging, strategy.global_rank, self.random_streams)
+        save_rng_state(staging, strategy.global_rank, self.random_streams,
+                       self.order_sampler.epoch_order if self.order_sampler is not None else None)
         if strategy.is_global_zero:
             save_hf_configs(staging, hf_model_configs, strategy.lightning_module)
         strategy.barrier("lightning_ulysses.integration.checkpoint.written")
@@ -240,11 +300,13 @@ class StrategyCheckpoints:
             _refuse_resume_inside_window(path, manifest)
             same_layout = (manifest.sequence_parallel_size == strategy.sequence_parallel_world_size
                            and manifest.world_size == strategy.world_size)
+            rng_state, epoch_order = load_rng_state(Path(checkpoint_path), strategy.global_rank)
             self.resume = PendingResume(
                 epoch_samples_consumed=manifest.epoch_samples_consumed,
                 global_batch_size=manifest.global_batch_size,
                 # Each rank's generators continue where they were; at another split ranks play other roles.
-                rng_state=load_rng_state(Path(checkpoint_path), strategy.global_rank) if same_layout else None,
+                rng_state=rng_state if same_layout else None,
+                epoch_order=epoch_order,  # the same on every rank that loads the same samples
             )
         if (fitting or strategy.run_spec.fsdp2 or not strategy.zero_stage_3 or strategy.load_full_weights
                 or not os.path.isdir(checkpoint_path)):
@@ -276,41 +338,65 @@ class StrategyCheckpoints:
 
     # -- resume -----------------------------------------------------------------------------------------------------
     def process_dataloader(self, dataloader: object) -> object:
-        """After a resume in the middle of an epoch, skip the samples that epoch already trained on; at an epoch
-        boundary, restore the random generators here. Where the sampler's order is one a new process repeats, the
-        data then continues exactly, and Lightning's warning that it may not is suspended until the first batch."""
+        """The training loader, its sampler wrapped (`ResumableSampler`) where a resume needs it: after a resume in
+        the middle of an epoch, to skip the samples that epoch already trained on; and in every run whose sampler
+        draws each epoch's order (`DRAWING_SAMPLERS`), to record what it drew from for the checkpoints, and replay
+        that on a resume. At an epoch boundary, the random generators are restored here. Where the epoch's order
+        is one the resumed run repeats, the data then continues exactly, and Lightning's warning that it may not is
+        suspended until the first batch."""
+        self.order_sampler = None
+        if self.trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
         resume = self.resume
-        if resume is None or self.trainer.state.stage != RunningStage.TRAINING:
-            return dataloader
-        if resume.epoch_samples_consumed == 0:
+        at_boundary = resume is not None and resume.epoch_samples_consumed == 0
+        if at_boundary and resume.rng_state is not None:
             # Between an epoch's last step and the next one, the uninterrupted run drew from the global generator
-            # for the new epoch's data loader iterator (its base seed); Lightning creates that iterator right after
-            # this call, so the generators continue from here, not from the first batch.
-            if resume.rng_state is not None:
-                self.random_streams.restore(resume.rng_state)
-                resume.rng_state = None
-            self._continues_exactly(dataloader)
-            return dataloader
+            # for the new epoch's data loader iterator (its base seed, a drawing sampler's order); Lightning creates
+            # that iterator right after this call, so the generators continue from here, not from the first batch.
+            self.random_streams.restore(resume.rng_state)
+            resume.rng_state = None
         # An iterable dataset's DataLoader has a sampler too (torch's placeholder), which it never draws from.
-        if (resume.epoch_samples_consumed < 0 or not isinstance(dataloader, DataLoader) or dataloader.sampler is None
-                or isinstance(dataloader.dataset, IterableDataset)):
+        sampler = getattr(dataloader, "sampler", None)
+        iterable = not isinstance(dataloader, DataLoader) or sampler is None or isinstance(dataloader.dataset,
+                                                                                           IterableDataset)
+        mid_epoch = resume is not None and resume.epoch_samples_consumed != 0
+        if mid_epoch and (resume.epoch_samples_consumed < 0 or iterable):
             rank_zero_warn("The checkpoint's position inside its epoch cannot be restored for this dataloader (a"
                            " custom batch sampler or an iterable dataset): the epoch's data restarts from its beginning.")
             return dataloader
+        if iterable or not (mid_epoch or isinstance(sampler, DRAWING_SAMPLERS)):
+            if resume is not None:
+                self._continues_exactly(dataloader)
+            return dataloader
         data_parallel_size = self.strategy.parallel_groups.data_parallel_world_size
-        sampler = ResumableSampler(dataloader.sampler, data_parallel_size)
-        global_batch = None if dataloader.batch_size is None else dataloader.batch_size * data_parallel_size
-        saved_global_batch = resume.global_batch_size
-        if self.strategy.run_spec.fsdp2 and None not in (saved_global_batch, global_batch):
-            # FSDP2: Lightning's count of the epoch's batches is translated to this run's batch size (e.g. a world of
-            # 4 at DP 2 resumed by a world of 2 at DP 1 accumulating 2 batches: the same samples per step).
-            self._count_epoch_batches(resume.epoch_samples_consumed, global_batch)
-            saved_global_batch = None
-        # Raises before any collective (every rank has the same manifest and loader) if the position cannot continue.
-        sampler.skip_once(resume.epoch_samples_consumed, saved_global_batch, global_batch)
-        resume.epoch_samples_consumed = 0
-        self._continues_exactly(dataloader)
-        return lightning_private.update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
+        wrapped = ResumableSampler(sampler, data_parallel_size)
+        if mid_epoch:
+            global_batch = None if dataloader.batch_size is None else dataloader.batch_size * data_parallel_size
+            saved_global_batch = resume.global_batch_size
+            if self.strategy.run_spec.fsdp2 and None not in (saved_global_batch, global_batch):
+                # FSDP2: Lightning's count of the epoch's batches is translated to this run's batch size (e.g. a world
+                # of 4 at DP 2 resumed by a world of 2 at DP 1 accumulating 2 batches: the same samples per step).
+                self._count_epoch_batches(resume.epoch_samples_consumed, global_batch)
+                saved_global_batch = None
+            # Raises before any collective (every rank has the same manifest and loader) if the position cannot
+            # continue.
+            wrapped.skip_once(resume.epoch_samples_consumed, saved_global_batch, global_batch)
+            if isinstance(sampler, DRAWING_SAMPLERS):
+                _refuse_undrawable_order(sampler, resume.epoch_order)
+                wrapped.replay_once(resume.epoch_order)
+            resume.epoch_samples_consumed = 0
+        try:
+            rebuilt = lightning_private.update_dataloader(dataloader, wrapped, mode=RunningStage.TRAINING)
+        except Exception:
+            if mid_epoch:
+                raise  # Lightning names what its re-instantiation of this loader lacks
+            # Only recording (a DataLoader subclass Lightning cannot re-instantiate): the loader trains as given, and
+            # a later resume in the middle of one of its epochs is refused for the states it lacks.
+            return dataloader
+        if resume is not None:
+            self._continues_exactly(dataloader)
+        self.order_sampler = wrapped
+        return rebuilt
 
     def _count_epoch_batches(self, epoch_samples_consumed: int, global_batch: int) -> None:
         """Lightning's restored position in the epoch, in this run's batches of `global_batch` samples (over all DP
@@ -326,12 +412,12 @@ class StrategyCheckpoints:
         lightning_private.count_epoch_batches_as(self.trainer, batches)
 
     def _continues_exactly(self, dataloader: object) -> None:
-        """Suspend Lightning's "not resumable" warning when the epoch's sample order is one a new process repeats:
-        set by seed and epoch (`DistributedSampler`, which Lightning puts in by default) or fixed
-        (`SequentialSampler`). Any other sampler (e.g. a `RandomSampler` drawing its order from the global generator
-        when its iterator is made) may not repeat it, and the warning stays."""
+        """Suspend Lightning's "not resumable" warning when the epoch's sample order is one the resumed run repeats:
+        set by seed and epoch (`DistributedSampler`, which Lightning puts in by default), fixed
+        (`SequentialSampler`), or drawn from generator states the checkpoint kept (`DRAWING_SAMPLERS`, e.g.
+        `DataLoader(shuffle=True)`'s `RandomSampler`). Any other sampler may not repeat it, and the warning stays."""
         sampler = getattr(dataloader, "sampler", None)
-        if self._not_resumable is not None and isinstance(sampler, (DistributedSampler, SequentialSampler)):
+        if self._not_resumable is not None and isinstance(sampler, _EXACT_ORDER_SAMPLERS):
             self._not_resumable.suspend()
 
     def end_resume(self) -> None:

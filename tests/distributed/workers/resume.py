@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import sys
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -121,6 +122,8 @@ def train(case: dict, workdir: Path, world_size: int) -> dict:
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, max_steps=case["steps"], precision="32-true",
         accumulate_grad_batches=case.get("accumulate", 1), logger=False,
+        # False: the DataLoader's own RandomSampler (shuffle=True) draws each epoch's order as its iteration starts
+        use_distributed_sampler=case.get("distributed_sampler", True),
         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
         default_root_dir=workdir / case.get("root", case["name"]),
         strategy=(lightning_ulysses.UlyssesFSDPStrategy(sequence_parallel_size=case["sp"])
@@ -131,13 +134,15 @@ def train(case: dict, workdir: Path, world_size: int) -> dict:
     ckpt_path = case.get("resume")
     if ckpt_path and ckpt_path != "hpc":
         ckpt_path = str(workdir / ckpt_path)
-    exited, error = False, None
+    exit_status, error = None, None
     try:
-        trainer.fit(module, loader, ckpt_path=ckpt_path)
-        if case.get("save_after_fit"):
-            trainer.save_checkpoint(workdir / case["name"] / "after_fit.ckpt")
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            trainer.fit(module, loader, ckpt_path=ckpt_path)
+            if case.get("save_after_fit"):
+                trainer.save_checkpoint(workdir / case["name"] / "after_fit.ckpt")
     except SystemExit as stop:  # Lightning's SIGTERMException
-        exited = stop.code in (None, 0)
+        exit_status = stop.code
     except ValueError as refused:
         if not case.get("expect_error"):
             raise
@@ -147,7 +152,8 @@ def train(case: dict, workdir: Path, world_size: int) -> dict:
                     for r in module.records],
         "weights": getattr(module, "final_weights", None) if dist.get_rank() == 0 else None,
         "initial": initial if dist.get_rank() == 0 else None,
-        "exited_cleanly": exited,
+        "exit_status": exit_status,  # what the SIGTERMException carries out of a script that lets it through
+        "warnings": [str(w.message) for w in warned if "lightning_ulysses" in str(w.message)],
         "error": error,
         "global_step": trainer.global_step,
         "current_epoch": trainer.current_epoch,

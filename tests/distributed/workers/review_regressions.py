@@ -1,6 +1,9 @@
 """Worker for test_review_regressions.py (world 2): what a rank saw in three situations found in review.
 
-- `SequenceParallel(SumMetric())` counting tokens in `validate`, with and without `sequence_parallel_in_evaluation`;
+- `SequenceParallel(SumMetric())` counting tokens in `validate`, with and without `sequence_parallel_in_evaluation`,
+  while the step logs whole-row values (the model's loss, the strategy's `loss_function`, a `SequenceParallel`
+  metric's batch value, through `log` and `log_dict`); a loss written by hand on the logits logged too where rows are
+  whole, and alone where they are sharded (refused);
 - `ThroughputCallback` at SP 1 × DP 2 on rows of 16 and 12 tokens (DP ranks of different lengths in one step);
 - `sequence_outputs(..., "last")` on a 15-token row that the sharder pads to 16 (no attention mask).
 """
@@ -11,6 +14,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from torchmetrics.aggregation import SumMetric
 
@@ -27,12 +31,24 @@ TRAINER = {"accelerator": "cpu", "devices": 2, "precision": "32-true", "logger":
 
 
 class TokenCounting(CausalLM):
-    def __init__(self):
+    def __init__(self, log_exact: bool = True, log_hand_written: bool = False):
         super().__init__(2)
         self.tokens = SequenceParallel(SumMetric())
+        self.batch_tokens = SequenceParallel(SumMetric())  # logged through its forward's batch value
+        self.log_exact, self.log_hand_written = log_exact, log_hand_written
 
     def validation_step(self, batch, batch_idx):
         self.tokens.update(torch.ones_like(batch["input_ids"], dtype=torch.float32))
+        inputs = {key: value for key, value in batch.items() if key != "sample_index"}
+        outputs = self.model(**inputs)
+        if self.log_exact:  # whole-row values, the same on every SP rank: never refused
+            self.log("val_loss", outputs.loss, sync_dist=True)
+            self.log_dict({"val_loss_function": self.trainer.strategy.loss_function(outputs.logits, batch["labels"]),
+                           "val_tokens_in_batch": self.batch_tokens(torch.ones_like(batch["input_ids"], dtype=torch.float32))})
+        if self.log_hand_written:  # a user's own loss on this rank's logits
+            logits, labels = outputs.logits[:, :-1], batch["labels"][:, 1:]
+            self.log("val_hand_written", F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1)),
+                     sync_dist=True)
 
     def on_validation_epoch_end(self):
         self.counted = self.tokens.compute().item()
@@ -55,13 +71,25 @@ def main():
     workdir = Path(sys.argv[2])
     out = {}
     for sequence_parallel_in_evaluation in (True, False):
-        module = TokenCounting()
+        # On whole rows the hand-written loss is exact (logged beside the exact values)
+        module = TokenCounting(log_hand_written=not sequence_parallel_in_evaluation)
         strategy = lightning_ulysses.UlyssesDeepSpeedStrategy(
-            sequence_parallel_size=2, stage=2, sequence_parallel_in_evaluation=sequence_parallel_in_evaluation)
+            sequence_parallel_size=2, stage=2, sequence_parallel_in_evaluation=sequence_parallel_in_evaluation,
+            check_batches="every")
         trainer = L.Trainer(strategy=strategy, **TRAINER)
         loader = DataLoader(UnevenlyMaskedTokens(4, 16), batch_size=2, collate_fn=collate)  # 64 tokens in all
-        trainer.validate(module, loader, verbose=False)
+        logged = trainer.validate(module, loader, verbose=False)[0]
         out[f"counted_{sequence_parallel_in_evaluation}"] = module.counted
+        out[f"logged_{sequence_parallel_in_evaluation}"] = logged
+    # The same hand-written loss on sharded rows: refused after the first step, on both ranks.
+    trainer = L.Trainer(strategy=lightning_ulysses.UlyssesDeepSpeedStrategy(sequence_parallel_size=2, stage=2),
+                        **TRAINER)
+    try:
+        trainer.validate(TokenCounting(log_exact=False, log_hand_written=True),
+                         DataLoader(UnevenlyMaskedTokens(4, 16), batch_size=2, collate_fn=collate), verbose=False)
+        out["hand_written_refusal"] = None
+    except RuntimeError as refused:
+        out["hand_written_refusal"] = str(refused)
 
     recorder = StepRecorder()
     trainer = L.Trainer(strategy=lightning_ulysses.UlyssesDeepSpeedStrategy(sequence_parallel_size=1, stage=2),
