@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import numbers
 from typing import Any, Iterator
 
 import torch
@@ -34,12 +33,11 @@ _RELATIVE_TOLERANCE = 1e-6
 
 
 def _scalar(value: Any) -> float | None:
-    """The number `self.log` was given, or None for what is not one number (a torchmetrics `Metric`, whose value
-    Lightning computes and syncs at the epoch's end from its states)."""
+    """The one-number tensor `self.log` was given, or None: a torchmetrics `Metric` (whose value Lightning computes
+    and syncs at the epoch's end from its states), or a Python number. Those are left alone: a value computed from
+    logits is a tensor, while the numbers users log per rank on purpose (seconds, bytes, counters) are Python's."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return float(value.detach().float().item())
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        return float(value)
     return None
 
 

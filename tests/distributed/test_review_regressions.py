@@ -26,7 +26,7 @@ def test_whole_row_values_logged_in_evaluation_are_kept_and_a_shard_local_loss_i
     # the same on both SP ranks and pass the check at every step; a loss written by hand on the logits is not.
     for rank in results:
         sharded, whole = rank["logged_True"], rank["logged_False"]
-        assert set(sharded) == {"val_loss", "val_loss_function", "val_tokens_in_batch"}
+        assert set(sharded) == {"val_loss", "val_loss_function", "val_tokens_in_batch", "val_rank_number"}
         assert sharded["val_loss_function"] == pytest.approx(sharded["val_loss"], rel=1e-6)
         assert sharded["val_loss"] == pytest.approx(whole["val_loss"], rel=1e-5)
         # On whole rows (sequence_parallel_in_evaluation=False) the hand-written loss is the model's own.

@@ -45,6 +45,8 @@ class TokenCounting(CausalLM):
             self.log("val_loss", outputs.loss, sync_dist=True)
             self.log_dict({"val_loss_function": self.trainer.strategy.loss_function(outputs.logits, batch["labels"]),
                            "val_tokens_in_batch": self.batch_tokens(torch.ones_like(batch["input_ids"], dtype=torch.float32))})
+            # a number of this rank's own, logged on purpose (seconds, bytes): Python's, never compared
+            self.log("val_rank_number", float(self.global_rank), sync_dist=False)
         if self.log_hand_written:  # a user's own loss on this rank's logits
             logits, labels = outputs.logits[:, :-1], batch["labels"][:, 1:]
             self.log("val_hand_written", F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1)),
