@@ -22,6 +22,19 @@ from lightning_ulysses.memory.checkpointing import _ATTENTION_KERNELS, _with_log
 from tests.distributed.common import tiny_gpt, tiny_llama
 
 SEQ_LEN = 13  # tiles of 4 and 3 tokens leave a short last tile
+# Partial layer checkpointing and selective recompute (in both matrices below)
+SELECTIVE = {
+    # some layers checkpointed (the first; then the last, by index), the others keep their activations
+    "partial_checkpoints": dict(activation_checkpointing=True, checkpoint_layers=1, offload_activations=True),
+    "partial_checkpoints_by_index": dict(activation_checkpointing=True, checkpoint_layers=(1,),
+                                         keep_attention_outputs=True),
+    # selective recompute: the products (and attention) replayed, the elementwise work run again
+    "kept_products": dict(activation_checkpointing=True, keep_attention_outputs=True, keep_matmul_outputs=True),
+    "kept_products_offloaded_tiled": dict(tiled_mlp=True, mlp_tile_tokens=5, activation_checkpointing=True,
+                                          offload_activations=True, keep_matmul_outputs=True,
+                                          low_memory_norms=True),
+    "kept_products_sparse": dict(activation_checkpointing=True, checkpoint_interval=2, keep_matmul_outputs=True),
+}
 FEATURES = {
     "tiled_mlp": dict(tiled_mlp=True, mlp_tile_tokens=4),
     "tiled_logits_loss": dict(tiled_logits_loss=True, logits_tile_tokens=3),
@@ -35,15 +48,7 @@ FEATURES = {
     "all_sparse": dict(tiled_mlp=True, mlp_tile_tokens=5, tiled_logits_loss=True, logits_tile_tokens=3,
                        activation_checkpointing=True, offload_activations=True, checkpoint_interval=2,
                        keep_attention_outputs=True),
-    # some layers checkpointed (the first; then the last, by index), the others keep their activations
-    "partial_checkpoints": dict(activation_checkpointing=True, checkpoint_layers=1, offload_activations=True),
-    "partial_checkpoints_by_index": dict(activation_checkpointing=True, checkpoint_layers=(1,),
-                                         keep_attention_outputs=True),
-    # selective recompute: the products (and attention) replayed, the elementwise work run again
-    "kept_products": dict(activation_checkpointing=True, keep_attention_outputs=True, keep_matmul_outputs=True),
-    "kept_products_offloaded_tiled": dict(tiled_mlp=True, mlp_tile_tokens=5, activation_checkpointing=True,
-                                          offload_activations=True, keep_matmul_outputs=True, low_memory_norms=True),
-    "kept_products_sparse": dict(activation_checkpointing=True, checkpoint_interval=2, keep_matmul_outputs=True),
+    **SELECTIVE,
 }
 
 
@@ -284,15 +289,7 @@ DROPOUT_FEATURES = {
                                             logits_tile_tokens=3, activation_checkpointing=True,
                                             offload_activations=True, checkpoint_interval=2,
                                             keep_attention_outputs=True),
-    # some layers checkpointed (the first; then the last, by index), the others keep their activations
-    "partial_checkpoints": dict(activation_checkpointing=True, checkpoint_layers=1, offload_activations=True),
-    "partial_checkpoints_by_index": dict(activation_checkpointing=True, checkpoint_layers=(1,),
-                                         keep_attention_outputs=True),
-    # selective recompute: the products (and attention) replayed, the elementwise work run again
-    "kept_products": dict(activation_checkpointing=True, keep_attention_outputs=True, keep_matmul_outputs=True),
-    "kept_products_offloaded_tiled": dict(tiled_mlp=True, mlp_tile_tokens=5, activation_checkpointing=True,
-                                          offload_activations=True, keep_matmul_outputs=True, low_memory_norms=True),
-    "kept_products_sparse": dict(activation_checkpointing=True, checkpoint_interval=2, keep_matmul_outputs=True),
+    **SELECTIVE,  # the same selective-recompute options as the exactness matrix's
 }
 
 
