@@ -3,6 +3,8 @@
 Each case builds its own Trainer and its own SP/DP groups on the shared world process group.
 """
 
+import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -175,6 +177,31 @@ class CountAttentionRuns(L.Callback):
             handle.remove()
 
 
+class CountReplayedOutputs(L.Callback):
+    """Which kept outputs the checkpointed layers' recomputes replayed in training, by operator (`_KeptOutputs` of
+    memory/checkpointing.py): what keep_attention_outputs / keep_matmul_outputs / keep_token_mixer_outputs kept. A
+    product written into in the forward (ZeRO-3's in-place bias add) runs again in the recompute: not counted."""
+
+    def on_train_start(self, trainer, pl_module):
+        from lightning_ulysses.memory import checkpointing
+
+        pl_module.replayed_outputs = counts = collections.Counter()
+        original = self.original = checkpointing._KeptOutputs.replaying
+
+        @contextlib.contextmanager
+        def replaying(mode):
+            with original(mode):
+                yield
+            counts.update(str(func) for func, _, outputs, *_ in mode.recorded if outputs is not None)
+
+        checkpointing._KeptOutputs.replaying = replaying
+
+    def on_train_end(self, trainer, pl_module):
+        from lightning_ulysses.memory import checkpointing
+
+        checkpointing._KeptOutputs.replaying = self.original
+
+
 class RecordGroups(L.Callback):
     """Weak references to the process groups each run of a case trains or evaluates on (SP, DP, and the Ulysses and
     ring sub-groups where the SP group is split): what `released_groups` looks for once the case is over; and to the
@@ -328,7 +355,7 @@ def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None) 
     trainer = L.Trainer(
         accelerator="cpu", devices=case.get("devices", world_size), num_nodes=case.get("num_nodes", 1), strategy=strategy, precision=case.get("precision", "32-true"),
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[CaptureWeights(), CountAttentionRuns(), recorder, *_export(case), *saves,
+        callbacks=[CaptureWeights(), CountAttentionRuns(), CountReplayedOutputs(), recorder, *_export(case), *saves,
                    *([CaptureLoaded()] if case.get("check_loading") else [])], **length,
         **case.get("trainer_kwargs", {}),
     )
@@ -384,6 +411,7 @@ def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None) 
         "leaf_layers": module.leaf_layers,
         "tied_embeddings": module.tied_embeddings,
         "attention_runs": module.attention_runs,
+        "replayed_outputs": dict(module.replayed_outputs),
         "sdpa_orders": sorted(module.sdpa_orders),
         "pretrained": pretrained,
         "export": str(Path(case["workdir"]) / f"{case['name']}.export") if case.get("export") else None,
