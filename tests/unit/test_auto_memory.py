@@ -341,6 +341,18 @@ def test_fsdp2_model_states_term_by_term():
     assert stretch.gpu["gathered parameters (FSDP2: root unit + layers)"] == 2 * (root + 3 * layer)
     kept = plan_memory(shape, dataclasses.replace(setup, reshard_after_forward=False))
     assert kept.gpu["gathered parameters (FSDP2: root unit + layers)"] == 2 * params
+    # partial checkpointing with kept products: the activations as on ZeRO-3 (`planning/selective.py`), the same
+    # gathered layers (each unit gathered for its own backward, checkpointed or not)
+    selective = MemoryOptions(activation_checkpointing=True, checkpoint_layers=20, keep_matmul_outputs=True,
+                              keep_attention_outputs=True)
+    on_fsdp2 = plan_memory(shape, dataclasses.replace(setup, memory=selective)).gpu
+    zero3 = dataclasses.replace(GPU, layout=ParallelLayout(world_size=n, sequence_parallel_size=1))
+    on_zero3 = plan_memory(shape, TrainingSetup.of_run(zero3, seq_len=8192, memory=selective)).gpu
+    activations = ("checkpointed layer inputs", "kept attention outputs", "kept products",
+                   "saved activations (layers not checkpointed)")
+    assert on_fsdp2["kept products"] > 0 and on_fsdp2["saved activations (layers not checkpointed)"] > 0
+    assert {term: on_fsdp2[term] for term in activations} == {term: on_zero3[term] for term in activations}
+    assert on_fsdp2["gathered parameters (FSDP2: root unit + layers)"] == gpu["gathered parameters (FSDP2: root unit + layers)"]
     with pytest.raises(ValueError, match="keeps the optimizer on the device"):
         dataclasses.replace(setup, offload_optimizer=0.5)
 
