@@ -177,6 +177,16 @@ class CountAttentionRuns(L.Callback):
             handle.remove()
 
 
+def _torchs_own_linear() -> None:
+    """An FSDP2 case as if launched alone: DeepSpeed's `zero.Init` (an earlier ZeRO-3 case's `configure_model` in this
+    process) replaced `torch.nn.functional.linear` process-wide with its ZeRO-3 linear, which adds the bias in place
+    (then a biased linear keeps no product), and leaves it so ("This will persist unless manually reset": deepspeed
+    0.19 `partition_parameters.py` `_enable_mem_efficient_linear`, which saved torch's as `linear_bk`)."""
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
+
+    torch.nn.functional.linear = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", torch.nn.functional.linear)
+
+
 class CountReplayedOutputs(L.Callback):
     """Which kept outputs the checkpointed layers' recomputes replayed in training, by operator (`_KeptOutputs` of
     memory/checkpointing.py): what keep_attention_outputs / keep_matmul_outputs / keep_token_mixer_outputs kept. A
@@ -342,6 +352,7 @@ def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None) 
     if "free_memory_by_rank" in case:  # memory="auto" with this rank's own free memory (the ranks agree on the least)
         strategy_kwargs["memory"] = dict(strategy_kwargs["memory"], free_memory=case["free_memory_by_rank"][dist.get_rank()])
     if case.get("backend") == "fsdp2":  # the same module on FSDP2 (tests/distributed/test_fsdp.py)
+        _torchs_own_linear()
         strategy = lightning_ulysses.UlyssesFSDPStrategy(sequence_parallel_size=case["sp"], **strategy_kwargs)
     else:
         strategy = lightning_ulysses.UlyssesDeepSpeedStrategy(
