@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_ulysses.attention import fa4  # noqa: F401  (registers the operator recorded below)
 from lightning_ulysses.fences import _deepspeed_private as deepspeed_private
+from lightning_ulysses.memory.autocast_state import AutocastState
 from lightning_ulysses.memory.tiled_mlp import TiledMLP, deferred_recompute, tiled_mlps
 from lightning_ulysses.parallel.recompute_regions import MARK, TILED, TOKEN_MIXER
 from lightning_ulysses.parallel.views import view_key
@@ -289,8 +290,8 @@ class _Kept:
 
 
 _MISMATCH = ("kept outputs: a checkpointed layer's forward ran {recorded} where its recompute ran {now}. The recompute"
-             " must pick the same SDPA kernels as the forward, and run the same products on the same shapes: run"
-             " forward and backward under one kernel priority (UlyssesDeepSpeedStrategy(sdpa_kernel_priority=...)"
+             " must pick the same SDPA kernels as the forward, and run the same products on the same shapes and"
+             " dtypes: run forward and backward under one kernel priority (UlyssesDeepSpeedStrategy(sdpa_kernel_priority=...)"
              " wraps both), or switch keep_attention_outputs / keep_matmul_outputs / keep_token_mixer_outputs off for"
              " this model.")
 _KEPT_CHANGED = ("kept outputs: {op}'s output, kept from a checkpointed layer's forward for its recompute, was changed"
@@ -327,8 +328,10 @@ def _written(func) -> tuple[tuple[int, str], ...]:
 
 
 def _shapes(args: tuple) -> tuple:
-    """What a replay checks of a kept operation's inputs: their shapes (and the other arguments' values)."""
-    return tuple(tuple(a.shape) if torch.is_tensor(a) else a for a in args)
+    """What a replay checks of a kept operation's inputs: their shapes and dtypes (and the other arguments' values).
+    A dtype too: a recompute under another autocast state runs the same product on the same shapes in fp32 where
+    the forward ran it in bf16."""
+    return tuple((tuple(a.shape), a.dtype) if torch.is_tensor(a) else a for a in args)
 
 
 class _KeptOutputs(TorchDispatchMode):
@@ -346,7 +349,7 @@ class _KeptOutputs(TorchDispatchMode):
     dropout draws from its device's generator (the CUDA kernels advance the Philox offset, and return the seed and
     offset their backward regenerates the mask from): the generator's state after the kernel is recorded too and set
     in the replay, so the dropout after the attention (GPT-2's `resid_pdrop`, the MLP's) draws in the recompute what
-    it drew in the forward. A replay checks the operator and its input shapes, and that nobody changed a kept output
+    it drew in the forward. A replay checks the operator and its input shapes and dtypes, and that nobody changed a kept output
     in place since it was recorded; anything else is refused, never replayed wrong.
     """
 
@@ -512,6 +515,7 @@ class _LayerCall:
         self.requires_grad = [torch.is_tensor(a) and a.requires_grad for a in args]
         self.devices = sorted({a.device.index for a in args if torch.is_tensor(a) and a.is_cuda})
         self.rng = torch.random.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices]
+        self.autocast = AutocastState.of(args[0].device)  # bf16-mixed on FSDP2: the recompute runs under it too
         if self.position == 0:
             self.kept_input = _Kept(args[0], self.store, "input (hidden states)")
         with torch.no_grad(), (self.kept_outputs if self.kept_outputs is not None else contextlib.nullcontext()):
@@ -534,7 +538,8 @@ class _LayerCall:
             first.kept_input.prefetch()
 
     def recompute(self, hidden: torch.Tensor, with_grad: bool) -> tuple[Any, list]:
-        """Run the layer again on `hidden` exactly as in forward (same random draws, replayed attention)."""
+        """Run the layer again on `hidden` exactly as in forward (same random draws and autocast state, replayed
+        attention)."""
         args = [hidden if i == 0 else a for i, a in enumerate(self.other_arguments)]
         if with_grad:
             # Only what needs a gradient is cut from the forward's graph; the rest (masks, positions) is passed on as
@@ -545,7 +550,8 @@ class _LayerCall:
         for kept in self.kept_outputs.kept() if self.kept_outputs is not None else []:
             kept.prefetch()
         replay = self.kept_outputs.replaying() if self.kept_outputs is not None else contextlib.nullcontext()
-        with torch.random.fork_rng(devices=self.devices), torch.set_grad_enabled(with_grad), replay:
+        with torch.random.fork_rng(devices=self.devices), torch.set_grad_enabled(with_grad), \
+                self.autocast.restored(), replay:
             torch.random.set_rng_state(cpu_rng)  # dropout in the recompute draws what the forward drew
             for device, state in zip(self.devices, cuda_rngs):
                 torch.cuda.set_rng_state(state, device)

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from lightning_ulysses.fences import _deepspeed_private as deepspeed_private
+from lightning_ulysses.memory.autocast_state import AutocastState
 from lightning_ulysses.parallel.recompute_regions import TILED, recompute_region
 
 
@@ -68,6 +69,7 @@ class _TiledPositionwise(torch.autograd.Function):
         # The random state before each tile, for its recompute to draw the same dropout masks (GPT-2's
         # `resid_pdrop`, PEFT's `lora_dropout`), as torch.utils.checkpoint's `preserve_rng_state` does.
         ctx.devices = [x.device.index] if x.is_cuda else []
+        ctx.autocast = AutocastState.of(x.device)  # bf16-mixed on FSDP2: the tiles' recompute runs under it too
         if deferred is not None:
             # Output values nobody reads (`TiledMLP`): no tile runs; a forward that draws nothing leaves every tile
             # the state it starts from now.
@@ -96,7 +98,7 @@ class _TiledPositionwise(torch.autograd.Function):
                 size = tile.size(-2)
                 x_tile = tile.detach().requires_grad_(grad_x is not None)
                 _set_rng_state(rng_state, ctx.devices)
-                with torch.enable_grad():
+                with torch.enable_grad(), ctx.autocast.restored():
                     y_tile = ctx.forward_fn(x_tile)
                 inputs = ([x_tile] if grad_x is not None else []) + [ctx.params[i] for i in trainable]
                 # autograd.grad, not backward: the parameters' .grad (and the hooks on it) are untouched here.

@@ -131,12 +131,6 @@ class RunSpec:
                 " there, a different and far slower step than DeepSpeed's partial offload with its CPU Adam. Leave"
                 " offload_optimizer out (or 0.0: memory='auto' on FSDP2 keeps the optimizer on the device), or use"
                 " strategy='ulysses' (UlyssesDeepSpeedStrategy) for the optimizer on the host.")
-        unported = [name for name in self.memory_features if name in FSDP2_UNPORTED_MEMORY]
-        if unported:
-            raise ValueError(
-                f"memory features {unported} are not ported to the FSDP2 strategy yet (UlyssesFSDPStrategy,"
-                " strategy='ulysses_fsdp'): remove them from memory=... (memory='auto' on FSDP2 plans without them), or"
-                " use strategy='ulysses' (UlyssesDeepSpeedStrategy), which has them.")
         if self.precision not in FSDP2_PRECISIONS:
             raise ValueError(
                 f"precision={self.precision!r} is not supported by the FSDP2 strategy (strategy='ulysses_fsdp'):"
@@ -332,8 +326,7 @@ class RunSpec:
 def memory_features_of(memory: Any) -> tuple[str, ...]:
     """The memory features that change the models in a strategy's `memory` argument (a `MemoryOptions`, a mapping of
     its fields, "auto", an `AutoMemory`), by name; () for none; `checkpoint_interval` where it is above 1; "auto"
-    followed by `FSDP2_REFUSED_OFFLOAD` where an auto request pins a share of the optimizer on the host, and by the
-    `FSDP2_UNPORTED_MEMORY` options it pins on. Read from
+    followed by `FSDP2_REFUSED_OFFLOAD` where an auto request pins a share of the optimizer on the host. Read from
     names only (this layer sits below `memory/` and `planning/`): the allocator setting `expandable_segments` changes
     no model and is not one."""
     if memory is None:
@@ -341,8 +334,7 @@ def memory_features_of(memory: Any) -> tuple[str, ...]:
     if isinstance(memory, str) or type(memory).__name__ == "AutoMemory" or (
             isinstance(memory, Mapping) and memory.get("auto")):
         fields = {} if isinstance(memory, str) else memory if isinstance(memory, Mapping) else vars(memory)
-        pinned = tuple(name for name in FSDP2_UNPORTED_MEMORY if fields.get(name))  # auto's fields pinned on
-        return ("auto",) + ((FSDP2_REFUSED_OFFLOAD,) if (fields.get("offload_optimizer") or 0) > 0 else ()) + pinned
+        return ("auto",) + ((FSDP2_REFUSED_OFFLOAD,) if (fields.get("offload_optimizer") or 0) > 0 else ())
     fields = memory if isinstance(memory, Mapping) else vars(memory)
     return (tuple(name for name in _MODEL_MEMORY_FEATURES if fields.get(name))
             + (("checkpoint_interval",) if (fields.get("checkpoint_interval") or 1) > 1 else ()))
@@ -352,12 +344,11 @@ _MODEL_MEMORY_FEATURES = ("tiled_mlp", "tiled_logits_loss", "activation_checkpoi
                           "keep_attention_outputs", "low_memory_norms", "fused_elementwise", "checkpoint_layers",
                           "keep_matmul_outputs", "keep_token_mixer_outputs")
 # FSDP2 runs every memory feature above exactly (tests/distributed/test_fsdp.py), `checkpoint_interval` > 1 too (a
-# stretch's recompute gathers the FSDP2 units it runs: `memory/checkpointing.py`), and `memory="auto"` plans its memory
-# (`planning/planner.py`); it refuses a share of the optimizer on the host (`RunSpec._check_fsdp2` says why)...
+# stretch's recompute gathers the FSDP2 units it runs: `memory/checkpointing.py`), partial layer checkpointing and
+# kept products too (the recompute replays the `mm` / `addmm` the gathered parameters ran in the forward), and
+# `memory="auto"` plans its memory (`planning/planner.py`) with all of them; it refuses a share of the optimizer on the
+# host (`RunSpec._check_fsdp2` says why).
 FSDP2_REFUSED_OFFLOAD = "offload_optimizer"
-# ...and, not tried under FSDP2 yet, partial layer checkpointing and kept products (exact under DeepSpeed:
-# tests/distributed/test_memory_parity.py); `memory="auto"` leaves them out there.
-FSDP2_UNPORTED_MEMORY = ("checkpoint_layers", "keep_matmul_outputs", "keep_token_mixer_outputs")
 # `UlyssesDeepSpeedStrategy`'s own arguments and Lightning's `DeepSpeedStrategy`'s that FSDP2 does not take.
 _DEEPSPEED_ARGUMENTS = frozenset((
     "stage", "config", "config_overrides", "exchange", "zero3_leaf_layers", "start_method",

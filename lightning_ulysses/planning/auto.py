@@ -41,7 +41,7 @@ import torch
 from lightning_ulysses.attention.backends import FA4, fa4_installed
 from lightning_ulysses.adapters.native_model import NativeCausalLM
 from lightning_ulysses.memory import MemoryOptions, features_refused_by, fused_elementwise_applies
-from lightning_ulysses.parallel.run_spec import FSDP2_UNPORTED_MEMORY, LIGHTNING_SUB_GROUP_SIZE, RunSpec
+from lightning_ulysses.parallel.run_spec import LIGHTNING_SUB_GROUP_SIZE, RunSpec
 from lightning_ulysses.planning.planner import (GIB, MemoryPlan, ModelShape, TrainingSetup, _saved_bytes_by_layer,
                                                 plan_memory)
 from lightning_ulysses.planning.selective import describe as describe_layers, layer_costs, uncheckpoint_order, which
@@ -414,7 +414,7 @@ def choose(shape: ModelShape, request: AutoMemory, run: RunSpec, free: tuple[flo
                          ' "micro_batch" if it is not 1); the recipes fill both in from data.seq_len and data.batch_size.')
     budget = Budget(free[0] * (1 - request.device_margin), free[1] * (1 - request.host_margin), not run.on_cuda)
     offloads = _offload_choices(request, run, shape)
-    refused = refused | selective_refusals(shape, run)
+    refused = refused | selective_refusals(shape)
     option_sets = _option_sets(request, run, fused_elementwise, refused)
     fitting = [c for c in (_best_share(shape, request, run, kernel, budget, options, offloads)
                            for options in option_sets) if c is not None]
@@ -491,7 +491,7 @@ def longest_fit(shape: ModelShape, request: AutoMemory, run: RunSpec, free: tupl
     shortest length fits. A multiple of 64 tokens × the SP size (`request.seq_len` is not needed)."""
     budget = Budget(free[0] * (1 - request.device_margin), free[1] * (1 - request.host_margin), not run.on_cuda)
     return _longest_fit(shape, request, run, fused_elementwise, budget, _offload_choices(request, run, shape),
-                        refused | selective_refusals(shape, run))
+                        refused | selective_refusals(shape))
 
 
 def _longest_fit(shape, request, run, fused_elementwise, budget, offloads,
@@ -751,13 +751,11 @@ def check_optimizer(choice: Optional[AutoChoice], optimizer: Any) -> None:
 # -- partial layer checkpointing and kept products (`planning/selective.py`) ------------------------------------------
 
 
-def selective_refusals(shape: ModelShape, run: RunSpec) -> frozenset[str]:
+def selective_refusals(shape: ModelShape) -> frozenset[str]:
     """The kept-products options `memory="auto"` leaves off for `shape`: `keep_matmul_outputs` where a part's
     products are not declared (Mamba2: its PyTorch scan's products run outside a marked region, so the option would
     keep them too, uncounted), `keep_token_mixer_outputs` where no token mixer marks its recurrence (no hybrid, or
-    one without a Gated DeltaNet); both on FSDP2, which has not been tried with them (`FSDP2_UNPORTED_MEMORY`)."""
-    if run.fsdp2:
-        return frozenset(name for name in FSDP2_UNPORTED_MEMORY if name != "checkpoint_layers")
+    one without a Gated DeltaNet). FSDP2 runs both as DeepSpeed does (tests/distributed/test_fsdp.py)."""
     parts = [part for layer in shape.layers for part in layer.parts]
     refused = set()
     if any(part.product_bytes is None for part in parts):
@@ -780,8 +778,6 @@ def _partial_candidates(shape, request, run, kernel, budget, option_sets, offloa
     leave as many layers un-checkpointed as fit — at every optimizer share on the host, since more layers kept can
     need a larger share —, the layers taken in `uncheckpoint_order` (most recompute time saved per byte first)."""
     candidates = []
-    if run.fsdp2:  # partial checkpointing is not tried under FSDP2 yet (`FSDP2_UNPORTED_MEMORY`)
-        return candidates
     for options in option_sets:
         if not options.activation_checkpointing or options.checkpoint_interval != 1 or \
                 request.checkpoint_layers is not None or options.checkpoint_layers is not None:

@@ -42,6 +42,16 @@ CASES = [
     _case(4, 2, "gqa", "-qwen3_moe", model="family:qwen3_moe"),
     _case(4, 2, "gqa", "-qwen3_next-accumulate2-clip", model="family:qwen3_next", split_mixers=True,
           **ACCUMULATE_CLIP),
+    # Selective recompute on a hybrid under FSDP2: every layer checkpointed, the delta rule's and the linear layers'
+    # (experts' too) products kept and replayed in the recompute (which runs only their elementwise rest), the mixers
+    # split by heads; and in bf16-mixed, where the recompute runs under the forward's autocast again (Lightning's
+    # autocast covers the forward only: memory/autocast_state.py).
+    *[_case(4, 2, "gqa", f"-qwen3_next-kept-products{suffix}", model="family:qwen3_next", split_mixers=True,
+            strategy_kwargs={"memory": {"activation_checkpointing": True, "keep_matmul_outputs": True,
+                                        "keep_token_mixer_outputs": True}},
+            replayed=["aten._grouped_mm.default", "aten.bmm.default", "aten.linalg_solve_triangular.default",
+                      "aten.mm.default"], **extra)
+      for suffix, extra in (("", {}), ("-bf16-mixed", {"precision": "bf16-mixed"}))],
     _case(4, 2, "mqa", "-bf16-mixed", precision="bf16-mixed"),
     # Hybrid Ulysses × ring (zig-zag shards): 2 KV heads at SP 4 = Ulysses 2 × ring 2.
     _case(4, 4, "gqa", "-ring2", strategy_kwargs={"ring_size": 2}),
@@ -76,23 +86,33 @@ MEMORY = {"tiled_mlp": True, "mlp_tile_tokens": 3, "tiled_logits_loss": True, "l
 KEPT_FUSED = {"activation_checkpointing": True, "keep_attention_outputs": True, "fused_elementwise": True,
               "fused_backend": "aot_eager"}
 STRETCH_NORMS = {**MEMORY, "checkpoint_interval": 2, "keep_attention_outputs": True, "low_memory_norms": True}
+# Partial checkpointing with kept products: the first layer checkpointed (its input offloaded, its products and
+# attention replayed in the recompute), the second keeping its activations; and the native GPT's biased linear
+# layers keeping their products (`addmm`: FSDP2 adds no bias in place, ZeRO-3's linear does and keeps none).
+PARTIAL_KEPT = {"activation_checkpointing": True, "checkpoint_layers": 1, "offload_activations": True,
+                "keep_matmul_outputs": True, "keep_attention_outputs": True}
+KEPT_PRODUCTS = {"activation_checkpointing": True, "keep_matmul_outputs": True}
 # memory="auto" planning FSDP2's memory for 4096-token rows (the rows trained are shorter) with the least of the
-# ranks' free memory (planner, the tiny Llama: at SP 2 x DP 2, 4.5 MB gives low-memory norms, a tiled MLP and layer
-# checkpointing, 4.22 MB planned; at SP 1 x DP 4, 11 MB a tiled MLP and checkpointing with kept attention outputs,
-# 10.4 MB planned). The first step confirms the choice (`memory_confirmation`).
+# ranks' free memory (planner, the tiny Llama: at SP 2 x DP 2, 4.5 MB gives low-memory norms, a tiled MLP, tiled
+# logits and the first layer checkpointed, 4.23 MB planned; at SP 1 x DP 4, 11 MB the same with the first layer's
+# attention outputs and products kept for its recompute, 10.37 MB planned: partial checkpointing and kept products
+# chosen on FSDP2 as on DeepSpeed). The first step confirms the choice (`memory_confirmation`).
 AUTO = {"auto": True, "seq_len": 4096, "device_margin": 0, "host_margin": 0, "mlp_tile_tokens": 3,
         "logits_tile_tokens": 4, "confirm_steps": 1}
 AUTO_CHOICES = {2: ([[9e6] * 2, [4.5e6] * 2, [8e6] * 2, [7e6] * 2],
-                    {"low_memory_norms", "tiled_mlp", "activation_checkpointing"}),
+                    {"low_memory_norms", "tiled_mlp", "tiled_logits_loss", "activation_checkpointing"}),
                 1: ([[1.2e7] * 2, [1.1e7] * 2, [1.3e7] * 2, [2e7] * 2],
-                    {"tiled_mlp", "activation_checkpointing", "keep_attention_outputs"})}
+                    {"low_memory_norms", "tiled_mlp", "tiled_logits_loss", "activation_checkpointing",
+                     "keep_attention_outputs", "keep_matmul_outputs"})}
 MEMORY_CASES = [dict(_case(4, 2, "gqa", f"-{model}-{suffix}"), model=model, batch_size=1,
                      dataset_kwargs={"odd_rows_shorter_by": 4}, strategy_kwargs={"memory": memory}, wrapped=sorted(wrapped))
                 for model, suffix, memory, wrapped in [
                     ("llama", "memory", MEMORY, {"FSDPLlamaDecoderLayer", "FSDPLlamaForCausalLM", "LlamaMLP"}),
                     ("gpt", "memory", MEMORY, {"FSDPBlock", "MLP"}),
                     ("llama", "kept-attention-fused", KEPT_FUSED, {"FSDPLlamaDecoderLayer", "LlamaRMSNorm"}),
-                    ("llama", "stretch-norms", STRETCH_NORMS, {"FSDPLlamaDecoderLayer", "LlamaMLP", "LlamaRMSNorm"})]]
+                    ("llama", "stretch-norms", STRETCH_NORMS, {"FSDPLlamaDecoderLayer", "LlamaMLP", "LlamaRMSNorm"}),
+                    ("llama", "partial-kept-products", PARTIAL_KEPT, {"FSDPLlamaDecoderLayer"}),
+                    ("gpt", "kept-products", KEPT_PRODUCTS, {"FSDPBlock"})]]
 AUTO_CASES = [dict(_case(4, sp, "gqa", "-llama-auto"), model="llama", batch_size=1,
                    dataset_kwargs={"odd_rows_shorter_by": 4}, strategy_kwargs={"memory": AUTO},
                    free_memory_by_rank=free, chosen=sorted(chosen), wrapped=["FSDPLlamaDecoderLayer", "LlamaMLP"])
@@ -115,7 +135,7 @@ def _claims(case: dict) -> list[str]:
     claims = ["shards", "losses", "weights", "replicas", "groups"]
     return claims + [claim for claim, key in (("evaluation", "validate"), ("split_mixers", "split_mixers"),
                                               ("export", "export"), ("tying", "in_configure_model"),
-                                              ("loaded", "check_loading")) if case.get(key)]
+                                              ("loaded", "check_loading"), ("replayed", "replayed")) if case.get(key)]
 
 
 @pytest.mark.parametrize(("case", "claim"), [(case, claim) for case in CASES for claim in _claims(case)],
@@ -126,8 +146,17 @@ def test_fsdp2_matches_single_process_reference(case, claim, tmp_path_factory):
         _check_groups_released(case, ranks)
     elif claim == "loaded":
         _check_sharded_load(case, ranks)
+    elif claim == "replayed":
+        _check_replayed(ranks, case["replayed"])
     else:
         check_parity(case, ranks, claims=(claim,))
+
+
+def _check_replayed(ranks: list[dict], operators) -> None:
+    """The checkpointed layers' recomputes replayed the kept outputs of exactly these operators on every rank (the
+    worker's `CountReplayedOutputs`): under FSDP2 the linear layers run plain `mm` / `addmm` on the gathered
+    parameters, biased ones too (no in-place bias add, unlike DeepSpeed ZeRO-3's linear)."""
+    assert all(sorted(rank["replayed_outputs"]) == sorted(operators) for rank in ranks), ranks[0]["replayed_outputs"]
 
 
 def _check_groups_released(case: dict, ranks: list[dict]) -> None:
@@ -190,9 +219,17 @@ def test_fsdp2_memory_features_match_plain_reference(case, tmp_path_factory):
     ranks = _ranks(case, tmp_path_factory)
     # the features were applied (their forwards wrapped) and every checkpointed layer ran again in backward
     assert all(set(case["wrapped"]) <= set(rank["wrapped_modules"]) for rank in ranks), ranks[0]["wrapped_modules"]
-    # a stretch of both layers runs the first once more per step, to recompute the second's input
-    stretch = ranks[0]["memory"]["checkpoint_interval"] == 2
-    assert all(rank["attention_runs"] == [(2 + stretch) * STEPS, 2 * STEPS] for rank in ranks), ranks[0]["attention_runs"]
+    # a stretch of both layers runs the first once more per step, to recompute the second's input; a layer that
+    # checkpoint_layers leaves out runs once
+    memory = ranks[0]["memory"]
+    checkpointed = memory["checkpoint_layers"] if memory["checkpoint_layers"] is not None else 2
+    runs = [1 + (layer < checkpointed) for layer in range(2)]
+    runs[0] += memory["checkpoint_interval"] == 2
+    assert all(rank["attention_runs"] == [STEPS * count for count in runs] for rank in ranks), ranks[0]["attention_runs"]
+    # the kept outputs the recomputes replayed: the attention kernel's, the linear layers' products (biased: addmm)
+    kept = {"aten._scaled_dot_product_flash_attention_for_cpu.default": memory["keep_attention_outputs"],
+            "aten.addmm.default" if case["model"] == "gpt" else "aten.mm.default": memory["keep_matmul_outputs"]}
+    _check_replayed(ranks, [operator for operator, on in kept.items() if on])
     if case["strategy_kwargs"]["memory"].get("fused_elementwise"):
         assert all(rank["compiled_graphs"] > 0 for rank in ranks)
     steps = []
@@ -212,8 +249,9 @@ def test_fsdp2_memory_auto_chooses_from_fsdp2s_memory_on_every_rank_and_confirms
     assert choices[0]["offload_optimizer"] == 0  # FSDP2 keeps the optimizer on the device
     assert choices[0]["predicted_device_bytes"] <= min(free for free, _ in case["free_memory_by_rank"])
     features = ("tiled_logits_loss", "low_memory_norms", "tiled_mlp", "activation_checkpointing",
-                "keep_attention_outputs", "offload_activations")
+                "keep_attention_outputs", "offload_activations", "keep_matmul_outputs", "keep_token_mixer_outputs")
     assert sorted(name for name in features if ranks[0]["memory"][name]) == case["chosen"]
+    assert ranks[0]["memory"]["checkpoint_layers"] == 1  # the first of the two layers (the last runs backward first)
     # the first step confirmed once, from the slowest rank's time (the same on every rank); no device peak on CPU
     confirmations = [rank["memory_confirmation"] for rank in ranks]
     assert confirmations[0]["steps"] == 1 and confirmations[0]["step_s"] > 0

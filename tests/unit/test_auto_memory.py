@@ -341,23 +341,36 @@ def test_fsdp2_model_states_term_by_term():
     assert stretch.gpu["gathered parameters (FSDP2: root unit + layers)"] == 2 * (root + 3 * layer)
     kept = plan_memory(shape, dataclasses.replace(setup, reshard_after_forward=False))
     assert kept.gpu["gathered parameters (FSDP2: root unit + layers)"] == 2 * params
+    # partial checkpointing with kept products: the activations as on ZeRO-3 (`planning/selective.py`), the same
+    # gathered layers (each unit gathered for its own backward, checkpointed or not)
+    selective = MemoryOptions(activation_checkpointing=True, checkpoint_layers=20, keep_matmul_outputs=True,
+                              keep_attention_outputs=True)
+    on_fsdp2 = plan_memory(shape, dataclasses.replace(setup, memory=selective)).gpu
+    zero3 = dataclasses.replace(GPU, layout=ParallelLayout(world_size=n, sequence_parallel_size=1))
+    on_zero3 = plan_memory(shape, TrainingSetup.of_run(zero3, seq_len=8192, memory=selective)).gpu
+    activations = ("checkpointed layer inputs", "kept attention outputs", "kept products",
+                   "saved activations (layers not checkpointed)")
+    assert on_fsdp2["kept products"] > 0 and on_fsdp2["saved activations (layers not checkpointed)"] > 0
+    assert {term: on_fsdp2[term] for term in activations} == {term: on_zero3[term] for term in activations}
+    assert on_fsdp2["gathered parameters (FSDP2: root unit + layers)"] == gpu["gathered parameters (FSDP2: root unit + layers)"]
     with pytest.raises(ValueError, match="keeps the optimizer on the device"):
         dataclasses.replace(setup, offload_optimizer=0.5)
 
 
-# The features auto decides on FSDP2 (it leaves kept products and partial checkpointing out there).
+# What auto decides on FSDP2 as on DeepSpeed (every memory option, partial checkpointing and kept products included).
 FSDP2_PLANNED = ("tiled_logits_loss", "low_memory_norms", "tiled_mlp", "activation_checkpointing",
                  "keep_attention_outputs", "offload_activations", "checkpoint_interval", "keep_matmul_outputs",
-                 "keep_token_mixer_outputs")
+                 "keep_token_mixer_outputs", "checkpoint_layers")
 
 
 def test_fsdp2_on_one_h200_refuses_the_8b_shape_that_deepspeed_fits_and_agrees_on_two():
     """8B on one 141 GB H200 (139 GiB free): DeepSpeed fits it at 32K (checkpointing, kept attention outputs, inputs
     on the host) and at 128K (15% of the optimizer on the host); FSDP2's 16 bytes per parameter on the device plus
     its optimizer step's fp32 temporary (30 GiB) do not fit at any length, and auto says so, naming DeepSpeed's
-    optimizer offload. On two GPUs (SP 2) the same features planned on both take ~3 GiB more on FSDP2 (the root unit
-    gathered, the head's gradient, fp32 reduce-scatter); DeepSpeed's own choice may differ, by the kept products and
-    partial checkpointing FSDP2 does not run yet."""
+    optimizer offload. On two GPUs (SP 2) both choose the same features, partial checkpointing among them: FSDP2's
+    choice, given to DeepSpeed as it is (the same layers checkpointed), takes ~3 GiB less there (FSDP2 gathers the
+    root unit, holds the head's gradient and reduce-scatters in fp32); DeepSpeed spends those 3 GiB on one layer more
+    left un-checkpointed, which does not fit on FSDP2."""
     free = (139 * GIB, 125 * GIB)
     allowed = {"kernel": "cudnn", "fused_elementwise": True}
     deepspeed_32k = choose(LLAMA_8B, AutoMemory(seq_len=32768), GPU, free, **allowed)
@@ -373,11 +386,15 @@ def test_fsdp2_on_one_h200_refuses_the_8b_shape_that_deepspeed_fits_and_agrees_o
     for seq in (32768, 131072):
         on_fsdp2 = choose(LLAMA_8B, AutoMemory(seq_len=seq), dataclasses.replace(FSDP2, layout=two), free, **allowed)
         chosen = {name: getattr(on_fsdp2.memory, name) for name in FSDP2_PLANNED}
-        every_layer = LLAMA_8B.num_layers if chosen["activation_checkpointing"] else None
-        on_deepspeed = choose(LLAMA_8B, AutoMemory(seq_len=seq, offload_optimizer=0.0, checkpoint_layers=every_layer,
-                                                   **chosen), dataclasses.replace(GPU, layout=two), free, **allowed)
-        assert _on(on_fsdp2) == _on(on_deepspeed) and on_fsdp2.offload_optimizer == 0
-        assert on_fsdp2.memory.checkpoint_layers is None and not on_fsdp2.memory.keep_matmul_outputs
-        extra = on_fsdp2.best.plan.gpu_total - on_deepspeed.best.plan.gpu_total
+        assert on_fsdp2.offload_optimizer == 0 and isinstance(chosen["checkpoint_layers"], int)
+        same = choose(LLAMA_8B, AutoMemory(seq_len=seq, offload_optimizer=0.0, **chosen),
+                      dataclasses.replace(GPU, layout=two), free, **allowed)
+        extra = on_fsdp2.best.plan.gpu_total - same.best.plan.gpu_total
         assert 2.5 * GIB < extra < 3.5 * GIB, extra / GIB
+        on_deepspeed = choose(LLAMA_8B, AutoMemory(seq_len=seq), dataclasses.replace(GPU, layout=two), free, **allowed)
+        assert _on(on_deepspeed) == _on(on_fsdp2) and on_deepspeed.offload_optimizer == 0
+        assert {name: getattr(on_deepspeed.memory, name) for name in FSDP2_PLANNED} == {
+            **chosen, "checkpoint_layers": chosen["checkpoint_layers"] - 1}
+        one_layer_more = plan_memory(LLAMA_8B, dataclasses.replace(on_fsdp2.best.setup, memory=on_deepspeed.memory))
+        assert not on_fsdp2.budget.fits(one_layer_more)
         assert "FSDP2" in on_fsdp2.report() and "the optimizer stays on the device" in on_fsdp2.report()

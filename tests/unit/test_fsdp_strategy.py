@@ -44,11 +44,6 @@ def test_description_reads_as_zero3_scaled_by_sp():
     ({"memory": {"auto": True, "offload_optimizer": 0.3}},
      ["moves a share of the optimizer to the host", "CPUOffloadPolicy", "Leave offload_optimizer out",
       "strategy='ulysses'"]),
-    # kept products and partial checkpointing: not tried under FSDP2 yet, asked for directly or pinned in auto
-    ({"memory": {"activation_checkpointing": True, "keep_matmul_outputs": True, "checkpoint_layers": 1}},
-     ["['checkpoint_layers', 'keep_matmul_outputs'] are not ported to the FSDP2 strategy", "strategy='ulysses'"]),
-    ({"memory": {"auto": True, "keep_token_mixer_outputs": True}},
-     ["['keep_token_mixer_outputs'] are not ported", "memory='auto' on FSDP2 plans without them"]),
 ])
 def test_refused_when_built_with_the_fix(arguments, fragments):
     with pytest.raises(ValueError) as raised:
@@ -64,6 +59,12 @@ def test_every_memory_feature_auto_and_the_allocator_setting_are_taken():
                                               "tiled_logits_loss": True, "fused_elementwise": True,
                                               "low_memory_norms": True, "checkpoint_interval": 2})
     assert strategy.memory.tiled_mlp and strategy.memory.checkpoint_interval == 2 and strategy.memory.low_memory_norms
+    # partial checkpointing and kept products (tests/distributed/test_fsdp.py trains them exactly), set or pinned in auto
+    selective = UlyssesFSDPStrategy(2, memory={"activation_checkpointing": True, "checkpoint_layers": 1,
+                                               "keep_matmul_outputs": True, "keep_token_mixer_outputs": True})
+    assert selective.memory.checkpoint_layers == 1 and selective.memory.keep_token_mixer_outputs
+    pinned = UlyssesFSDPStrategy(2, memory={"auto": True, "keep_matmul_outputs": True, "checkpoint_layers": 1})
+    assert pinned.memory.keep_matmul_outputs and pinned.memory.checkpoint_layers == 1
     from lightning_ulysses.planning.auto import AutoMemory
 
     assert isinstance(UlyssesFSDPStrategy(2, memory="auto").memory, AutoMemory)

@@ -182,6 +182,66 @@ def test_a_product_written_into_in_the_forward_is_run_again_and_a_recompute_that
         model(**batch).loss.backward()
 
 
+@pytest.mark.parametrize("family,options", [
+    ("qwen3_next", dict(activation_checkpointing=True)),
+    ("qwen3_next", KEEP_ALL),
+    ("llama", dict(activation_checkpointing=True, checkpoint_layers=1, keep_matmul_outputs=True)),
+    ("llama", dict(tiled_mlp=True, mlp_tile_tokens=5)),
+], ids=["checkpointed", "kept-products", "partial-kept-products", "tiled-mlp"])
+def test_a_recompute_runs_under_the_forwards_autocast(family, options):
+    """Lightning's bf16-mixed on FSDP2 runs the forward under autocast and the backward outside it: a checkpointed
+    layer's or a tiled MLP's recompute runs under the forward's autocast state again (fp32 weights, CPU autocast to
+    bf16), so every product of the backward runs in bf16 as the plain model's do, and a checkpointed model's
+    gradients are the plain model's bit for bit (a tiled MLP sums its tiles' gradients: within bf16's rounding).
+    Without it the recompute ran its products in fp32 (the delta rule's and the MLP's), and a kept product replayed
+    there had the wrong dtype."""
+    build = _llama if family == "llama" else _hybrid
+
+    class ProductDtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("mm", "addmm", "bmm"):
+                self.dtypes.add(args[-1].dtype)
+            return func(*args, **(kwargs or {}))
+
+    def autocast_step(model, batch):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        with ProductDtypes() as backward:
+            loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, \
+            backward.dtypes
+
+    plain, batch = build()
+    expected = autocast_step(plain, batch)
+    model, _ = build()
+    apply_memory_options(model, MemoryOptions(**options))
+    actual = autocast_step(model, batch)
+    assert actual[2] == expected[2] and torch.bfloat16 in expected[2]
+    assert torch.equal(actual[0], expected[0])
+    for name, gradient in expected[1].items():
+        if options.get("tiled_mlp"):
+            torch.testing.assert_close(actual[1][name], gradient, rtol=2e-2, atol=1e-3, msg=name)
+        else:
+            assert torch.equal(actual[1][name], gradient), name
+
+
+def test_a_replay_of_another_dtype_is_refused():
+    """The same product on the same shapes in another dtype (a recompute under another autocast state) is not the
+    forward's: refused, never replayed."""
+    mode = checkpointing._KeptOutputs(None, frozenset({checkpointing.MATMULS}))
+    a = torch.randn(4, 4)
+    with mode:
+        a.bfloat16() @ a.bfloat16()
+    mode.unwatch()
+    with pytest.raises(RuntimeError, match="same shapes and dtypes"), mode.replaying():
+        a @ a
+
+
 @pytest.mark.parametrize("options,message", [
     (dict(keep_matmul_outputs=True), "need activation_checkpointing=True"),
     (dict(activation_checkpointing=True, checkpoint_layers=0), "at least 1"),

@@ -3,6 +3,8 @@
 Each case builds its own Trainer and its own SP/DP groups on the shared world process group.
 """
 
+import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -175,6 +177,41 @@ class CountAttentionRuns(L.Callback):
             handle.remove()
 
 
+def _torchs_own_linear() -> None:
+    """An FSDP2 case as if launched alone: DeepSpeed's `zero.Init` (an earlier ZeRO-3 case's `configure_model` in this
+    process) replaced `torch.nn.functional.linear` process-wide with its ZeRO-3 linear, which adds the bias in place
+    (then a biased linear keeps no product), and leaves it so ("This will persist unless manually reset": deepspeed
+    0.19 `partition_parameters.py` `_enable_mem_efficient_linear`, which saved torch's as `linear_bk`)."""
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
+
+    torch.nn.functional.linear = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", torch.nn.functional.linear)
+
+
+class CountReplayedOutputs(L.Callback):
+    """Which kept outputs the checkpointed layers' recomputes replayed in training, by operator (`_KeptOutputs` of
+    memory/checkpointing.py): what keep_attention_outputs / keep_matmul_outputs / keep_token_mixer_outputs kept. A
+    product written into in the forward (ZeRO-3's in-place bias add) runs again in the recompute: not counted."""
+
+    def on_train_start(self, trainer, pl_module):
+        from lightning_ulysses.memory import checkpointing
+
+        pl_module.replayed_outputs = counts = collections.Counter()
+        original = self.original = checkpointing._KeptOutputs.replaying
+
+        @contextlib.contextmanager
+        def replaying(mode):
+            with original(mode):
+                yield
+            counts.update(str(func) for func, _, outputs, *_ in mode.recorded if outputs is not None)
+
+        checkpointing._KeptOutputs.replaying = replaying
+
+    def on_train_end(self, trainer, pl_module):
+        from lightning_ulysses.memory import checkpointing
+
+        checkpointing._KeptOutputs.replaying = self.original
+
+
 class RecordGroups(L.Callback):
     """Weak references to the process groups each run of a case trains or evaluates on (SP, DP, and the Ulysses and
     ring sub-groups where the SP group is split): what `released_groups` looks for once the case is over; and to the
@@ -315,6 +352,7 @@ def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None) 
     if "free_memory_by_rank" in case:  # memory="auto" with this rank's own free memory (the ranks agree on the least)
         strategy_kwargs["memory"] = dict(strategy_kwargs["memory"], free_memory=case["free_memory_by_rank"][dist.get_rank()])
     if case.get("backend") == "fsdp2":  # the same module on FSDP2 (tests/distributed/test_fsdp.py)
+        _torchs_own_linear()
         strategy = lightning_ulysses.UlyssesFSDPStrategy(sequence_parallel_size=case["sp"], **strategy_kwargs)
     else:
         strategy = lightning_ulysses.UlyssesDeepSpeedStrategy(
@@ -328,7 +366,7 @@ def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None) 
     trainer = L.Trainer(
         accelerator="cpu", devices=case.get("devices", world_size), num_nodes=case.get("num_nodes", 1), strategy=strategy, precision=case.get("precision", "32-true"),
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[CaptureWeights(), CountAttentionRuns(), recorder, *_export(case), *saves,
+        callbacks=[CaptureWeights(), CountAttentionRuns(), CountReplayedOutputs(), recorder, *_export(case), *saves,
                    *([CaptureLoaded()] if case.get("check_loading") else [])], **length,
         **case.get("trainer_kwargs", {}),
     )
@@ -384,6 +422,7 @@ def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None) 
         "leaf_layers": module.leaf_layers,
         "tied_embeddings": module.tied_embeddings,
         "attention_runs": module.attention_runs,
+        "replayed_outputs": dict(module.replayed_outputs),
         "sdpa_orders": sorted(module.sdpa_orders),
         "pretrained": pretrained,
         "export": str(Path(case["workdir"]) / f"{case['name']}.export") if case.get("export") else None,
