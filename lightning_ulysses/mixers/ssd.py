@@ -132,7 +132,9 @@ def _block(x, dt, A, B, C, D, dt_bias, state, chunk_size, dt_softplus, dt_limit)
     contributions = torch.cat([entering, contributions], dim=1)
     between = _segment_sums(F.pad(cumulative[..., -1], (1, 0))).exp()  # [batch, heads, chunks + 1, chunks + 1]
     states = torch.einsum("bhcz,bzhpn->bchpn", between, contributions)
-    entering, leaving = states[:, :-1], states[:, -1]
+    # (the state leaving the block is kept for the next block's backward: a copy of its own, not a view that would
+    # hold every chunk's state alive)
+    entering, leaving = states[:, :-1], states[:, -1].clone()
 
     # what the state entering each chunk gives its positions, decayed from the chunk's start
     from_start = cumulative.exp().permute(0, 2, 3, 1).reshape(batch, chunks, chunk_size, groups, per_group, 1)
