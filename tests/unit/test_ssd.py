@@ -15,6 +15,7 @@ from transformers.models.mamba2 import modeling_mamba2
 from lightning_ulysses.hf import token_mixer_modules
 from lightning_ulysses.mixers import install_mixers, kernels, ssd
 from lightning_ulysses.mixers.ssd import mamba2_chunk_scan
+from lightning_ulysses.planning import layer_kinds
 from tests.distributed.families import family_model
 
 FALLBACK = modeling_mamba2.mamba2_chunk_scan
@@ -78,6 +79,10 @@ def test_packed_documents_restart_the_state():
     whole = mamba2_chunk_scan(**inputs, **common)
     assert torch.equal(by_bounds, one_by_one) and torch.equal(by_index, one_by_one)
     assert not torch.allclose(by_bounds[:, 20:], whole[:, 20:])  # the second document does read the first without
+
+
+def test_the_planner_plans_the_block_the_scan_runs():
+    assert layer_kinds.SSD_BLOCK_TOKENS == ssd.BLOCK_TOKENS  # (the planner does not import the mixers)
 
 
 def _saved_bytes_per_token(function, length: int, **options) -> float:
