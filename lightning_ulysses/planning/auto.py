@@ -753,9 +753,9 @@ def check_optimizer(choice: Optional[AutoChoice], optimizer: Any) -> None:
 
 def selective_refusals(shape: ModelShape, run: RunSpec) -> frozenset[str]:
     """The kept-products options `memory="auto"` leaves off for `shape`: `keep_matmul_outputs` where a part's
-    products are not declared (Mamba2: its PyTorch scan's products run outside a marked region, so the option would
-    keep them too, uncounted), `keep_token_mixer_outputs` where no token mixer marks its recurrence (no hybrid, or
-    one without a Gated DeltaNet); both on FSDP2, which has not been tried with them (`FSDP2_UNPORTED_MEMORY`)."""
+    products are not declared (none today: every declared part declares them), `keep_token_mixer_outputs` where no
+    token mixer marks its recurrence (no hybrid, or one with neither a Gated DeltaNet nor a Mamba2 mixer); both on
+    FSDP2, which has not been tried with them (`FSDP2_UNPORTED_MEMORY`)."""
     if run.fsdp2:
         return frozenset(name for name in FSDP2_UNPORTED_MEMORY if name != "checkpoint_layers")
     parts = [part for layer in shape.layers for part in layer.parts]
