@@ -44,7 +44,8 @@ class LayerPart:
     outputs its kept-outputs mode records in tiny bf16 models: `tests/unit/test_selective_recompute.py`):
     `product_bytes`, its linear layers' outputs (`keep_matmul_outputs`; None: not declared, so the option is left
     off); `mixer_product_bytes`, the fp32 products of its chunked recurrence (`keep_token_mixer_outputs`; 0: none
-    marked)."""
+    marked). `scan_recomputed_in_backward`: its recurrence runs its forward once more in its own backward (our
+    blockwise Mamba2 scan: `scan_flops` a fourth time per step)."""
 
     kind: str
     parameters: int
@@ -56,6 +57,7 @@ class LayerPart:
     tiles: bool = False
     product_bytes: Optional[float] = None
     mixer_product_bytes: float = 0.0
+    scan_recomputed_in_backward: bool = False
 
 
 @dataclass(frozen=True)
@@ -130,8 +132,9 @@ def mamba2(h: int, heads: int, head_dim: int, state: int, groups: int, kernel: i
     parameters = projections + conv * (kernel + 1) + 3 * heads + inner
     block = max(1, SSD_BLOCK_TOKENS // chunk) * chunk
     saved = 30 * inner + 12 * groups * state + 2 * heads + 2 * h + 4 * inner * state / block
-    # per head and token: C×C scores and their use (2·C·(N + P)), the states in and out (2·P·N), 2 FLOPs each
-    scan = 2 * heads * (2 * chunk * (state + head_dim) + 2 * head_dim * state) + 2 * conv * kernel
+    # per token: C×C scores per group (C·N), their use per head (C·P), the states in and out per head (2·P·N), 2 FLOPs
+    # each multiply-add
+    scan = 2 * (2 * chunk * (groups * state + heads * head_dim) + 2 * heads * head_dim * state) + 2 * conv * kernel
     # kept products: the projections' 16-bit outputs ([z | x | B | C | dt], the output); the scan's fp32 products:
     # C·Bᵀ per group and chunk position, the within-chunk and the carried outputs (an inner channel each), each
     # chunk's state contribution and the states entering the chunks (per chunk: `inner · state / chunk` each; one
@@ -139,7 +142,7 @@ def mamba2(h: int, heads: int, head_dim: int, state: int, groups: int, kernel: i
     products = 2 * (inner + conv + heads + h)
     mixer_products = 4 * (groups * chunk + 2 * inner + 2 * inner * state / chunk + inner * state / block)
     return LayerPart("mamba2", parameters, projections, saved, scan_flops=scan, product_bytes=products,
-                     mixer_product_bytes=mixer_products)
+                     mixer_product_bytes=mixer_products, scan_recomputed_in_backward=True)
 
 
 def softmax_attention(h: int, heads: int, kv_heads: int, head_dim: int, gated: bool, e: int = 2) -> LayerPart:
