@@ -2,7 +2,8 @@
 
 For each shape (`conf/model/qwen3_next_like.yaml`, `conf/model/nemotron_h_like.yaml`):
 - **plain HF**: transformers as the user has it (its own PyTorch fallbacks of the delta rule and the SSD scan, no
-  flash-linear-attention or mamba kernels on the image; not our linear-time delta rule, which is the recipe's), the
+  flash-linear-attention or mamba kernels on the image; not our linear-time delta rule and blockwise SSD scan, which are
+  the recipe's), the
   model from `AutoModelForCausalLM.from_config`, fp32 weights under bf16 autocast and torch's fused AdamW (what
   Lightning's bf16-mixed does, and the bytes per parameter of the recipe's ZeRO-3), `model(input_ids=...,
   labels=...).loss.backward()` and an optimizer step; at 32K, then doubling until it runs out of memory — or, where

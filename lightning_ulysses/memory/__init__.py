@@ -19,8 +19,8 @@ dropout and with `use_cache=True`.
   `keep_attention_outputs` keeps the attention kernels' outputs (where the inputs are kept) so the recompute skips
   the attention forward, the dominant kernel at long sequences; `keep_matmul_outputs` keeps the products of the
   linear layers (projections, MLPs, experts) and `keep_token_mixer_outputs` those of a token mixer's chunked
-  recurrence (the gated delta rule), so the recompute runs only the cheap elementwise work (norms, activations,
-  RoPE) again; `checkpoint_layers` checkpoints only some decoder layers (N: the first N; or the indices given), the
+  recurrence (the gated delta rule, the Mamba2 scan), so the recompute runs only the cheap elementwise work (norms,
+  activations, RoPE) again; `checkpoint_layers` checkpoints only some decoder layers (N: the first N; or the indices given), the
   others keep their activations and are not recomputed.
 - `low_memory_norms`: every Llama-style RMSNorm of a Hugging Face model keeps only its 16-bit input and an fp32
   rstd per token for backward (not an fp32 copy of its input); other RMSNorms are refused; a no-op for the native

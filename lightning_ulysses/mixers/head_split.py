@@ -10,8 +10,9 @@ heads, exactly as attention does; so the same trick applies. With the hidden sta
    equal; an uneven one exchanges pieces of per-rank sizes);
 3. the mixer's own forward runs unchanged on those whole rows, with its head counts, per-head parameters and
    convolution weights narrowed to this rank's units (so it calls the same kernels as the unprepared model: the
-   flash-linear-attention and causal-conv1d ones where installed, transformers' PyTorch fallbacks elsewhere, or our
-   linear-time one where that fallback is quadratic in length: kernels.py);
+   flash-linear-attention, causal-conv1d and mamba_ssm ones where installed, transformers' PyTorch fallbacks
+   elsewhere, or ours where that fallback is costly: the gated delta rule in linear time, Mamba2's scan in blocks:
+   kernels.py);
 4. before its output projection, a second all-to-all returns every channel of this rank's tokens.
 
 Every projection of the layer then sees `seq/P` tokens on every rank, and its convolution, recurrence and
@@ -241,7 +242,7 @@ class HeadSplitMixer:
         self.slices = {name: (dim, layout.local_channels(self.rank, self.parts))
                        for name, (dim, layout) in split.parameters.items()}
         self.signature = inspect.signature(module.forward)
-        self.kernels = LinearTimeKernels(type(module))  # ours where transformers' fallback is quadratic (kernels.py)
+        self.kernels = LinearTimeKernels(type(module))  # ours where transformers' fallback is costly (kernels.py)
         parameters = list(self.signature.parameters.values())
         self.hidden = parameters[0].name
         self.variadic = next((p.name for p in parameters if p.kind is p.VAR_KEYWORD), None)

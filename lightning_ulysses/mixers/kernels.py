@@ -1,11 +1,16 @@
-"""Our linear-time PyTorch kernels in place of transformers' quadratic fallbacks, for the calls of prepared mixers.
+"""Our PyTorch kernels in place of transformers' costly fallbacks, for the calls of prepared mixers.
 
-A family's mixer calls its recurrence by a module-level name of its modeling file (`torch_chunk_gated_delta_rule`),
-which transformers binds at import: to flash-linear-attention's kernel where fla is installed, else to its own
-PyTorch fallback, whose backward is quadratic in the row's length (delta_rule.py says why). For the duration of a
-prepared mixer's call — and only where the name is still bound to transformers' fallback — the name is bound to
-ours, which computes the same operations in the same order, linear in length. fla's kernels, where installed, are
-never replaced; the model outside our calls (and every other model) sees the module unchanged.
+A family's mixer calls its recurrence by a module-level name of its modeling file, which transformers binds at
+import: to the fused kernel's package where it is installed, else to its own PyTorch fallback. Two fallbacks cost
+what ours do not:
+- `torch_chunk_gated_delta_rule` (Gated DeltaNet, KDA's families; fla's kernel where installed): its backward is
+  quadratic in the row's length; ours (delta_rule.py) computes the same operations in the same order, linear in it;
+- `mamba2_chunk_scan` (every Mamba2 family: Mamba2, Nemotron-H, Bamba, Zamba2, Falcon-H1, Granite-MoE-hybrid;
+  mamba_ssm's `mamba_chunk_scan_combined` where installed): it leaves autograd about 1 MB per token per layer;
+  ours (ssd.py) keeps its inputs and one state per block, and recomputes a block at a time in backward.
+For the duration of a prepared mixer's call — and only where the name is still bound to transformers' fallback —
+the name is bound to ours. fla's and mamba_ssm's kernels, where installed, are never replaced; the model outside our
+calls (and every other model) sees the module unchanged.
 
 Why a scoped rebinding rather than a copy of the family's forward: the forward is the family's own code, wrapped in
 transformers' decorators, and stays so (mixers/head_split.py: the view runs the family's code).
@@ -20,9 +25,11 @@ from typing import Callable, Iterator
 import torch
 
 from lightning_ulysses.mixers.delta_rule import chunk_gated_delta_rule
+from lightning_ulysses.mixers.ssd import mamba2_chunk_scan
 
 # transformers' fallback's name in a modeling file → ours
-LINEAR_TIME: dict[str, Callable] = {"torch_chunk_gated_delta_rule": chunk_gated_delta_rule}
+LINEAR_TIME: dict[str, Callable] = {"torch_chunk_gated_delta_rule": chunk_gated_delta_rule,
+                                    "mamba2_chunk_scan": mamba2_chunk_scan}
 
 
 def _function_behind(bound: object) -> object:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from lightning_ulysses.mixers.channels import ChannelLayout, Shared, unit_range
 from lightning_ulysses.mixers.head_split import MixerSplit, sum_over_ranks
+from lightning_ulysses.mixers.ranks import SequenceRanks
 
 _STRUCTURE = ("in_proj", "conv1d", "out_proj", "norm", "A_log", "D", "dt_bias", "num_heads", "head_dim", "n_groups",
               "ssm_state_size", "intermediate_size", "conv_dim")

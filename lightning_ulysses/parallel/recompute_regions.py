@@ -18,7 +18,7 @@ from typing import Iterator
 import torch
 
 OPERATOR_NAME = "lightning_ulysses::recompute_region"
-# The chunked recurrence of a token mixer (the gated delta rule): its products are slow to recompute.
+# The chunked recurrence of a token mixer (the gated delta rule, Mamba2's scan): its products are slow to recompute.
 TOKEN_MIXER = "token_mixer"
 # A tiled MLP: it recomputes itself tile by tile, so nothing in it is kept.
 TILED = "tiled"

@@ -753,9 +753,9 @@ def check_optimizer(choice: Optional[AutoChoice], optimizer: Any) -> None:
 
 def selective_refusals(shape: ModelShape) -> frozenset[str]:
     """The kept-products options `memory="auto"` leaves off for `shape`: `keep_matmul_outputs` where a part's
-    products are not declared (Mamba2: its PyTorch scan's products run outside a marked region, so the option would
-    keep them too, uncounted), `keep_token_mixer_outputs` where no token mixer marks its recurrence (no hybrid, or
-    one without a Gated DeltaNet). FSDP2 runs both as DeepSpeed does (tests/distributed/test_fsdp.py)."""
+    products are not declared (none today: every declared part declares them), `keep_token_mixer_outputs` where no
+    token mixer marks its recurrence (no hybrid, or one with neither a Gated DeltaNet nor a Mamba2 mixer). FSDP2 runs
+    both as DeepSpeed does (tests/distributed/test_fsdp.py)."""
     parts = [part for layer in shape.layers for part in layer.parts]
     refused = set()
     if any(part.product_bytes is None for part in parts):

@@ -12,8 +12,8 @@ mixer, an MLP, its norms). `hybrid_layers(config)` reads them from a Hugging Fac
 them layer by layer.
 
 The saved bytes are linear forms in the widths, fit to what autograd keeps in the layers as the strategy runs them
-(bf16, our linear-time delta rule for Gated DeltaNet, transformers' PyTorch paths elsewhere: its chunked SSD for
-Mamba2, its eager experts loop for the mixtures of experts), measured per part on tiny CPU models of many widths
+(bf16, our linear-time delta rule for Gated DeltaNet, our blockwise SSD scan for Mamba2, transformers' PyTorch paths
+elsewhere: its eager experts loop for the mixtures of experts), measured per part on tiny CPU models of many widths
 (`tests/unit/test_hybrid_shapes.py` holds whole models to them). They assume 16-bit compute.
 """
 
@@ -25,6 +25,8 @@ from typing import Any, Optional
 
 # Gated DeltaNet's chunk (ours and flash-linear-attention's), in tokens.
 DELTA_RULE_CHUNK = 64
+# Our Mamba2 scan's block, in tokens (mixers/ssd.py; the planner does not import the mixers).
+SSD_BLOCK_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -40,9 +42,10 @@ class LayerPart:
 
     What a checkpointed layer keeps of it per token with the kept products (`memory/checkpointing.py`, fit to the
     outputs its kept-outputs mode records in tiny bf16 models: `tests/unit/test_selective_recompute.py`):
-    `product_bytes`, its linear layers' outputs (`keep_matmul_outputs`; None: not declared, e.g. Mamba2, whose
-    PyTorch scan's products run outside a marked region, so the option is left off); `mixer_product_bytes`, the fp32
-    products of its chunked recurrence (`keep_token_mixer_outputs`; 0: none marked)."""
+    `product_bytes`, its linear layers' outputs (`keep_matmul_outputs`; None: not declared, so the option is left
+    off); `mixer_product_bytes`, the fp32 products of its chunked recurrence (`keep_token_mixer_outputs`; 0: none
+    marked). `scan_recomputed_in_backward`: its recurrence runs its forward once more in its own backward (our
+    blockwise Mamba2 scan: `scan_flops` a fourth time per step)."""
 
     kind: str
     parameters: int
@@ -54,6 +57,7 @@ class LayerPart:
     tiles: bool = False
     product_bytes: Optional[float] = None
     mixer_product_bytes: float = 0.0
+    scan_recomputed_in_backward: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,18 +120,29 @@ def gated_deltanet(h: int, key_heads: int, key_dim: int, value_heads: int, value
 
 def mamba2(h: int, heads: int, head_dim: int, state: int, groups: int, kernel: int, chunk: int) -> LayerPart:
     """Mamba2 (Nemotron-H): `in_proj` to [z | x | B | C | dt], a depthwise convolution over [x | B | C], the chunked
-    SSD scan, a gated group norm, `out_proj`. Kept per token (transformers' PyTorch SSD, fit within 0.2%): 12 bytes
-    per head and chunk position (the C×C decays and scores), 50 per inner channel, 21.5 per head and state entry
-    (B, C repeated to the heads), 8 per group state entry, two fp32 states per head and chunk, the input."""
+    SSD scan (ours, `mixers/ssd.py`: blocks of `SSD_BLOCK_TOKENS` recomputed in backward), a gated group norm,
+    `out_proj`. Kept per token (fit within 0.3%): 30 bytes per inner channel (the projection's 16-bit z and x, the
+    convolution's output and activation, the norm's fp32 gate, scan output and products, its 16-bit output), 12 per
+    group state entry (B and C: projected, convolved, activated), 2 per head (the step), the 16-bit input, and the
+    fp32 state entering each block of the scan. (transformers' own PyTorch scan kept about 1 MB per token at
+    Nemotron-H-8B's widths: 12 bytes per head and chunk position, 21.5 per head and state entry, ...)"""
     inner = heads * head_dim
     conv = inner + 2 * groups * state
     projections = h * (inner + conv + heads) + inner * h
     parameters = projections + conv * (kernel + 1) + 3 * heads + inner
-    saved = (12 * heads * chunk + 50 * inner + 21.5 * heads * state + 8 * groups * state
-             + 8.75 * inner * state / chunk + 10 / 3 * h)
-    # per head and token: C×C scores and their use (2·C·(N + P)), the states in and out (2·P·N), 2 FLOPs each
-    scan = 2 * heads * (2 * chunk * (state + head_dim) + 2 * head_dim * state) + 2 * conv * kernel
-    return LayerPart("mamba2", parameters, projections, saved, scan_flops=scan)
+    block = max(1, SSD_BLOCK_TOKENS // chunk) * chunk
+    saved = 30 * inner + 12 * groups * state + 2 * heads + 2 * h + 4 * inner * state / block
+    # per token: C×C scores per group (C·N), their use per head (C·P), the states in and out per head (2·P·N), 2 FLOPs
+    # each multiply-add
+    scan = 2 * (2 * chunk * (groups * state + heads * head_dim) + 2 * heads * head_dim * state) + 2 * conv * kernel
+    # kept products: the projections' 16-bit outputs ([z | x | B | C | dt], the output); the scan's fp32 products:
+    # C·Bᵀ per group and chunk position, the within-chunk and the carried outputs (an inner channel each), each
+    # chunk's state contribution and the states entering the chunks (per chunk: `inner · state / chunk` each; one
+    # more per block: the state leaving it)
+    products = 2 * (inner + conv + heads + h)
+    mixer_products = 4 * (groups * chunk + 2 * inner + 2 * inner * state / chunk + inner * state / block)
+    return LayerPart("mamba2", parameters, projections, saved, scan_flops=scan, product_bytes=products,
+                     mixer_product_bytes=mixer_products, scan_recomputed_in_backward=True)
 
 
 def softmax_attention(h: int, heads: int, kv_heads: int, head_dim: int, gated: bool, e: int = 2) -> LayerPart:

@@ -24,7 +24,8 @@ prints prediction against measurement). What the model counts:
   copies); with any offload, ZeRO-3's 16-bit gradients of every element cross the host link;
 - hybrids (`layer_kinds`): each layer's parts' matmuls (an expert MLP: the experts a token reaches), causal attention
   only in attention layers (`heads · head_dim` wide), and the recurrences' own FLOPs (`scan_flops`, forward ×3 with
-  backward, once more per recompute) at `DeviceSpeeds.scan_flops`, the rate of our PyTorch delta rule on the H200;
+  backward, once more per recompute, and once more for our blockwise Mamba2 scan, which recomputes its blocks in its
+  backward) at `DeviceSpeeds.scan_flops`, the rate of our PyTorch delta rule on the H200;
   the Qwen3-Next-like shape's measured forward + backward steps are within 15% (`tests/unit/test_hybrid_shapes.py`);
 - a fixed cost per step (the hooks and launches that do not grow with the sequence);
 - the host: ZeRO-3's hooks and Python cost a fixed part per step and a part per decoder layer and pass (forward,
@@ -220,6 +221,11 @@ def predict_step_time(shape: ModelShape, setup: TrainingSetup, kernel: Optional[
                                     * (speeds.fused_elementwise_factor if m.fused_elementwise else 1.0)}
     if scan_forward:
         terms["token-mixer scans (forward + backward)"] = 3 * scan_forward / speeds.scan_flops
+    # (our blockwise Mamba2 scan runs each block's forward again in its backward: mixers/ssd.py)
+    scan_again = tokens * sum(part.scan_flops for layer in shape.layers for part in layer.parts
+                              if part.scan_recomputed_in_backward)
+    if scan_again:
+        terms["token-mixer scans: blocks recomputed in backward"] = scan_again / speeds.scan_flops
     extra_forwards = 0.0
     if uses_layer_costs(m):  # some layers checkpointed, or products kept: layer by layer (selective.py)
         extra_forwards = _layer_by_layer_recompute(shape, setup, kernel, speeds, terms, overlapped_copies)

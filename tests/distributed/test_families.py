@@ -186,9 +186,11 @@ def test_a_split_mixer_does_one_sp_th_of_the_work_on_every_rank(outcome):
     # Jamba saves 1.105/SP of its whole layer's at SP 4). A projection whose partial products are summed over the SP
     # group (Mamba's x_proj) sees every row of 1/SP of its input channels, the second half of a low-rank pair (Kimi's
     # f_b_proj and g_b_proj) every row of 1/SP of its output channels: their FLOPs are in the first claim.
-    # Where Mamba2's groups of B and C do not divide by SP, their convolution, its saved activations and the norm's
-    # sums over the SP group come on top; measured here: 1.2% more FLOPs than 1/SP and 13% more saved bytes at SP 2,
-    # 3.6% and 24% at SP 4 (n_groups 1), 2.2% and 18% for Falcon-H1's 2 groups at SP 4.
+    # Where Mamba2's groups of B and C do not divide by SP, their convolution, its saved activations, the norm's sums
+    # over the SP group and the scan's C·Bᵀ (ours computes it once per group, not per head: mixers/ssd.py) come on
+    # top; measured here: 4.5% more FLOPs than 1/SP at SP 2, 7.6% at SP 4 (n_groups 1), and 34% and 57-62% more saved
+    # bytes (the scan keeping only its inputs, the whole layer keeps a third less than with transformers' scan, and
+    # B and C, convolved and kept by every rank that reads them, are a larger part of it).
     for family in SPLIT_FAMILIES:
         for sp in SIZES:
             shared = SHARED_GROUPS.get(family, sp) % sp != 0
@@ -196,8 +198,8 @@ def test_a_split_mixer_does_one_sp_th_of_the_work_on_every_rank(outcome):
                 for path, layer in rank["mixers"][family][sp].items():
                     work, whole = layer["work"], layer["whole_work"]
                     if shared:
-                        assert whole["flops"] < work["flops"] * sp <= 1.04 * whole["flops"], (family, sp, work, whole)
-                        assert work["saved_bytes"] * sp <= 1.25 * whole["saved_bytes"], (family, sp, path, work, whole)
+                        assert whole["flops"] < work["flops"] * sp <= 1.1 * whole["flops"], (family, sp, work, whole)
+                        assert work["saved_bytes"] * sp <= 1.7 * whole["saved_bytes"], (family, sp, path, work, whole)
                     else:
                         assert work["flops"] * sp == whole["flops"], (family, sp, path, work, whole)
                         assert work["saved_bytes"] * sp <= 1.15 * whole["saved_bytes"], (family, sp, path, work, whole)
@@ -240,7 +242,11 @@ def test_an_uneven_split_gives_each_rank_only_its_units_work(outcome, family):
     # value heads (heads) read, convolved on each, once per head where a rank's heads read two groups unequally.
     # Measured, FLOPs and saved bytes of all ranks over the whole layer's: the short convolution 1.0 and 1.10 at
     # SP 4; Qwen3-Next's 1.008 and 1.06 at SP 2, 1.003 and 1.03 at SP 4; Mamba2's 1.05 and 1.32 at SP 2 (5 and 4
-    # heads, each with its own copy of B and C), 1.017 and 1.17 at SP 4.
+    # heads, each with its own copy of B and C), 1.017 and 1.17 at SP 4. (Our Mamba2 scan computes C·Bᵀ once per
+    # group, mixers/ssd.py: a rank whose heads each read their own copy computes it once per head, so the ranks with
+    # ⌈U/SP⌉ heads do up to 5% more than their share of the whole layer's, which computes it once per group, and
+    # the ranks together 11% more at SP 2; the whole layer keeping a third less, B and C kept by each rank that reads
+    # them make the ranks' saved bytes together 1.63 (Mamba2) and 1.67 (Falcon-H1) times the whole layer's at SP 2.)
     name = f"{family}@uneven"
     for sp in SIZES:
         for path in outcome[0]["mixers"][name][sp]:
@@ -250,13 +256,13 @@ def test_an_uneven_split_gives_each_rank_only_its_units_work(outcome, family):
             flops = [layer["work"]["flops"] for layer in layers]
             most = -(-units // sp) / units  # the largest rank's share (the projections' seq/SP rows are within it)
             for layer in layers:
-                assert layer["work"]["flops"] <= 1.04 * most * whole["flops"], (name, sp, layer["work"], whole)
+                assert layer["work"]["flops"] <= 1.07 * most * whole["flops"], (name, sp, layer["work"], whole)
                 for projection in layer["projections"]:
                     assert layer["work"]["rows"][projection] * sp == whole["rows"][projection] == SEQ_LEN
-            assert whole["flops"] <= sum(flops) <= 1.06 * whole["flops"], (name, sp, flops, whole["flops"])
+            assert whole["flops"] <= sum(flops) <= 1.12 * whole["flops"], (name, sp, flops, whole["flops"])
             assert max(flops) > min(flops), (name, sp, flops)  # ⌊U/SP⌋-unit ranks do less than ⌈U/SP⌉-unit ones
             saved = sum(layer["work"]["saved_bytes"] for layer in layers)
-            assert saved <= 1.4 * whole["saved_bytes"], (name, sp, saved, whole["saved_bytes"])
+            assert saved <= 1.7 * whole["saved_bytes"], (name, sp, saved, whole["saved_bytes"])
 
 
 def test_a_split_mixer_takes_the_copy_engine_for_equal_pieces_and_the_collective_for_unequal_ones(outcome):

@@ -15,7 +15,9 @@ from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.batch.sharding import SequenceSharder
 from lightning_ulysses.hf import prepare_hf_model
 from lightning_ulysses.memory import MemoryOptions, apply_memory_options, checkpointing
+from lightning_ulysses.mixers import ssd
 from lightning_ulysses.parallel.run_spec import RunSpec
+from lightning_ulysses.planning import layer_kinds
 from lightning_ulysses.planning.auto import AutoMemory, choose
 from lightning_ulysses.planning.planner import GIB, MODELS, ModelShape, TrainingSetup, plan_memory
 from lightning_ulysses.planning.selective import layer_costs
@@ -40,10 +42,11 @@ class _CountProducts(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _hybrid(dtype=torch.float32, seed=0):
-    """The tiny Qwen3-Next (3 Gated DeltaNet layers, 1 gated attention), prepared as the strategy prepares it at
-    SP 1 (our chunked delta rule, in its marked region), and a batch for it."""
-    config = _tiny("qwen3_next")
+def _hybrid(dtype=torch.float32, seed=0, family="qwen3_next"):
+    """The tiny Qwen3-Next (3 Gated DeltaNet layers, 1 gated attention) or Nemotron-H (Mamba2, MLP, attention and
+    expert blocks), prepared as the strategy prepares it at SP 1 (our chunked delta rule or blockwise SSD scan, in
+    its marked region), and a batch for it."""
+    config = _tiny(family)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(dtype).train()
     slot = BatchRowsSlot()
@@ -76,12 +79,12 @@ def _assert_same(expected, actual):
         torch.testing.assert_close(actual[1][name], expected[1][name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_next"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_next", "nemotron_h"])
 def test_recompute_skips_the_kept_products(family):
     """With every product kept (and the attention), a checkpointed layer's recompute runs no product again: the
     backward runs exactly the products the plain model's backward runs. Recomputing everything runs more (each
     layer's forward products again); keeping only the linear layers' leaves the delta rule's to recompute."""
-    build = _llama if family == "llama" else _hybrid
+    build = _llama if family == "llama" else lambda: _hybrid(family=family)
     plain, batch = build()
     expected = _step(plain, batch, count_backward=True)
     counts = {}
@@ -94,7 +97,7 @@ def test_recompute_skips_the_kept_products(family):
         counts[name] = sum(actual[2].values())
     assert counts["all"] == sum(expected[2].values()) > 0
     assert counts["none"] > counts["all"]
-    if family == "qwen3_next":  # the delta rule's products still recomputed: more than with everything kept
+    if family != "llama":  # the delta rule's (the scan's) products still recomputed: more than with everything kept
         assert counts["none"] > counts["linear"] > counts["all"]
     else:
         assert counts["linear"] == counts["all"]
@@ -127,19 +130,23 @@ def _recorded_bytes(model, batch, monkeypatch) -> list[int]:
     return sizes
 
 
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
 @pytest.mark.parametrize("keep", ["keep_matmul_outputs", "keep_token_mixer_outputs", "keep_attention_outputs"])
-def test_kept_bytes_of_a_hybrid_are_the_planned_ones(keep, monkeypatch):
+def test_kept_bytes_of_a_hybrid_are_the_planned_ones(keep, family, monkeypatch):
     """What the mode records per layer (bf16, 128 tokens) against `layer_kinds`' declared bytes, layer by layer:
-    the linear layers' products (projections, router, routed and shared experts), the delta rule's fp32 products,
-    the attention kernel's output and log-sum-exp."""
-    model, batch = _hybrid(torch.bfloat16)
+    the linear layers' products (projections, router, routed and shared experts), the delta rule's and the SSD
+    scan's fp32 products, the attention kernel's output and log-sum-exp. The scan in blocks of 64 tokens, so that
+    the row holds two (each keeps the state leaving it)."""
+    monkeypatch.setattr(ssd, "BLOCK_TOKENS", 64)
+    monkeypatch.setattr(layer_kinds, "SSD_BLOCK_TOKENS", 64)
+    model, batch = _hybrid(torch.bfloat16, family=family)
     options = MemoryOptions(activation_checkpointing=True, **{keep: True})
     apply_memory_options(model, options)
     measured = _recorded_bytes(model, batch, monkeypatch)
-    shape = ModelShape.from_hf_config(_tiny("qwen3_next"))
+    shape = ModelShape.from_hf_config(_tiny(family))
     planned = [cost.product_bytes + cost.attention_bytes for cost in
                layer_costs(shape, 2, options, [0.0] * shape.num_layers)]
-    assert len(measured) == 4
+    assert len(measured) == shape.num_layers
     for layer, (have, want) in enumerate(zip(measured, planned)):
         assert have == pytest.approx(want * 128, rel=0.03), (layer, have, want * 128)
 

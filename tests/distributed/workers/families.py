@@ -28,6 +28,7 @@ from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.hf import token_mixer_modules, validate_hf_model
 from lightning_ulysses.mixers import install_mixers, left_on_whole_rows, split_of
 from lightning_ulysses.mixers.channels import unit_range
+from lightning_ulysses.mixers.kernels import LinearTimeKernels
 from lightning_ulysses.parallel.layout import ParallelLayout, SequenceParallelGroups, ShardOrder
 from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss
 from tests.distributed.common import relative_gradient_error
@@ -190,15 +191,20 @@ def _outermost_mixer_kinds(pristine) -> dict:
 
 def _on_whole_rows(module, pristine, seed: int):
     """A mixer's reference: hidden states and output weights drawn from `seed`, a copy of the layer run on the whole
-    rows in one process (its work counted): (hidden, weights, output, input gradient, work)."""
+    rows in one process as transformers runs it: (hidden, weights, output, input gradient, work). The work is counted
+    in a second run with our kernels where a split runs them (mixers/kernels.py: Mamba2's blockwise scan recomputes
+    its forward in backward), so that what a split's ranks do is compared with the same computation on whole rows."""
     generator = torch.Generator().manual_seed(seed)
     hidden = torch.randn(2, SEQ_LEN, pristine.config.get_text_config().hidden_size, generator=generator)
     weights = torch.randn(2, SEQ_LEN, 1, generator=generator)
     whole = hidden.clone().requires_grad_(True)
     reference = copy.deepcopy(module)
-    with _Work(reference) as work:
-        expected = _first(reference(whole, **_call_kwargs(reference, whole)))
-        (expected * weights).sum().backward()
+    expected = _first(reference(whole, **_call_kwargs(reference, whole)))
+    (expected * weights).sum().backward()
+    again = hidden.clone().requires_grad_(True)
+    with LinearTimeKernels(type(reference)).in_place(), _Work(reference) as work:
+        output = _first(reference(again, **_call_kwargs(reference, again)))
+        (output * weights).sum().backward()
     return hidden, weights, expected, whole.grad, work
 
 
