@@ -345,7 +345,8 @@ class StrategyCheckpoints:
         is one the resumed run repeats, the data then continues exactly, and Lightning's warning that it may not is
         suspended until the first batch."""
         self.order_sampler = None
-        if self.trainer.state.stage != RunningStage.TRAINING:
+        # (a loader processed outside a run, no module attached: nothing to record or to resume)
+        if self.strategy.lightning_module is None or self.trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         resume = self.resume
         at_boundary = resume is not None and resume.epoch_samples_consumed == 0

@@ -31,7 +31,7 @@ from lightning_ulysses.mixers.channels import unit_range
 from lightning_ulysses.mixers.kernels import LinearTimeKernels
 from lightning_ulysses.parallel.layout import ParallelLayout, SequenceParallelGroups, ShardOrder
 from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss
-from tests.distributed.common import relative_gradient_error
+from tests.distributed.common import relative_gradient_error, torchs_own_linear
 from tests.distributed.families import SEQ_LEN, VOCAB, tiny_model
 
 
@@ -402,6 +402,7 @@ def main():
 def run(spec: dict, workdir: Path) -> None:
     if not dist.is_initialized():  # a part of a shared launch (workers/parts.py) may find it set up
         dist.init_process_group("gloo")
+    torchs_own_linear()  # the work counted (saved bytes, products) as in a launch of its own
     import transformers
 
     output = {"families": {}, "seconds": {}, "transformers_version": transformers.__version__}

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import lightning_ulysses
-from tests.distributed.common import CausalLM, UnevenlyMaskedTokens, collate, save_pretrained_once, settle_heap
+from tests.distributed.common import (CausalLM, UnevenlyMaskedTokens, collate, save_pretrained_once, settle_heap,
+                                      torchs_own_linear)
 from tests.distributed.packed import PackedDocuments
 
 DATASETS = {"uneven": UnevenlyMaskedTokens, "packed": PackedDocuments}  # case["data"], "uneven" by default
@@ -175,16 +176,6 @@ class CountAttentionRuns(L.Callback):
     def on_train_end(self, trainer, pl_module):
         for handle in self.handles:
             handle.remove()
-
-
-def _torchs_own_linear() -> None:
-    """An FSDP2 case as if launched alone: DeepSpeed's `zero.Init` (an earlier ZeRO-3 case's `configure_model` in this
-    process) replaced `torch.nn.functional.linear` process-wide with its ZeRO-3 linear, which adds the bias in place
-    (then a biased linear keeps no product), and leaves it so ("This will persist unless manually reset": deepspeed
-    0.19 `partition_parameters.py` `_enable_mem_efficient_linear`, which saved torch's as `linear_bk`)."""
-    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
-
-    torch.nn.functional.linear = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", torch.nn.functional.linear)
 
 
 class CountReplayedOutputs(L.Callback):
@@ -352,7 +343,7 @@ def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None) 
     if "free_memory_by_rank" in case:  # memory="auto" with this rank's own free memory (the ranks agree on the least)
         strategy_kwargs["memory"] = dict(strategy_kwargs["memory"], free_memory=case["free_memory_by_rank"][dist.get_rank()])
     if case.get("backend") == "fsdp2":  # the same module on FSDP2 (tests/distributed/test_fsdp.py)
-        _torchs_own_linear()
+        torchs_own_linear()
         strategy = lightning_ulysses.UlyssesFSDPStrategy(sequence_parallel_size=case["sp"], **strategy_kwargs)
     else:
         strategy = lightning_ulysses.UlyssesDeepSpeedStrategy(
