@@ -188,9 +188,9 @@ def test_a_split_mixer_does_one_sp_th_of_the_work_on_every_rank(outcome):
     # f_b_proj and g_b_proj) every row of 1/SP of its output channels: their FLOPs are in the first claim.
     # Where Mamba2's groups of B and C do not divide by SP, their convolution, its saved activations, the norm's sums
     # over the SP group and the scan's C·Bᵀ (ours computes it once per group, not per head: mixers/ssd.py) come on
-    # top; measured here: 4.5% more FLOPs than 1/SP at SP 2, 7.6% at SP 4 (n_groups 1), and 34% and 57-62% more saved
-    # bytes (the scan keeping only its inputs, the whole layer keeps a third less than with transformers' scan, and
-    # B and C, convolved and kept by every rank that reads them, are a larger part of it).
+    # top; measured here: 4.5% more FLOPs than 1/SP at SP 2, 7.6% at SP 4 (n_groups 1), and 38% and 71% more saved
+    # bytes (what the forward saves: the scan keeping only its inputs, the whole layer keeps far less than with
+    # transformers' scan, and B and C, convolved and kept by every rank that reads them, are a larger part of it).
     for family in SPLIT_FAMILIES:
         for sp in SIZES:
             shared = SHARED_GROUPS.get(family, sp) % sp != 0
@@ -199,7 +199,7 @@ def test_a_split_mixer_does_one_sp_th_of_the_work_on_every_rank(outcome):
                     work, whole = layer["work"], layer["whole_work"]
                     if shared:
                         assert whole["flops"] < work["flops"] * sp <= 1.1 * whole["flops"], (family, sp, work, whole)
-                        assert work["saved_bytes"] * sp <= 1.7 * whole["saved_bytes"], (family, sp, path, work, whole)
+                        assert work["saved_bytes"] * sp <= 1.8 * whole["saved_bytes"], (family, sp, path, work, whole)
                     else:
                         assert work["flops"] * sp == whole["flops"], (family, sp, path, work, whole)
                         assert work["saved_bytes"] * sp <= 1.15 * whole["saved_bytes"], (family, sp, path, work, whole)
@@ -240,13 +240,47 @@ def test_an_uneven_split_gives_each_rank_only_its_units_work(outcome, family):
     # alone: no rank does more than the ⌈U/SP⌉ units' share of the whole layer's FLOPs, the ranks with fewer units
     # do less, and together they do the layer once, plus the key heads (groups of B and C) that several ranks'
     # value heads (heads) read, convolved on each, once per head where a rank's heads read two groups unequally.
+    # Measured, FLOPs and saved bytes (what the forward saves) of all ranks over the whole layer's: the short
+    # convolution 1.0 and 1.10 at SP 4; Qwen3-Next's 1.008 and 1.055 at SP 2, 1.003 and 1.025 at SP 4; Mamba2's 1.107
+    # and 1.84 at SP 2 (5 and 4 heads, each with its own copy of B and C), 1.036 and 1.44 at SP 4. (Our Mamba2 scan
+    # computes C·Bᵀ once per group, mixers/ssd.py: a rank whose heads each read their own copy computes it once per
+    # head, so the ranks with ⌈U/SP⌉ heads do up to 5% more than their share of the whole layer's, which computes it
+    # once per group, and the ranks together 11% more at SP 2; the scan keeping only its inputs, the whole layer
+    # keeps far less than with transformers' scan, and B and C kept by each rank that reads them are most of what
+    # the ranks keep: 1.84 times the whole layer's at SP 2, Mamba2 and Falcon-H1 alike.)
+    name = f"{family}@uneven"
+    for sp in SIZES:
+        if family in UNEVEN_MATRIX:
+            assert classify(outcome, name, sp) == ("exact", ""), (name, sp, classify(outcome, name, sp))
+            expected = ["plain", "padded"] + (["packed"] if family != "mamba2" else [])  # (Mamba2 takes no positions)
+            assert outcome[0]["families"][name][sp]["batches"] == expected, (name, sp)
+        for path in outcome[0]["mixers"][name][sp]:
+            layers = [rank["mixers"][name][sp][path] for rank in outcome]
+            assert {layer["ran"] for layer in layers} == {"split"}, (name, sp, path)
+            assert max(max(layer["output_error"], layer["gradient_error"]) for layer in layers) < 1e-5, (name, sp)
+            units = layers[0]["units"]
+            assert units % sp != 0, (name, sp, units)  # (the variant does not divide, or it tests nothing new)
+            assert [layer["local_units"] for layer in layers] == \
+                [-(-units // sp) if rank % sp < units % sp else units // sp for rank in range(len(outcome))], (name, sp)
+    for path in outcome[0]["mixer_rings"][name]:
+        layers = [rank["mixer_rings"][name][path] for rank in outcome]
+        assert {layer["ran"] for layer in layers} == {"split"}, (name, path)
+        assert max(max(layer["output_error"], layer["gradient_error"]) for layer in layers) < 1e-5, (name, path)
+
+
+@pytest.mark.parametrize("family", list(UNEVEN))
+def test_an_uneven_split_gives_each_rank_only_its_units_work(outcome, family):
+    # Each rank's projections see seq/SP rows; its convolution and recurrence run on its ⌈U/SP⌉ or ⌊U/SP⌋ units
+    # alone: no rank does more than the ⌈U/SP⌉ units' share of the whole layer's FLOPs, the ranks with fewer units
+    # do less, and together they do the layer once, plus the key heads (groups of B and C) that several ranks'
+    # value heads (heads) read, convolved on each, once per head where a rank's heads read two groups unequally.
     # Measured, FLOPs and saved bytes of all ranks over the whole layer's: the short convolution 1.0 and 1.10 at
     # SP 4; Qwen3-Next's 1.008 and 1.06 at SP 2, 1.003 and 1.03 at SP 4; Mamba2's 1.05 and 1.32 at SP 2 (5 and 4
     # heads, each with its own copy of B and C), 1.017 and 1.17 at SP 4. (Our Mamba2 scan computes C·Bᵀ once per
     # group, mixers/ssd.py: a rank whose heads each read their own copy computes it once per head, so the ranks with
     # ⌈U/SP⌉ heads do up to 5% more than their share of the whole layer's, which computes it once per group, and
-    # the ranks together 11% more at SP 2; the whole layer keeping a third less, B and C kept by each rank that reads
-    # them make the ranks' saved bytes together 1.63 (Mamba2) and 1.67 (Falcon-H1) times the whole layer's at SP 2.)
+    # the ranks together 11% more at SP 2; the whole layer keeping far less, B and C kept by each rank that reads
+
     name = f"{family}@uneven"
     for sp in SIZES:
         for path in outcome[0]["mixers"][name][sp]:
@@ -262,7 +296,7 @@ def test_an_uneven_split_gives_each_rank_only_its_units_work(outcome, family):
             assert whole["flops"] <= sum(flops) <= 1.12 * whole["flops"], (name, sp, flops, whole["flops"])
             assert max(flops) > min(flops), (name, sp, flops)  # ⌊U/SP⌋-unit ranks do less than ⌈U/SP⌉-unit ones
             saved = sum(layer["work"]["saved_bytes"] for layer in layers)
-            assert saved <= 1.7 * whole["saved_bytes"], (name, sp, saved, whole["saved_bytes"])
+            assert saved <= 1.9 * whole["saved_bytes"], (name, sp, saved, whole["saved_bytes"])
 
 
 def test_a_split_mixer_takes_the_copy_engine_for_equal_pieces_and_the_collective_for_unequal_ones(outcome):

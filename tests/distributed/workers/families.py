@@ -329,7 +329,7 @@ def _convolution_backward_flops(grad_out_shape, x_shape, w_shape, *args, output_
 
 class _Work:
     """What one run of a module costs this rank: FLOPs (torch's counter: matmuls and convolutions, forward and
-    backward), bytes of the activations autograd saves for backward (parameters and their slices excluded), and the
+    backward), bytes of the activations the forward saves for backward (parameters and their slices excluded), and the
     most rows (tokens) each of its linear layers (by path) was handed when called as a module."""
 
     def __init__(self, module: torch.nn.Module):
@@ -344,6 +344,10 @@ class _Work:
         self.rows: dict[str, int] = {}
 
     def _pack(self, tensor):
+        # The forward's saved activations only: a recompute inside backward (Mamba2's blockwise scan) packs transients
+        # that are freed block by block, whose reused addresses made the count depend on the allocator's history.
+        if torch._C._current_graph_task_id() != -1:
+            return tensor
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in self.parameters:
             self.saved[storage.data_ptr()] = storage.nbytes()
