@@ -1,6 +1,6 @@
 """`UlyssesFSDPStrategy`: DeepSpeed-Ulysses sequence parallelism on torch's FSDP2 — Lightning's hooks, each delegating.
 
-The same runtime as `UlyssesDeepSpeedStrategy` (`SequenceParallelHooks`, `parallel_run`, `preparation`): groups
+The same runtime as `UlyssesDeepSpeedStrategy` (`runtime.UlyssesRuntime`, driven by `SequenceParallelHooks`): groups
 (`parallel/layout.py`, as the two dimensions of a DTensor device mesh) → DP-only sampler → sequence sharding
 (`batch/sharding.py`) → Ulysses attention → SP-aware loss (`training/loss.py`); then FSDP2's `fully_shard` over all
 ranks (`fsdp.py`) instead of DeepSpeed. The run's description, with what FSDP2 refuses, is `RunSpec.of_fsdp_arguments`.
@@ -13,30 +13,22 @@ from datetime import timedelta
 from typing import Any, Generator, Mapping, Optional, Sequence, Union, Literal
 
 import lightning.pytorch as pl
-import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_ulysses.attention.backends import check_sdpa_kernel_priority, sdpa_priority
-from lightning_ulysses.attention.core import check_overlap_head_groups
-from lightning_ulysses.batch.check import CheckBatches, SameBatchCheck
-from lightning_ulysses.batch.sharding import SequencePadding, check_sequence_padding
+from lightning_ulysses.batch.check import CheckBatches
+from lightning_ulysses.batch.sharding import SequencePadding
 from lightning_ulysses.fences import _lightning_private as lightning_private
-from lightning_ulysses.integration import console, faults, fsdp, preparation
+from lightning_ulysses.integration import fsdp
 from lightning_ulysses.integration.callbacks import correct_progress_bar
-from lightning_ulysses.integration.checkpoint.resume import StrategyCheckpoints
-from lightning_ulysses.integration.logged_values import ShardLocalLogCheck
-from lightning_ulysses.integration.parallel_run import ParallelRun
 from lightning_ulysses.integration.pretrained import ShardedPretrainedLoads
-from lightning_ulysses.integration.rng import SequenceParallelRNG
+from lightning_ulysses.integration.runtime import UlyssesRuntime
 from lightning_ulysses.integration.sequence_parallel_hooks import SequenceParallelHooks
 from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.parallel.layout import SequenceParallelGroups
 from lightning_ulysses.parallel.run_spec import RunSpec, read_sequence_parallel_size
-from lightning_ulysses.planning import auto
 
 
 class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
@@ -90,32 +82,17 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
         quiet_third_party: bool = True,
         **unsupported: Any,
     ) -> None:
-        if quiet_third_party:
-            console.quiet_third_party()
-        self.quiet_third_party = quiet_third_party
         # The run's description: what FSDP2 cannot do is refused here, in the launching process (layout later).
         self._requested_run = RunSpec.of_fsdp_arguments(
             {"memory": memory, "reshard_after_forward": reshard_after_forward, **unsupported})
-        memory = auto.coerce_memory(memory)
-        if sdpa_kernel_priority != "auto":
-            sdpa_kernel_priority = check_sdpa_kernel_priority(sdpa_kernel_priority)
-        self.overlap_head_groups = check_overlap_head_groups(overlap_head_groups)
         _, sequence_parallel_size = read_sequence_parallel_size(None, sequence_parallel_size, ring_size)
-        check_sequence_padding(sequence_padding)
+        # Everything both strategies are made of (`runtime.py`), every argument checked.
+        self.runtime = UlyssesRuntime(
+            self, sequence_parallel_size=sequence_parallel_size, ring_size=ring_size, sequence_padding=sequence_padding,
+            memory=memory, sdpa_kernel_priority=sdpa_kernel_priority, overlap_head_groups=overlap_head_groups,
+            check_batches=check_batches, heartbeat_timeout=heartbeat_timeout,
+            sequence_parallel_in_evaluation=sequence_parallel_in_evaluation, quiet_third_party=quiet_third_party)
         super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend, timeout=timeout)
-        # Signals, requeue and the rank watchdog (`faults.py`), as the DeepSpeed strategy's.
-        self._faults = faults.RunFaults(faults.check_heartbeat_timeout(heartbeat_timeout))
-        self._parallel = ParallelRun(sequence_parallel_size, ring_size, sequence_padding)
-        self.sequence_parallel_in_evaluation = sequence_parallel_in_evaluation
-        self._auto = auto.AutoDecisions(memory, sdpa_kernel_priority)
-        self._batch_check = SameBatchCheck(check_batches)
-        self._logged_values = ShardLocalLogCheck(check_batches)  # evaluation's logged values, compared over SP
-        self._random_streams = SequenceParallelRNG()
-        # Atomic saves with a manifest, exact resume (data position, random streams) at the same or another split.
-        self._checkpoints = StrategyCheckpoints(self, self._random_streams, quiet=quiet_third_party)
-        # Micro-batches whose gradients are held without a step yet: a save inside a window records it, and a
-        # resume from it is refused (`checkpoint/resume.py`).
-        self.micro_batches_accumulated = 0
         self._shard_mesh = None  # the one-dimensional mesh of all ranks that fully_shard uses (`setup_environment`)
         # from_pretrained in configure_model: built on the meta device, each rank's shards read after fully_shard.
         self._pretrained_loads = ShardedPretrainedLoads()
@@ -132,16 +109,16 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         # The run on its layout, refused before the process group exists (every rank alike).
-        layout = self._parallel.layout(self.world_size, self.num_processes)
+        layout = self.runtime.parallel.layout(self.world_size, self.num_processes)
         run = self._requested_run.with_layout(layout, precision=str(self.precision_plugin.precision),
                                               device=self.root_device)
         lightning_private.init_model_parallel_distributed(self)
-        self._parallel.start(run, num_processes=self.num_processes, num_nodes=self.num_nodes, barrier=self.barrier,
+        self.runtime.parallel.start(run, num_processes=self.num_processes, num_nodes=self.num_nodes, barrier=self.barrier,
                              build_groups=self._build_groups)
         self._shard_mesh = fsdp.world_mesh(self.root_device.type)
         self.lightning_module._device_mesh = self._device_mesh
-        self._random_streams.reset(self.sequence_parallel_rank, self.sequence_parallel_world_size, self.root_device)
-        self._faults.start_watchdog(self.cluster_environment, self.global_rank, self.world_size)
+        self.runtime.random_streams.reset(self.sequence_parallel_rank, self.sequence_parallel_world_size, self.root_device)
+        self.runtime.faults.start_watchdog(self.cluster_environment, self.global_rank, self.world_size)
 
     def _build_groups(self, layout) -> SequenceParallelGroups:
         groups, self._device_mesh = SequenceParallelGroups.build_device_mesh(layout, self.root_device.type)
@@ -175,38 +152,6 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
         rank's shards once `fully_shard` has placed them (`pretrained.ShardedPretrainedLoads`)."""
         with self._pretrained_loads.deferring(), super().model_sharded_context():
             yield
-
-    def _prepare_modules(self) -> preparation.ModuleScan:
-        """The module pipeline (`preparation.py`, through `ParallelRun`), as the DeepSpeed strategy runs it, with the
-        collective all-to-all transport and no ZeRO leaves."""
-        found = self._parallel.scan(self.lightning_module)  # raises before any collective, on every rank alike
-        self._auto.decide(self.run_spec, found.memory_engine_models(),
-                          on_cuda=isinstance(self.accelerator, CUDAAccelerator), local_ranks=self.num_processes,
-                          reduce=torch.distributed.is_initialized() and self.world_size > 1,
-                          accumulate=self.lightning_module.trainer.accumulate_grad_batches)
-        self._parallel.prepare(found, preparation.SequenceParallelRuntime(
-            self.parallel_groups, self._parallel.sharder, self._parallel.batch_rows, self.loss_function, self.memory,
-            self.overlap_head_groups))
-        return found
-
-    @override
-    def backward(self, *args: Any, **kwargs: Any) -> Any:
-        self._refuse_shard_local_loss(args, kwargs)  # a loss of this rank's shard alone is refused at SP > 1
-        if self.lightning_module is not None and self.lightning_module.automatic_optimization:
-            ends_window = not lightning_private.should_accumulate(self.lightning_module.trainer)
-            self.micro_batches_accumulated = 0 if ends_window else self.micro_batches_accumulated + 1
-        with sdpa_priority(self.sdpa_kernel_priority), self._step_random_stream():
-            return super().backward(*args, **kwargs)
-
-    @override
-    def teardown(self) -> None:
-        self._parallel.end()  # the user's models leave the Trainer with their own attention and loss again
-        self._checkpoints.end_resume()  # a resumed run that trained no batch
-        # While the watchdog runs: a rank lost at the barrier is named, not waited for.
-        self._parallel.release(self.world_size, self.barrier)
-        self._faults.stop_watchdog()
-        super().teardown()
-        self._faults.after_teardown(self.launcher, self.is_global_zero)  # a preemption: the job's exit, one line
 
     # (checkpoints, data loaders and the batch's start: `SequenceParallelHooks`; the shards: torch Distributed
     # Checkpoint, through ModelParallelStrategy's own save and load)

@@ -21,23 +21,17 @@ import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_ulysses.attention import copy_engine
-from lightning_ulysses.attention.backends import check_sdpa_kernel_priority, sdpa_priority
-from lightning_ulysses.attention.core import check_overlap_head_groups
-from lightning_ulysses.batch.check import CheckBatches, SameBatchCheck
-from lightning_ulysses.batch.sharding import SequencePadding, check_sequence_padding
+from lightning_ulysses.batch.check import CheckBatches
+from lightning_ulysses.batch.sharding import SequencePadding
 from lightning_ulysses.fences import _lightning_private as lightning_private
-from lightning_ulysses.integration import console, engine, faults, preparation, pretrained
+from lightning_ulysses.integration import console, engine, pretrained
 from lightning_ulysses.integration.callbacks import correct_progress_bar
-from lightning_ulysses.integration.checkpoint.resume import StrategyCheckpoints
-from lightning_ulysses.integration.logged_values import ShardLocalLogCheck
 from lightning_ulysses.integration.notebook import check_start_method, configure_launcher
-from lightning_ulysses.integration.parallel_run import ParallelRun
+from lightning_ulysses.integration.runtime import UlyssesRuntime
 from lightning_ulysses.integration.sequence_parallel_hooks import SequenceParallelHooks
-from lightning_ulysses.integration.rng import SequenceParallelRNG
 from lightning_ulysses.memory import MemoryOptions, apply_allocator_settings
 from lightning_ulysses.parallel.run_spec import RunSpec, deep_merge, inference_config, read_sequence_parallel_size
 from lightning_ulysses.planning import auto, preflight
@@ -106,40 +100,21 @@ class UlyssesDeepSpeedStrategy(SequenceParallelHooks, DeepSpeedStrategy):
         quiet_third_party: bool = True,
         **kwargs: Any,
     ) -> None:
-        if quiet_third_party:  # first: Lightning's Trainer prints its notes, and DeepSpeed is first imported, below
-            console.quiet_third_party()
-        self.quiet_third_party = quiet_third_party
-        memory = auto.coerce_memory(memory)  # bad arguments fail here, in the launching process
-        if sdpa_kernel_priority != "auto":
-            sdpa_kernel_priority = check_sdpa_kernel_priority(sdpa_kernel_priority)
-        self.overlap_head_groups = check_overlap_head_groups(overlap_head_groups)
+        self.start_method = check_start_method(start_method)  # ours, not DDPStrategy's `_start_method` ("popen")
         self._requested_exchange = copy_engine.check_exchange(exchange)
         config, sequence_parallel_size = read_sequence_parallel_size(
             lightning_private.load_deepspeed_config(self, config), sequence_parallel_size, ring_size)
-        check_sequence_padding(sequence_padding)
-        # Signals, requeue and the rank watchdog (`faults.py`).
-        self._faults = faults.RunFaults(faults.check_heartbeat_timeout(heartbeat_timeout))
-        # Ours, not DDPStrategy's `_start_method` (which DeepSpeedStrategy leaves at "popen", the script launch).
-        self.start_method = check_start_method(start_method)
+        # Everything both strategies are made of (`runtime.py`), every argument checked, before DeepSpeed is imported.
+        self.runtime = UlyssesRuntime(
+            self, sequence_parallel_size=sequence_parallel_size, ring_size=ring_size, sequence_padding=sequence_padding,
+            memory=memory, sdpa_kernel_priority=sdpa_kernel_priority, overlap_head_groups=overlap_head_groups,
+            check_batches=check_batches, heartbeat_timeout=heartbeat_timeout,
+            sequence_parallel_in_evaluation=sequence_parallel_in_evaluation, quiet_third_party=quiet_third_party)
         super().__init__(stage=stage, config=config, **kwargs)
         if config_overrides:
             self.config = deep_merge(self.config, config_overrides)
-        # This run's groups, description, sharder and prepared module (`parallel_run.py`), set up per run.
-        self._parallel = ParallelRun(sequence_parallel_size, ring_size, sequence_padding)
-        self.sequence_parallel_in_evaluation = sequence_parallel_in_evaluation
-        # `memory="auto"` and `sdpa_kernel_priority="auto"`, decided in `setup` (`_decide_auto`)
-        self._auto = auto.AutoDecisions(memory, sdpa_kernel_priority)
         self.zero3_leaf_layers = zero3_leaf_layers
-        self.exchange: Optional[str] = None  # "nccl" or "copy_engine" once agreed in `setup` (`_decide_exchange`)
-        self._transport = None  # the all-to-all transport `_decide_exchange` agreed (None: the collective one)
-        self._batch_check = SameBatchCheck(check_batches)
-        self._logged_values = ShardLocalLogCheck(check_batches)  # evaluation's logged values, compared over SP
-        # Dropout masks differ between the SP ranks: the steps draw from a stream of their own (`rng.py`).
-        self._random_streams = SequenceParallelRNG()
-        self._checkpoints = StrategyCheckpoints(self, self._random_streams, quiet=quiet_third_party)
-        # Micro-batches whose gradients the engine holds without having stepped yet (`backward`): a checkpoint
-        # saved inside an accumulation window records it, and a resume from it is refused (`checkpoint/resume.py`).
-        self.micro_batches_accumulated = 0
+        self.exchange: Optional[str] = None  # "nccl" or "copy_engine" once agreed in `setup` (`_agree_transport`)
         self._preflight_reported = False
 
     # (The run's groups and description, the loss, sampler, steps, signals and a rank's exception: `SequenceParallelHooks`.)
@@ -169,14 +144,14 @@ class UlyssesDeepSpeedStrategy(SequenceParallelHooks, DeepSpeedStrategy):
         reset_seed()
         self.set_world_ranks()
         lightning_private.init_deepspeed_distributed(self)
-        layout = self._parallel.layout(self.world_size, self.num_processes)
-        self._parallel.start(RunSpec.of_config(self.config, layout=layout, precision=str(self.precision_plugin.precision),
+        layout = self.runtime.parallel.layout(self.world_size, self.num_processes)
+        self.runtime.parallel.start(RunSpec.of_config(self.config, layout=layout, precision=str(self.precision_plugin.precision),
                                                device=self.root_device),
                              num_processes=self.num_processes, num_nodes=self.num_nodes, barrier=self.barrier)
         # After `reset_seed`, on every set-up (fit twice seeds it twice alike); a resume restores it later, at the
         # first batch or (at an epoch boundary) in `process_dataloader`, both after this.
-        self._random_streams.reset(self.sequence_parallel_rank, self.sequence_parallel_world_size, self.root_device)
-        self._faults.start_watchdog(self.cluster_environment, self.global_rank, self.world_size)
+        self.runtime.random_streams.reset(self.sequence_parallel_rank, self.sequence_parallel_world_size, self.root_device)
+        self.runtime.faults.start_watchdog(self.cluster_environment, self.global_rank, self.world_size)
 
     # -- model preparation --------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -188,7 +163,7 @@ class UlyssesDeepSpeedStrategy(SequenceParallelHooks, DeepSpeedStrategy):
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
-        self.micro_batches_accumulated = 0  # a new engine holds no gradients
+        self.runtime.micro_batches_accumulated = 0  # a new engine holds no gradients
         correct_progress_bar(trainer)  # before the bar draws anything (its first draw is at `on_train_start`)
         self._prepare_modules()
         super().setup(trainer)
@@ -199,52 +174,32 @@ class UlyssesDeepSpeedStrategy(SequenceParallelHooks, DeepSpeedStrategy):
             _log.info(preflight.format_report(preflight.check(preflight.PlannedRun.of_strategy(self)),
                                               title=f"lightning_ulysses preflight (node {self.node_rank})"))
 
-    def _prepare_modules(self) -> None:
-        """The module pipeline (`preparation.py`, through `ParallelRun`): scan the models and settle the ring size
-        from their heads, agree the exchange, decide what is "auto", build the runtime, check everything, then
-        prepare everything."""
-        found = self._parallel.scan(self.lightning_module)  # raises before any collective, on every rank alike
-        self._decide_exchange()
-        self._decide_auto(found)
-        self._parallel.prepare(found, preparation.SequenceParallelRuntime(
-            self.parallel_groups, self._parallel.sharder, self._parallel.batch_rows, self.loss_function, self.memory,
-            self.overlap_head_groups, leaf_layers=self.zero3_leaf_layers and self.zero_stage_3,
-            transport=self._transport))
-
-    def _decide_exchange(self) -> None:
+    @override
+    def _agree_transport(self) -> Optional[Any]:
         """`exchange`, agreed over the Ulysses group (`copy_engine.agree_exchange`); the transport is handed to this
         run's models only (`SequenceParallelRuntime.transport`, on their bindings)."""
-        groups, self._transport = self.parallel_groups, None
+        groups = self.parallel_groups
         host_ranks = range(self.node_rank * self.num_processes, (self.node_rank + 1) * self.num_processes)
-        self.exchange, self._transport = copy_engine.agree_exchange(
+        self.exchange, transport = copy_engine.agree_exchange(
             self._requested_exchange, groups.ulysses_group if groups.ulysses_size > 1 else None,
             isinstance(self.accelerator, CUDAAccelerator), host_ranks, self.parallel_devices, self.global_rank,
             self.root_device)
-
-    def _decide_auto(self, found: preparation.ModuleScan) -> None:
-        """`memory="auto"` and `sdpa_kernel_priority="auto"` (`auto.AutoDecisions`); the optimizer offload chosen is
-        written into the DeepSpeed config through the run's description."""
-        run = self._auto.decide(self.run_spec, found.memory_engine_models(),
-                                on_cuda=isinstance(self.accelerator, CUDAAccelerator), local_ranks=self.num_processes,
-                                reduce=self._reduces_over_ranks(),
-                                accumulate=self.lightning_module.trainer.accumulate_grad_batches)
-        if run is not None:
-            self._parallel.spec = run
-            self.config.update(run.written_into(self.config))  # in place: the dict Lightning and DeepSpeed read
-            rank_zero_info(self.memory_choice.report())
+        return transport
 
     @override
-    def teardown(self) -> None:
-        self._parallel.end()  # the user's models leave the Trainer with their own attention and loss again
-        self._checkpoints.end_resume()  # a resumed run that trained no batch
-        # While the watchdog runs: a rank lost at the barrier is named, not waited for.
-        self._parallel.release(self.world_size, self.barrier)
-        self._faults.stop_watchdog()
-        super().teardown()
+    def _adopt_run(self, run: RunSpec) -> None:
+        # The optimizer offload `memory="auto"` chose, in place: the dict Lightning and DeepSpeed read.
+        self.config.update(run.written_into(self.config))
+
+    @override
+    def _runtime_options(self) -> dict[str, Any]:
+        return {"leaf_layers": self.zero3_leaf_layers and self.zero_stage_3}
+
+    @override
+    def _release_backend(self) -> None:
         # The engine stays `self.model` until the next run replaces it: `trainer.save_checkpoint` after `fit` still
         # saves through it (it needs no hook).
         engine.release(self.model)
-        self._faults.after_teardown(self.launcher, self.is_global_zero)  # a preemption: the job's exit, one line
 
     # -- DeepSpeed engine -----------------------------------------------------------------------------------------
     # Lightning's two `deepspeed.initialize` call sites, re-stated with the arguments Lightning passes (2.6) plus
@@ -269,29 +224,28 @@ class UlyssesDeepSpeedStrategy(SequenceParallelHooks, DeepSpeedStrategy):
 
     def _initialize_engine(self, **kwargs: Any) -> tuple[Any, ...]:
         device_rank = self.root_device.index if self.root_device.index is not None else self.local_rank
-        started, self._parallel.mpu = engine.initialize(self.parallel_groups, device_rank, **kwargs)
+        started, self.runtime.parallel.mpu = engine.initialize(self.parallel_groups, device_rank, **kwargs)
         return started
 
     # -- checkpoints (`checkpoint.resume.StrategyCheckpoints`; saving, loading: `SequenceParallelHooks`) -----------
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if not self._checkpoints.load_model_state_dict(checkpoint, strict):
+        if not self.runtime.checkpoints.load_model_state_dict(checkpoint, strict):
             super().load_model_state_dict(checkpoint, strict)
 
     # -- steps (the step hooks themselves: `SequenceParallelHooks`) ----------------------------------------------
     @override
-    def backward(self, *args: Any, **kwargs: Any) -> Any:
+    def _start_backward(self, ends_window: Optional[bool], kwargs: dict) -> dict:
         # Lightning's automatic optimization already divides each micro-batch's loss by `accumulate_grad_batches`
         # (`loops/optimization/automatic.py`) and gives DeepSpeed the same k as `gradient_accumulation_steps`;
         # `DeepSpeedEngine.backward` would divide by k again (`scale_wrt_gas`), making every update (and the norm
         # that gradient clipping compares) k times too small. DeepSpeed still counts the micro-steps, so its step
         # boundary stays where it was; its loss scaler (fp16) is applied either way. Manual optimization has k = 1.
-        kwargs.setdefault("scale_wrt_gas", False)
-        self._refuse_shard_local_loss(args, kwargs)  # a loss of this rank's shard alone is refused at SP > 1
-        if self.lightning_module is not None and self.lightning_module.automatic_optimization:
-            self._mark_accumulation_boundary()
-        with sdpa_priority(self.sdpa_kernel_priority), self._step_random_stream():
-            return super().backward(*args, **kwargs)
+        if ends_window is not None:
+            # ZeRO reduces (and DeepSpeed's `step` applies) at the window's end and only there. DeepSpeed's own
+            # counter of micro-steps would not know about epochs, `limit_train_batches` or an iterable dataset's end.
+            self.model.set_gradient_accumulation_boundary(ends_window)
+        return {"scale_wrt_gas": False, **kwargs}
 
     @property
     @override
@@ -308,17 +262,9 @@ class UlyssesDeepSpeedStrategy(SequenceParallelHooks, DeepSpeedStrategy):
     @override
     def block_backward_sync(self) -> Iterator[None]:
         """Nothing to block: Lightning enters this around a window's inner micro-batches (now that it owns the windows)
-        and would call the engine's `no_sync`, which ZeRO-2/3 refuse; the boundary set in `backward` already keeps
+        and would call the engine's `no_sync`, which ZeRO-2/3 refuse; the boundary set before each backward (`_start_backward`) already keeps
         ZeRO from reducing before the window's last micro-batch."""
         yield None
-
-    def _mark_accumulation_boundary(self) -> None:
-        """Tell the engine, before this micro-batch's backward, whether it ends Lightning's accumulation window:
-        ZeRO reduces (and DeepSpeed's `step` applies) at that boundary and only there. DeepSpeed's own counter of
-        micro-steps would not know about epochs, `limit_train_batches` or an iterable dataset's end."""
-        ends_window = not lightning_private.should_accumulate(self.lightning_module.trainer)
-        self.model.set_gradient_accumulation_boundary(ends_window)
-        self.micro_batches_accumulated = 0 if ends_window else self.micro_batches_accumulated + 1
 
     # -- registry -----------------------------------------------------------------------------------------------
     _REGISTERED = {  # name: (description, arguments)

@@ -54,7 +54,7 @@ class PauseForSignal(pl.Callback):
         self._paused = True
         (self.folder / f"paused_at_step_{self.step}").write_text(str(os.getpid()))
         deadline = time.monotonic() + self.timeout
-        while not trainer.strategy._faults.signals.pending:  # set by the SIGTERM handler (faults.SchedulerSignals)
+        while not trainer.strategy.runtime.faults.signals.pending:  # set by the SIGTERM handler (faults.SchedulerSignals)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no signal reached rank 0 within {self.timeout} s of step {self.step}")
             time.sleep(0.05)

@@ -157,7 +157,8 @@ class _Groups:
 
 
 def decide(monkeypatch, requested, accelerator, ranks=(0, 1), failure=None, probe=None):
-    """`UlyssesDeepSpeedStrategy._decide_exchange` on a stand-in strategy, the probe and the all-reduce faked."""
+    """`UlyssesDeepSpeedStrategy._agree_transport` on a stand-in strategy, the probe and the all-reduce faked; the
+    stand-in keeps the transport it returns as `transport`."""
     from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 
     from lightning_ulysses.integration import strategy as strategy_module
@@ -168,12 +169,12 @@ def decide(monkeypatch, requested, accelerator, ranks=(0, 1), failure=None, prob
                         lambda devices, on_host: seen.setdefault("probe", (devices, on_host)) and probe)
     monkeypatch.setattr(copy_engine, "agreed_failure", lambda p, group, device: failure)
     fake = type("Fake", (), {})()
-    fake.parallel_groups, fake._requested_exchange, fake._transport = _Groups(), requested, "a previous run's"
+    fake.parallel_groups, fake._requested_exchange = _Groups(), requested
     fake.accelerator = CUDAAccelerator() if accelerator == "cuda" else CPUAccelerator()
     fake.node_rank, fake.num_processes, fake.global_rank = 0, 2, 0
     fake.parallel_devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
     fake.root_device = torch.device("cuda", 0)
-    strategy_module.UlyssesDeepSpeedStrategy._decide_exchange(fake)
+    fake.transport = strategy_module.UlyssesDeepSpeedStrategy._agree_transport(fake)
     return fake, seen
 
 
@@ -181,20 +182,20 @@ def test_strategy_takes_the_agreed_copy_engine(monkeypatch):
     fake, seen = decide(monkeypatch, "auto", "cuda", failure=0)
     assert fake.exchange == "copy_engine"
     assert seen["probe"] == ([torch.device("cuda", 0), torch.device("cuda", 1)], True)  # mine first, then the peer's
-    # kept on the strategy for this run's models (`SequenceParallelRuntime.transport`), set in no module global
-    assert isinstance(fake._transport, copy_engine.SymmetricMemoryTransport)
+    # handed to this run's models (`SequenceParallelRuntime.transport`), set in no module global
+    assert isinstance(fake.transport, copy_engine.SymmetricMemoryTransport)
 
 
 def test_strategy_on_cpu_keeps_gloo_and_refuses_copy_engine(monkeypatch):
     fake, seen = decide(monkeypatch, "auto", "cpu")
-    assert fake.exchange == "nccl" and "probe" not in seen and fake._transport is None  # no collective
+    assert fake.exchange == "nccl" and "probe" not in seen and fake.transport is None  # no collective
     with pytest.raises(RuntimeError, match='not on CUDA devices. Use exchange="nccl"'):
         decide(monkeypatch, "copy_engine", "cpu")
 
 
 def test_strategy_sees_a_group_across_hosts(monkeypatch):
     fake, seen = decide(monkeypatch, "auto", "cuda", ranks=(0, 2), failure=2)
-    assert seen["probe"] == ([torch.device("cuda", 0)], False) and fake.exchange == "nccl" and fake._transport is None
+    assert seen["probe"] == ([torch.device("cuda", 0)], False) and fake.exchange == "nccl" and fake.transport is None
     with pytest.raises(RuntimeError, match="spans hosts"):
         decide(monkeypatch, "copy_engine", "cuda", ranks=(0, 2), failure=2)
 

@@ -172,7 +172,7 @@ def _loaded(global_rank: int, data_parallel_rank=None, worker_init_fn=None) -> l
     loader = torch.utils.data.DataLoader(_RandomSamples(), num_workers=1, worker_init_fn=worker_init_fn)
     if data_parallel_rank is not None:
         strategy = UlyssesDeepSpeedStrategy()
-        strategy._parallel.groups = SimpleNamespace(data_parallel_rank=data_parallel_rank)  # as set up on that rank
+        strategy.runtime.parallel.groups = SimpleNamespace(data_parallel_rank=data_parallel_rank)  # as set up on that rank
         loader = strategy.process_dataloader(loader)
     _auto_add_worker_init_fn(loader, global_rank)
     return [float(sample) for sample in loader]

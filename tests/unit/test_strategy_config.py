@@ -33,13 +33,13 @@ def test_ulysses_block_is_read_and_stripped(tmp_path):
     for config in (user_config, str(path)):
         strategy = UlyssesDeepSpeedStrategy(config=config)
         assert "ulysses" not in strategy.config
-        assert strategy._parallel.requested_sequence_parallel_size == 4
+        assert strategy.runtime.parallel.requested_sequence_parallel_size == 4
     assert "ulysses" in user_config  # the caller's dict is left alone
 
 
 def test_disabled_block_means_sp_1():
     strategy = UlyssesDeepSpeedStrategy(config={"ulysses": {"enable": False, "sequence_parallel_world_size": 4}})
-    assert strategy._parallel.requested_sequence_parallel_size == 1
+    assert strategy.runtime.parallel.requested_sequence_parallel_size == 1
 
 
 def test_block_disagreeing_with_argument():

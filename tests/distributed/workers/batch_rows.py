@@ -233,7 +233,7 @@ def check_strategy(results, world_size):
     dataset = PackedDocuments(2 * 2 * (world_size // 2), SEQ_LEN)
     trainer.fit(module, DataLoader(dataset, batch_size=2, collate_fn=collate))
     results["strategy_steps"] = [dict(counts) for counts in module.step_counts]
-    results["strategy_rows_released"] = trainer.strategy._parallel.batch_rows.rows is None
+    results["strategy_rows_released"] = trainer.strategy.runtime.parallel.batch_rows.rows is None
 
 
 def main():
