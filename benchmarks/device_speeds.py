@@ -141,8 +141,8 @@ def cpu_adam(elements: int = 1_000_000_000, pieces: int = 8) -> dict:
         p.grad = torch.randn_like(p)
     optimizer = DeepSpeedCPUAdam(params, lr=1e-5, adamw_mode=True)
     seconds = _wall(optimizer.step, 1, 3, cuda=False)
-    return {"what": "cpu_adam", "elements": size * pieces, "seconds": seconds, "elements_per_s": size * pieces / seconds,
-            "build_s": built, "threads": torch.get_num_threads()}
+    return {"what": "cpu_adam", "elements": size * pieces, "seconds": seconds,
+            "elements_per_s": size * pieces / seconds, "build_s": built, "threads": torch.get_num_threads()}
 
 
 def main() -> None:

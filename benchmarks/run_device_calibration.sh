@@ -7,7 +7,8 @@
 # 3. the 1B shape's whole steps with the features of `calibration.CALIBRATION`'s 1B rows (`memory_engine.py`);
 # 4. FSDP2 against DeepSpeed ZeRO-3 at the given points (`fsdp_vs_deepspeed.py`), if any.
 # One JSON line per point in $OUT/*.jsonl, everything else in $OUT/calibration.log; DeepSpeed's CPU Adam build
-# (TORCH_EXTENSIONS_DIR=.gpu_ext, ignored by git) is packed into $OUT/gpu_ext.tgz, to be carried next time.
+# (TORCH_EXTENSIONS_DIR=.gpu_ext, ignored by git) is packed into $OUT/gpu_ext.tgz (13 MB; not carried so far: its
+# -march=native objects are only safe on the same host CPU).
 set -uo pipefail
 out="${OUT:-.}"
 log="$out/calibration.log"

@@ -3,9 +3,9 @@
 `predict_step_time(shape, setup, kernel)` returns every term (the step's matmuls, each recompute a memory feature
 adds, attention forward and backward with the chosen SDPA kernel, host transfers of offloaded activations, the CPU
 Adam share of an offloaded optimizer, the GPU optimizer, a fixed cost) so that `memory="auto"` can say *why* it
-chose what it chose. The constants (`H200`, `H100`: `speeds_for` picks them by device) are calibrated from the measurements committed under
-`benchmarks/results/`, listed in `calibration.py` (`CALIBRATION`; `python -m lightning_ulysses.planning.calibration`
-prints prediction against measurement). What the model counts:
+chose what it chose. The constants (`H200`, `H100`; `speeds_for` picks them by device) are calibrated from the
+measurements committed under `benchmarks/results/`, listed in `calibration.py` (`CALIBRATION`, `H100_CALIBRATION`;
+`python -m lightning_ulysses.planning.calibration` prints prediction against measurement). What the model counts:
 
 - matmuls: 2 FLOPs per parameter and token forward, 4 backward (the linear layers and the output head), at one
   effective rate (`matmul_flops`, which also absorbs ZeRO-3's gathers and the elementwise kernels);
