@@ -51,7 +51,8 @@ HYBRID_CLIP = {"qwen3_next": 0.07, "nemotron_h": 2.8, "lfm2": 0.11}
 
 
 def _hybrid(world, sp, stage, family, features, **extra):
-    suffix, model, case = "", f"family:{family}", {"split_mixers": True, **extra}
+    # (the samples the measured norms below are of, whatever job of the shared launch seeded last)
+    suffix, model, case = "", f"family:{family}", {"split_mixers": True, "sampler_seed": 0, **extra}
     if "accumulate2-clip" in features:
         suffix += "-accumulate2-clip"
         case.update(batch_size=1, trainer_kwargs={"accumulate_grad_batches": 2,
