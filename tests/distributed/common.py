@@ -212,7 +212,11 @@ def save_pretrained_once(kind: str, num_key_value_heads: int, folder: str, rank:
 # x_proj by its input channels (a sum of partial products), Kimi's g_b_proj and f_b_proj by their output channels.
 MIXER_LORA_TARGETS = {"bamba": ["in_proj", "out_proj"], "jamba": ["in_proj", "x_proj", "dt_proj", "out_proj"],
                       "kimi_linear": ["q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "g_b_proj", "f_a_proj",
-                                      "f_b_proj", "o_proj"]}
+                                      "f_b_proj", "o_proj"],
+                      # (peft refuses out_proj on a Mamba-based model such as Nemotron-H: its fused kernel reads the
+                      # weight without calling the layer; LFM2's attention has an out_proj too, adapted as well)
+                      "qwen3_next": ["in_proj_qkvz", "in_proj_ba", "out_proj"], "nemotron_h": ["in_proj"],
+                      "lfm2": ["in_proj", "out_proj"]}
 
 
 def tiny_lora(model, target_modules=("q_proj", "v_proj", "down_proj")):
