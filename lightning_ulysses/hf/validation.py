@@ -231,7 +231,7 @@ def validate_hf_model(model: PreTrainedModel, sequence_parallel_size: int, ring_
     if sharded and hf_head_counts(model) is not None:  # (a model without attention has nothing to switch)
         if backend != "eager":
             check_backend(backend)  # installed and usable here, checked before any collective
-        if inline.covers(model):  # attention computed inline, taken over module by module (adapters/)
+        if inline.covers(model):  # attention computed inline, taken over module by module (families/)
             refusal = inline.inline_refusal(model, backend, ring_size)
             if refusal is not None:
                 raise NotImplementedError(refusal)

@@ -2,8 +2,9 @@
 record, registered in `adapters.registry`), and the layers read the registry.
 
 Read from the source (AST, as test_layers.py does): outside `families/`, no module compares a `model_type` with a
-family's name, keys a table by one, lists them, or names a family's classes (a class name starting with the name of a model
-family transformers maps, like `FalconAttention`, or a registered token-mixer fragment used as a pattern). And the
+family's name, keys a table by model types or lists them, or names a family's classes (a class name starting with
+the name of a model family transformers maps, like `FalconAttention`, or a registered token-mixer fragment used as
+a pattern). And the
 registry holds what the layers used to branch on, so that a family left out of `families/__init__.py` is noticed.
 """
 
@@ -18,6 +19,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from lightning_ulysses.adapters import registry
 from lightning_ulysses.mixers import gated_deltanet, kimi_delta, lightning_attention, mamba, mamba2, rg_lru, short_conv
+from tests.distributed.families import family_model
 from tests.unit.test_layers import MODULES, PACKAGE, SOURCE, layer_of
 
 FAMILIES = "families"
@@ -101,7 +103,8 @@ def test_no_family_knowledge_outside_the_family_modules():
 def test_a_family_branch_outside_the_family_modules_is_found(tmp_path, planted):
     """The check above is not vacuous: each way a layer used to name a family is found in a planted module, and the
     same text in a family module is not."""
-    (tmp_path / "planted.py").write_text(f'"""FalconAttention, model_type == "bloom": a docstring is prose."""\n{planted}')
+    docstring = '"""FalconAttention, model_type == "bloom": a docstring is prose."""'
+    (tmp_path / "planted.py").write_text(f"{docstring}\n{planted}")
     found = family_knowledge_outside_families({f"{PACKAGE}.hf.planted": tmp_path / "planted.py"})
     path = tmp_path / "planted.py"
     assert found and all(line.startswith(f"{path}:") and not line.startswith(f"{path}:1:") for line in found), found
@@ -135,3 +138,21 @@ def test_a_family_registers_once():
     with pytest.raises(ValueError, match="registered twice"):
         registry.register(registry.Family(name="another_bloom", model_types=frozenset({"bloom"})))
     assert "another_bloom" not in {family.name for family in registry.families()}
+
+
+# One family of each mixer kind, and the variants a kind tells apart by structure (Qwen3.5's and OLMo-hybrid's
+# Gated DeltaNet, Falcon-H1's Mamba2, Jamba's Mamba, Bailing-hybrid's KDA).
+ONE_OF_EACH_KIND = ("qwen3_next", "qwen3_5_text", "olmo_hybrid", "lfm2", "mamba2", "falcon_h1", "mamba", "jamba",
+                    "kimi_linear", "bailing_hybrid", "minimax", "recurrent_gemma")
+
+
+@pytest.mark.parametrize("name", ONE_OF_EACH_KIND)
+def test_no_module_is_taken_by_two_mixer_kinds(name):
+    """The kinds are tried in the order the families first declare them (`registry.token_mixer_kinds`): that order
+    must not matter, so each mixer is recognised by one kind alone."""
+    kinds = registry.token_mixer_kinds()
+    taken = {path: [kind.__name__ for kind in kinds if kind.matches(module)]
+             for path, module in family_model(name).named_modules()}
+    assert any(taken.values()), (name, "no mixer recognised")
+    assert all(len(names) <= 1 for names in taken.values()), {path: names for path, names in taken.items()
+                                                              if len(names) > 1}
