@@ -62,7 +62,7 @@ class InlineAttention:
     refusal: Callable[[object, str, int], Optional[str]] = lambda config, backend, ring_size: None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (compared and hashed by identity: one record per family)
 class Family:
     """Everything the layers need to know about one model family; every field but `name` is optional (most
     families dispatch through transformers' interfaces and need nothing here).
