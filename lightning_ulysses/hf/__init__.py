@@ -19,9 +19,9 @@ Beyond plain causal attention: sliding windows and chunks reach the attention th
 marker carrying the pattern, applied on whole rows by the core); eager attention and arguments only the model's own
 attention function applies (soft-capping, sinks) run that function on whole rows of each rank's heads
 (`_OwnAttention`); token mixers that are not attention run on whole rows (`mixers/`); per-family
-corrections of positions a module counts itself live in `lightning_ulysses/adapters/`, and so do the families whose
-modules compute attention inline (BLOOM, MPT, Falcon, GPT-Neo, XGLM), taken over module by module
-(attention/inline.py) instead of switched.
+corrections of positions a module counts itself are declared in `lightning_ulysses/families/` (read through the
+registry, `lightning_ulysses.adapters`), and so are the families whose modules compute attention inline (BLOOM,
+MPT, Falcon, GPT-Neo, XGLM), taken over module by module (attention/inline.py) instead of switched.
 
 We do not use DeepSpeed's `UlyssesSPAttentionHF`: it registers process-wide, fixes the batch size at
 construction, can be set up once per process and drops padding masks.

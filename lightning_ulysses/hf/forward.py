@@ -54,7 +54,7 @@ def _ulysses_attention_forward(module, query, key, value, attention_mask, **kwar
                 f"{type(module).__name__} needs {adapters[0].name} from global positions, which decoding from a"
                 " sequence-parallel KV cache does not give it yet: generate with sequence_parallel_size=1.")
         return _decode_attention(query, key, value, binding.decode, group, kwargs.get("scaling")), None
-    if adapters:  # positions the module counted from this shard's start (adapters/): corrected to the global ones
+    if adapters:  # positions the module counted from this shard's start (its family's): corrected to the global ones
         order, rank = ShardOrder.of_groups(binding.group.group, binding.ring.group)
         local = torch.arange(query.size(2), device=query.device)
         global_ = order.positions(row_length, rank, device=query.device)

@@ -151,7 +151,7 @@ def prepare_hf_model(
     if not sharded and (backend not in BACKENDS or _unswitchable_submodel(model) is not None
                         or inline.covers(model)):
         # SP 1 with a backend we do not wrap (eager), a model transformers cannot switch, or a family whose attention
-        # modules an adapter takes over at SP > 1 (adapters/: BLOOM, MPT, Falcon, ...; Falcon can be switched from
+        # modules an adapter takes over at SP > 1 (families/: BLOOM, MPT, Falcon, ...; Falcon can be switched from
         # transformers 5.25 on, but its ALiBi variant then adds its bias to the mask the "ulysses" key replaces): the
         # model keeps its own attention, exactly as unprepared (packed rows then follow transformers' own rules).
         return prepared

@@ -8,8 +8,8 @@ folder and the folders below it (`LAYERS`, lowest first), never one above:
   `_deepspeed_private`); they import nothing from the package, so every layer may use them (the memory engine and
   the mixers mark ZeRO-3 leaves through `_deepspeed_private`).
 - `parallel/`: the layout, groups and shard order; the run's description (`RunSpec`).
-- `adapters/`: per-family knowledge; `NativeCausalLM`, how a model that is not Hugging Face's tells the core what it
-  needs.
+- `adapters/`: the registry of per-family knowledge (`Family` records, which every layer above reads);
+  `NativeCausalLM`, how a model that is not Hugging Face's tells the core what it needs.
 - `attention/`: the exchanges, the attention core and backends, the batch's rows.
 - `mixers/`: token mixers that are not attention, on the exchanges of `attention/`.
 - `hf/`: the transformers switch, which prepares both attention and mixers.
@@ -18,6 +18,9 @@ folder and the folders below it (`LAYERS`, lowest first), never one above:
 - `data/`: data modules and packing.
 - `memory/`: the memory engine (its fused logits loss is `training/`'s).
 - `planning/`: the memory planner, the step-time model and its calibration, `memory="auto"`, preflight, `plan`.
+- `families/`: one module per model family, each declaring its `Family` into the registry (`adapters/`). Above the
+  layers whose mechanisms they declare (mixer kinds, the planner's cost parts); nothing but the package's `__init__`
+  imports them (`test_only_the_package_imports_the_family_modules`).
 - `integration/`: Lightning and DeepSpeed glue: the strategy, the module preparation, the engine, checkpoints and
   export, faults, RNG streams, the notebook launcher, callbacks, the console, serving.
 - `recipe/`: the Hydra recipes' side: their driver, resolvers, end-of-run summary, `example-finetune`.
@@ -38,7 +41,7 @@ PACKAGE = "lightning_ulysses"
 SOURCE = Path(__file__).resolve().parents[2] / PACKAGE
 
 LAYERS = ("fences", "parallel", "adapters", "attention", "mixers", "hf", "training", "batch", "data", "memory",
-          "planning", "integration", "recipe", "package", "models")
+          "planning", "families", "integration", "recipe", "package", "models")
 ROOT_MODULES = {"__init__", "__main__"}  # the `package` layer: nothing else sits beside the folders
 FENCES = "fences"
 
@@ -209,6 +212,16 @@ def test_an_upward_import_is_found(tmp_path, monkeypatch):
     found = [line for line in upward_imports() if "planted" in line]
     assert found == [f"{tmp_path / 'up.py'}:2: parallel {PACKAGE}.parallel.planted_upward imports integration"
                      f" {PACKAGE}.integration.strategy"]
+
+
+def test_only_the_package_imports_the_family_modules():
+    """The layers read a family through the registry (`adapters.registry`), never its module: a family's knowledge
+    has one place, and the layers below `families/` could not import it anyway. Only the package's `__init__` (which
+    registers them all) and `families/` itself import them."""
+    found = [f"{module}:{line}: imports {target}" for module in sorted(MODULES) for line, target in imports_of(module)
+             if layer_of(target) == "families" and module != PACKAGE and layer_of(module) != "families"]
+    assert not found, "import the registry (lightning_ulysses.adapters) instead:\n" + "\n".join(found)
+    assert any(layer_of(target) == "families" for _, target in imports_of(PACKAGE))
 
 
 def test_fences_import_nothing_from_the_package():

@@ -14,7 +14,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from lightning_ulysses.adapters.registry import InlineAttention, register_inline
+from lightning_ulysses.adapters.registry import Family, InlineAttention, register
 
 
 def _forward(module, attend, hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
@@ -41,10 +41,13 @@ def _forward(module, attend, hidden_states, residual, alibi, attention_mask, lay
     return output, None
 
 
-register_inline(InlineAttention(
-    name="bloom_alibi",
+register(Family(
+    name="bloom",
     model_types=frozenset({"bloom"}),
-    applies=lambda module: type(module).__name__ == "BloomAttention",
-    forward=_forward,
-    alibi=True,
+    inline_attention=InlineAttention(
+        name="bloom_alibi",
+        applies=lambda module: type(module).__name__ == "BloomAttention",
+        forward=_forward,
+        alibi=True,
+    ),
 ))

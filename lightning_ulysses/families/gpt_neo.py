@@ -7,7 +7,7 @@ GPT-Neo does not scale its scores (scale 1) and its "local" layers see the `wind
 
 from __future__ import annotations
 
-from lightning_ulysses.adapters.registry import InlineAttention, register_inline
+from lightning_ulysses.adapters.registry import Family, InlineAttention, register
 
 
 def _forward(module, attend, hidden_states, attention_mask=None, layer_past=None, use_cache=False,
@@ -33,10 +33,13 @@ def _refusal(config, backend, ring_size):
     return None
 
 
-register_inline(InlineAttention(
-    name="gpt_neo_attention",
+register(Family(
+    name="gpt_neo",
     model_types=frozenset({"gpt_neo"}),
-    applies=lambda module: type(module).__name__ in ("GPTNeoSelfAttention", "GPTNeoFlashAttention2"),
-    forward=_forward,
-    refusal=_refusal,
+    inline_attention=InlineAttention(
+        name="gpt_neo_attention",
+        applies=lambda module: type(module).__name__ in ("GPTNeoSelfAttention", "GPTNeoFlashAttention2"),
+        forward=_forward,
+        refusal=_refusal,
+    ),
 ))
