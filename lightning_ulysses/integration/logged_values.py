@@ -28,8 +28,9 @@ place of float32; `_RELATIVE_TOLERANCE` forgives that and no more. A value of on
 
 Not checked: Python numbers (seconds, bytes, counters a user logs per rank on purpose), torchmetrics `Metric` objects
 (Lightning computes and syncs them from their states; ours give the whole rows' value from `forward` too), names
-matching the strategy's `per_rank_values` (values meant per rank), and `predict_step`, where Lightning refuses
-`self.log` itself (`MisconfigurationException: You can't self.log() inside predict_step`).
+matching the strategy's `per_rank_values` (values meant per rank), and `predict_step`, where Lightning 2.6 refuses
+`self.log` itself (a `MisconfigurationException`: "... you are trying to log in a `predict` hook, but it doesn't
+support logging").
 
 Why not also the autograd graph (does the loss reach the group sum?): it was a pattern, not the invariant — a loss
 with a whole term added (the MoE router loss, a regulariser built on `out.loss`) reaches the sum and passed it while

@@ -78,6 +78,10 @@ def test_whole_values_pass_and_a_value_named_per_rank_is_left_to_each_rank(tmp_p
         for name in WHOLE:
             assert first[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-6), (name, first[name], expected)
         assert first["train/rank"] == rank["sequence_parallel_rank"]  # a Python number: never compared
+    # The whole values are the same bits on both SP ranks at every step (what the check's tolerance rests on).
+    for step in range(2):
+        assert {name: ranks[0]["logged"][step][name] for name in WHOLE} == {
+            name: ranks[1]["logged"][step][name] for name in WHOLE}
     # train/agree, named in per_rank_values: each rank logged its own shard's value, not the whole rows'
     agreed = [rank["logged"][0]["train/agree"] for rank in ranks]
     assert agreed[0] != agreed[1]
