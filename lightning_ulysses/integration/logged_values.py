@@ -124,12 +124,17 @@ class SameValueCheck:
         self._compare(logged + ([(_LOSS, loss)] if loss is not None else []), hook, groups, device)
         return output
 
+    @property
+    def in_checked_step(self) -> bool:
+        """Whether a checked step is running: a `backward` now is `manual_backward`'s (automatic optimization calls
+        it after the step, whose returned loss `run_step` compared)."""
+        return self._running is not None
+
     def check_backward(self, loss: torch.Tensor) -> None:
         """A loss given to `manual_backward` inside a checked training step, compared before the step goes on to its
-        optimizer's `step`; outside one (automatic optimization: `run_step` compared it already), nothing."""
-        if self._running is not None:
-            groups, device = self._running
-            self._compare([(_LOSS, loss)], "manual_backward", groups, device)
+        optimizer's `step`."""
+        groups, device = self._running
+        self._compare([(_LOSS, loss)], "manual_backward", groups, device)
 
     def _due(self, stage: Any, groups: SequenceParallelGroups) -> bool:
         if groups.sequence_parallel_world_size == 1 or self.mode == "never":

@@ -300,7 +300,8 @@ class SequenceParallelHooks:
     def backward(self, *args: Any, **kwargs: Any) -> Any:
         # A loss given to `manual_backward` in a checked step: compared over the SP group before the step's own
         # optimizer step (under automatic optimization `training_step` compared it already, `logged_values.py`).
-        self.runtime.value_check.check_backward(args[0] if args else kwargs["closure_loss"])
+        if self.runtime.value_check.in_checked_step:
+            self.runtime.value_check.check_backward(args[0] if args else kwargs["closure_loss"])
         ends_window = None
         if self.lightning_module is not None and self.lightning_module.automatic_optimization:
             ends_window = not lightning_private.should_accumulate(self.lightning_module.trainer)
