@@ -347,9 +347,20 @@ def _hand_written_step(module, batch):
                                              ignore_index=-100)
 
 
+def _hand_written_aux_step(module, batch):
+    # The same with an MoE model's load-balancing term added (`output_router_logits=True`), as its own loss adds it:
+    # the term is the whole rows' (the strategy reduces it over the SP group), the cross-entropy is not.
+    out = module.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+    logits, labels = out.logits, batch["labels"]
+    token_mean = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)),
+                                                   labels[:, 1:].reshape(-1), ignore_index=-100)
+    return token_mean + module.model.config.router_aux_loss_coef * out.aux_loss
+
+
 # How a test step calls its model (CausalLM(step=...)); the references in test_parity.py mirror each form.
 STEP_FORMS = {"batch": _batch_step, "labels_are_input_ids": _labels_are_input_ids_step,
-              "built_labels": _built_labels_step, "own_loss": _own_loss_step, "hand_written": _hand_written_step}
+              "built_labels": _built_labels_step, "own_loss": _own_loss_step, "hand_written": _hand_written_step,
+              "hand_written_aux": _hand_written_aux_step}
 
 
 def torchs_own_linear() -> None:

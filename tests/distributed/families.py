@@ -172,6 +172,8 @@ UNEVEN = {
     "recurrent_gemma": {"num_attention_heads": 5, "num_key_value_heads": 1, "hidden_size": 40, "lru_width": 40,
                         "head_dim": 8},
 }
+# `<family>@router`: the MoE load-balancing term in the model's output (`aux_loss`) and loss, weighted to matter.
+ROUTER = {"qwen3_moe": {"output_router_logits": True, "router_aux_loss_coef": 0.5}}
 
 
 def tiny_config(model_type: str, **overrides):
@@ -199,12 +201,13 @@ def tiny_model(model_type: str, attn_implementation: str = "sdpa", seed: int = 0
 
 
 def family_model(name: str):
-    """The tiny model of family `name` with the matrix's settings (`FAMILIES`; `<family>@uneven`: with `UNEVEN`'s),
+    """The tiny model of family `name` with the matrix's settings (`FAMILIES`; `<family>@uneven`: with `UNEVEN`'s,
+    `<family>@router`: with `ROUTER`'s),
     in sdpa, or in eager where transformers allows only that (GPT-OSS, Gemma 2, ...)."""
     name, _, variant = name.partition("@")
     overrides = settings_of(name)
     if variant:
-        overrides.update({"uneven": UNEVEN}[variant][name])
+        overrides.update({"uneven": UNEVEN, "router": ROUTER}[variant][name])
     try:
         return tiny_model(name, "sdpa", **overrides)
     except ValueError as error:

@@ -168,6 +168,15 @@ def _matrix():
         _case(2, 1, 2, "mqa", suffix="-gpt-hand_written", step="hand_written", model="gpt"),
         _case(2, 2, 2, "mqa", suffix="-gpt-hand_written-refused", step="hand_written", model="gpt", refused=True),
         _case(4, 4, 2, "mha", suffix="-hand_written-refused", step="hand_written", refused=True),
+        # ... with a Qwen3-MoE model's load-balancing term added (whole: it reaches the SP reduction, the cross-entropy
+        # does not): exact at SP 1 (DP 2), refused at SP 2, SP 2 x DP 2 (accumulating) and SP 4.
+        _case(2, 1, 2, "gqa", suffix="-qwen3_moe-hand_written_aux", step="hand_written_aux",
+              model="family:qwen3_moe@router"),
+        *[_case(world, sp, 2, "gqa", suffix=f"-qwen3_moe-hand_written_aux{suffix}-refused", step="hand_written_aux",
+                model="family:qwen3_moe@router", refused=True, **extra)
+          for world, sp, suffix, extra in [
+              (2, 2, "", {}), (4, 4, "", {}),
+              (4, 2, "-accumulate2", {"batch_size": 1, "trainer_kwargs": {"accumulate_grad_batches": 2}})]],
         _case(4, 4, 3, "gqa", suffix="-ring2-labels_are_input_ids", step="labels_are_input_ids",
               strategy_kwargs={"ring_size": 2}),
         # bf16-mixed against the fp32 reference, within bf16's precision (check_bf16_against_fp32).
@@ -252,6 +261,8 @@ REFERENCE_LOSSES = {
     "batch": lambda model, batch: model(input_ids=batch["input_ids"], labels=batch["labels"]).loss,
     "own_loss": lambda model, batch: model(input_ids=batch["input_ids"], labels=batch["labels"]).loss,
     "hand_written": lambda model, batch: model(input_ids=batch["input_ids"], labels=batch["labels"]).loss,
+    # the model's own loss adds router_aux_loss_coef * aux_loss with output_router_logits=True
+    "hand_written_aux": lambda model, batch: model(input_ids=batch["input_ids"], labels=batch["labels"]).loss,
     "labels_are_input_ids": lambda model, batch: model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss,
     "built_labels": lambda model, batch: model(input_ids=batch["input_ids"],
                                                labels=built_labels(batch["input_ids"])).loss,
@@ -569,10 +580,11 @@ def _check_split_mixers(case: dict, ranks: list[dict], steps) -> None:
 
 
 def _check_refused(case: dict, ranks: list[dict], steps) -> None:
-    """A loss computed from this rank's shard alone is refused at the first backward, on every rank, naming the fix;
-    no optimizer step ran (one forward, the weights as they were built)."""
+    """A loss computed from this rank's shard alone differs between the SP ranks: refused after the first step,
+    before its backward, on every rank, naming the fix; no optimizer step ran (one forward, the weights as built)."""
     for rank in ranks:
-        assert "computed from this rank's shard alone" in (rank["refusal"] or ""), rank["refusal"]
+        assert "The loss training_step returned differs between the ranks" in (rank["refusal"] or ""), rank["refusal"]
+        assert "computed from this rank's shard alone" in rank["refusal"], rank["refusal"]
         assert "self.trainer.strategy.loss_function(logits, batch['labels'])" in rank["refusal"]
         assert rank["steps_before_refusal"] == 1 and rank["weights_unchanged"], rank
 
