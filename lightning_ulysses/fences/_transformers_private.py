@@ -89,3 +89,48 @@ def kernelize_for(model: Any, device_type: str) -> None:
     parameters are still on the meta device (a plain load would have them on `device_type`)."""
     if getattr(model, KERNELS_DEVICE, None) is None:
         setattr(model, KERNELS_DEVICE, device_type)
+
+
+# -- the attention implementation of one config ----------------------------------------------------------------------
+# `PreTrainedConfig._attn_implementation` is the name transformers looks attention and mask functions up by (a
+# property over `_attn_implementation_internal`). Its public setter is `PreTrainedModel.set_attn_implementation`,
+# which switches a model with every sub-model and sub-config at once; reading it per config, and setting one config
+# back alone (a private config copy at `restore()`), has no public spelling.
+def attention_implementation(config: Any, default: Any = None) -> Any:
+    """`config._attn_implementation` (`default` for an object that is not a transformers config)."""
+    return getattr(config, "_attn_implementation", default)
+
+
+def set_attention_implementation(config: Any, name: str) -> None:
+    """`config._attn_implementation_internal = name`: this config alone (its sub-configs keep theirs)."""
+    config._attn_implementation_internal = name
+
+
+def can_set_attention_implementation(model_class: type) -> bool:
+    """`PreTrainedModel._can_set_attn_implementation()`: transformers' source heuristic for whether a class
+    dispatches attention through `AttentionInterface` (it only logs a warning where it cannot switch one)."""
+    return model_class._can_set_attn_implementation()
+
+
+def unregister_attention(interface: type, name: str) -> None:
+    """Remove `name` from `interface` (`AttentionInterface` or `AttentionMaskInterface`, both `GeneralInterface`s):
+    `register` writes the class-wide `_global_mapping`, and the mapping's public `__delitem__` deletes only from an
+    instance's local one. Tolerates a name already gone."""
+    interface._global_mapping.pop(name, None)
+
+
+# -- a loss function assigned to one model ---------------------------------------------------------------------------
+# `PreTrainedModel.loss_function` is a property: its setter keeps an assigned loss in `_loss_function`, and its getter
+# falls back to the family's loss when none is assigned. `restore()` must tell "none assigned" from an assigned one,
+# which the property does not show.
+LOSS_FUNCTION = "_loss_function"
+
+
+def assigned_loss_function(model: Any, default: Any) -> Any:
+    """The loss function assigned to this model instance (`model.loss_function = ...`), else `default`."""
+    return model.__dict__.get(LOSS_FUNCTION, default)
+
+
+def forget_loss_function(model: Any) -> None:
+    """Drop an assigned loss function: the model's `loss_function` is its family's again."""
+    model.__dict__.pop(LOSS_FUNCTION, None)

@@ -1,7 +1,7 @@
 """The binding: what one prepared model's attention modules share (groups, backend, transport, the batch's rows).
 
 `prepare_hf_model` creates one `_Binding` per model and puts it on every module of the model (`_lightning_ulysses`);
-the "ulysses" attention function, the mask interface (through the model's private config, `mask_interface.py`),
+the "ulysses" attention function, the mask interface (through the model's own attention name, `mask_interface.py`),
 the inline attention and the position hooks read every per-model fact from it, never from a module global, so two
 models (or two Trainers) in one process never see each other's groups, transport or mask configuration.
 """
@@ -49,6 +49,12 @@ class _Binding:
 
     def __deepcopy__(self, memo):
         return self
+
+
+def is_ulysses_attention(name) -> bool:
+    """Whether an attention implementation `name` is ours: the plain "ulysses", or a prepared model's own
+    (`ulysses-<n>`, `forward.register_model_attention`)."""
+    return isinstance(name, str) and (name == ULYSSES_ATTENTION or name.startswith(f"{ULYSSES_ATTENTION}-"))
 
 
 def binding_of(model) -> Optional[_Binding]:
