@@ -32,10 +32,10 @@ class _Binding:
     batch_rows: Optional[BatchRowsSlot] = None
     # Head groups whose all-to-alls are pipelined with their attention (core.exchange_and_attend).
     head_groups: int = 1
-    # The position_ids of the model's latest forward (`_ForwardPositions`), for attention modules whose layer does
     # How the Ulysses all-to-alls move their bytes (`copy_engine.py`: the strategy's agreed `exchange`); None: the
     # collective all-to-all.
     transport: Any = None
+    # The position_ids of the model's latest forward (`_ForwardPositions`), for attention modules whose layer does
     # not hand them on (Llama 4): without them packed documents would not be kept apart.
     forward_positions: Optional[torch.Tensor] = None
     # The 2-D attention_mask of the model's latest forward, for attention computed inline (attention/inline.py),

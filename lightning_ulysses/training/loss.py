@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_ulysses.attention.all_to_all import all_gather_sequence
+from lightning_ulysses.fences import _torch_private as torch_private
 
 IGNORE_INDEX = -100
 
@@ -118,7 +119,7 @@ def reduces_over_sequence(loss: torch.Tensor) -> bool:
     while frontier:
         following = []
         for node in frontier:
-            if getattr(node, "_forward_cls", None) is _SumOverGroup:
+            if torch_private.forward_class_of(node) is _SumOverGroup:
                 return True
             for parent, _ in node.next_functions:
                 if parent is not None and parent not in seen:
