@@ -16,7 +16,8 @@ from lightning_ulysses.adapters.registry import (attention_the_exchange_cannot_c
 from lightning_ulysses.attention import inline
 from lightning_ulysses.attention.backends import BACKENDS, check_backend
 from lightning_ulysses.attention.core import validate_head_counts
-from lightning_ulysses.hf.binding import ULYSSES_ATTENTION
+from lightning_ulysses.fences._transformers_private import attention_implementation, can_set_attention_implementation
+from lightning_ulysses.hf.binding import ULYSSES_ATTENTION, is_ulysses_attention
 from lightning_ulysses.mixers import left_on_whole_rows
 from lightning_ulysses.mixers.arguments import CACHE_ARGUMENTS
 
@@ -178,7 +179,7 @@ def _unswitchable_submodel(model: PreTrainedModel) -> Optional[PreTrainedModel]:
     `_can_set_attn_implementation`: attention classes that do not dispatch through the interface, classes defined
     in `__main__`, sources `inspect` cannot read), and the model keeps its own attention on each shard."""
     for module in model.modules():
-        if isinstance(module, PreTrainedModel) and not type(module)._can_set_attn_implementation():
+        if isinstance(module, PreTrainedModel) and not can_set_attention_implementation(type(module)):
             return module
     return None
 
@@ -206,7 +207,7 @@ def validate_hf_model(model: PreTrainedModel, sequence_parallel_size: int, ring_
 
     Everything here reads the model and its config only (no communication), so a refusal happens on every rank
     alike before any collective."""
-    backend = model.config._attn_implementation
+    backend = attention_implementation(model.config)
     sharded = sequence_parallel_size * ring_size > 1
     if sharded:
         _reject_encoder_families(model)
@@ -260,6 +261,6 @@ def _unswitched_module(model: PreTrainedModel, private_configs: dict[int, Any]) 
     for module in model.modules():
         config = module.__dict__.get("config")
         if (isinstance(module, PreTrainedModel) or id(config) in ours) and \
-                getattr(config, "_attn_implementation", ULYSSES_ATTENTION) != ULYSSES_ATTENTION:
+                not is_ulysses_attention(attention_implementation(config, ULYSSES_ATTENTION)):
             return module
     return None

@@ -118,12 +118,13 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
         self.runtime.parallel.start(run, num_processes=self.num_processes, num_nodes=self.num_nodes, barrier=self.barrier,
                              build_groups=self._build_groups)
         self._shard_mesh = fsdp.world_mesh(self.root_device.type)
-        self.lightning_module._device_mesh = self._device_mesh
+        lightning_private.hand_device_mesh(self.lightning_module, lightning_private.device_mesh_of(self))
         self.runtime.random_streams.reset(self.sequence_parallel_rank, self.sequence_parallel_world_size, self.root_device)
         self.runtime.faults.start_watchdog(self.cluster_environment, self.global_rank, self.world_size)
 
     def _build_groups(self, layout) -> SequenceParallelGroups:
-        groups, self._device_mesh = SequenceParallelGroups.build_device_mesh(layout, self.root_device.type)
+        groups, mesh = SequenceParallelGroups.build_device_mesh(layout, self.root_device.type)
+        lightning_private.set_device_mesh(self, mesh)
         return groups
 
     # -- model preparation and sharding --------------------------------------------------------------------------

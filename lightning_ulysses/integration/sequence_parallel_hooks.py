@@ -181,7 +181,7 @@ class SequenceParallelHooks:
 
     @override
     def _configure_launcher(self) -> None:
-        super()._configure_launcher()
+        lightning_private.configure_launcher_above(SequenceParallelHooks, self)
         faults.mark_launching_process(self)  # the ranks Lightning's script launcher starts from here inherit it
 
     @override

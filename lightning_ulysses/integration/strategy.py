@@ -128,7 +128,8 @@ class UlyssesDeepSpeedStrategy(SequenceParallelHooks, DeepSpeedStrategy):
     @override
     def _configure_launcher(self) -> None:
         if not configure_launcher(self):  # fork, or no launch in a notebook (notebook.py); else Lightning's own
-            super()._configure_launcher()  # (`SequenceParallelHooks`: marks the ranks it starts)
+            # (`SequenceParallelHooks`: marks the ranks it starts)
+            lightning_private.configure_launcher_above(UlyssesDeepSpeedStrategy, self)
 
     @override
     def setup_environment(self) -> None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_ulysses.attention.all_to_all import all_gather_sequence
+from lightning_ulysses.fences import _torch_private as torch_private
 
 IGNORE_INDEX = -100
 
