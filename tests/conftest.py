@@ -23,16 +23,6 @@ def pytest_configure(config):
     build_cpu_adam_without_debug_info()
 
 
-def pytest_collection_finish(session):
-    """Tell the shared launches (tests/distributed/pool.py) which test modules have selected tests: a launch runs
-    the jobs of those only."""
-    import sys
-
-    pool = sys.modules.get("tests.distributed.pool")
-    if pool is not None:
-        pool.POOL.selected_modules = {item.module.__name__ for item in session.items if item.module is not None}
-
-
 def pytest_unconfigure(config):
     """Reap the server the launches fork their ranks from (tests/distributed/harness.py), with their CPU time."""
     import sys
