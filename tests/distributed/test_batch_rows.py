@@ -64,6 +64,9 @@ GATHERED_INPUTS = {"gpt": 1, "gpt_checkpointed": 1, "llama": 2}
 # The loss shifts the batch's (unshifted) labels across the shards: one all-gather of the integer labels per forward,
 # on either path; the attention's own gathers are what the described path removes.
 LABEL_SHIFT_GATHERS = 1
+# The value check compares each of the first two training steps' loss and logged values over the SP group in one
+# small all-gather (logged_values.SameValueCheck); the strategy's steps below are both checked.
+VALUE_CHECK_GATHERS = 1
 
 
 @pytest.mark.parametrize("model", GATHERED_INPUTS)
@@ -94,6 +97,7 @@ def test_strategy_steps_use_the_published_rows(results):
         steps = rank["strategy_steps"]
         assert len(steps) == 2
         for counts in steps:
-            assert counts.get("whole_rows", 0) == 0 and counts.get("all_gather", 0) == LABEL_SHIFT_GATHERS, counts
+            assert counts.get("whole_rows", 0) == 0, counts
+            assert counts.get("all_gather", 0) == LABEL_SHIFT_GATHERS + VALUE_CHECK_GATHERS, counts
             assert counts["from_rows"] == 1, counts
         assert rank["strategy_rows_released"]
