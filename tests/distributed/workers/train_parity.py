@@ -359,8 +359,10 @@ def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None) 
         torch._dynamo.reset()
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # this case's, in a process of many
     recorder = recorder or RecordGroups()
-    if "free_memory_by_rank" in case:  # memory="auto" with this rank's own free memory (the ranks agree on the least)
-        strategy_kwargs["memory"] = dict(strategy_kwargs["memory"], free_memory=case["free_memory_by_rank"][dist.get_rank()])
+    # memory="auto" with this rank's own free memory (the ranks agree on the least); before the process group exists
+    if "free_memory_by_rank" in case:
+        free_memory = case["free_memory_by_rank"][int(os.environ["RANK"])]
+        strategy_kwargs["memory"] = dict(strategy_kwargs["memory"], free_memory=free_memory)
     if case.get("backend") == "fsdp2":  # the same module on FSDP2 (tests/distributed/test_fsdp.py)
         torchs_own_linear()
         strategy = lightning_ulysses.UlyssesFSDPStrategy(sequence_parallel_size=case["sp"], **strategy_kwargs)
