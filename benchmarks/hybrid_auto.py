@@ -1,4 +1,4 @@
-"""Hybrid models on ONE GPU (issue 34): plain Hugging Face against the recipe with `memory=auto`, in one call.
+"""Hybrid models on ONE GPU: plain Hugging Face against the recipe with `memory=auto`, in one call.
 
 For each shape (`conf/model/qwen3_next_like.yaml`, `conf/model/nemotron_h_like.yaml`):
 - **plain HF**: transformers as the user has it (its own PyTorch fallbacks of the delta rule and the SSD scan, no

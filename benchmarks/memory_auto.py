@@ -109,7 +109,7 @@ def main() -> None:
                              " it (the baseline, before 2026-12-02; same results)")
     parser.add_argument("--liger", action="store_true",
                         help="auto: Liger Kernel's RMSNorm and SwiGLU in the model instead of our fused elementwise"
-                             " kernels (liger-kernel; issue 35's comparison)")
+                             " kernels (liger-kernel; the fused-kernel comparison)")
     parser.add_argument("--split", action="store_true",
                         help="also time the optimizer step alone (from the end of backward, one more CUDA sync)")
     parser.add_argument("--profile", action="store_true",

@@ -1,4 +1,4 @@
-"""Fine-tuning a `save_pretrained` folder against random init, through the Trainer and the strategy (issue 17).
+"""Fine-tuning a `save_pretrained` folder against random init, through the Trainer and the strategy.
 
 `--init save` writes a random Llama folder of the chosen shape (bf16 safetensors) and exits; `--init pretrained`
 trains `CausalLMModule.from_pretrained(folder)` (weights loaded in `configure_model`, under ZeRO-3 straight into the

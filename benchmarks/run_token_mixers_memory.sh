@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# SP 1 on one GPU, issue 15: the prepared hybrid / sliding-window models with the memory engine's features against
+# SP 1 on one GPU: the prepared hybrid / sliding-window models with the memory engine's features against
 # plain HF, at 32K (cost of the features) and on to the lengths where plain HF runs out of memory.
 # Usage (device tool, from the project root, after the .whl install of ../shared/gpu/README.md):
 #   bash benchmarks/run_token_mixers_memory.sh qwen3_next    # ~5 min of device time (estimate)

@@ -9,7 +9,7 @@
   ZeRO-3 (SP 1, DP = N, every GPU holding the whole sequence): memory per GPU and tokens/s (pure ZeRO-3 may OOM).
 - longest: SP = N with `memory="auto"` at the longest length the planner says auto can fit (`auto.longest_fit`, from
   the GPUs' and the host's total memory, equal on every rank), then at --fractions of it until one step trains:
-  the predicted limit against the measured one (issue 18's one-GPU ≥ 500K, issue 19's 8-GPU ≥ 4M tokens).
+  the predicted limit against the measured one (targets: ≥ 500K tokens on one GPU, ≥ 4M on 8 GPUs).
 --memory auto lets the strategy choose the features in weak/compare too (default: the fixed set below).
 One JSON line per configuration on rank 0. Llama 3 8B shape (or --model), random init, bf16, memory features on.
 """

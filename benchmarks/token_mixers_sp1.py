@@ -1,7 +1,7 @@
 """SP 1 on one GPU: a hybrid (Qwen3-Next-like) and a sliding-window (Mistral-like) model, prepared by the strategy's
 `prepare_hf_model` against the same model unprepared (plain Hugging Face), forward + backward, bf16, batch 1.
 
-Issue 15 requires the models whose token mixers the strategy now runs under SP (Gated DeltaNet layers on whole rows,
+The target: the models whose token mixers the strategy now runs under SP (Gated DeltaNet layers on whole rows,
 windows applied after the exchange) to cost nothing where no sequence is cut: tokens/s at least 0.97x plain HF's.
 Prints one JSON line per (family, length, variant), blocks in A B B A order.
 
