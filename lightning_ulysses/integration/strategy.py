@@ -261,7 +261,7 @@ class UlyssesDeepSpeedStrategy(SequenceParallelHooks, DeepSpeedStrategy):
         (`engine.step()`). Lightning's `DeepSpeedStrategy` says True and lets DeepSpeed count micro-steps over the
         whole run instead: whenever an epoch's batches are not a multiple of `accumulate_grad_batches`, the two step at
         different micro-batches and a partial window's gradients leak into the next epoch's first step (1.5× the
-        update measured, issue 37). The engine learns where each window ends in `backward`."""
+        update measured). The engine learns where each window ends in `backward`."""
         return False
 
     @contextlib.contextmanager
