@@ -72,14 +72,21 @@ def run(args) -> tuple[list[float], dict]:
                 "zero_optimization": {"offload_optimizer": {"ratio": args.offload_optimizer}}})
     strategy = UlyssesDeepSpeedStrategy(sequence_parallel_size=1, zero3_leaf_layers=args.zero3_leaf_layers == "on",
                                         **kwargs)
-    timer = step_timer(StepProfiler(argparse.Namespace(profile=False, warmup=0)))
+    timed = args.warmup + args.steps
+    # --profile: two more steps after the timed ones, under torch.profiler (their tables go to the log)
+    profiled = 2 if args.profile else 0
+    timer = step_timer(StepProfiler(argparse.Namespace(profile=args.profile, warmup=timed)), split=args.split)
     trainer = L.Trainer(accelerator="cuda", devices=1, strategy=strategy, precision="bf16-mixed",
-                        max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False,
+                        max_steps=timed + profiled, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
-    trainer.fit(module, torch.utils.data.DataLoader(RandomTokens(args.seq, config.vocab_size, args.warmup + args.steps),
+    trainer.fit(module, torch.utils.data.DataLoader(RandomTokens(args.seq, config.vocab_size, timed + profiled),
                                                     batch_size=1))
+    timer.profiler.finish()
     chosen = strategy.memory_choice.as_dict() if strategy.memory_choice else None
-    return timer.times[args.warmup:], {"choice": chosen, "sdpa_kernel_priority": strategy.sdpa_kernel_priority}
+    extra = {"choice": chosen, "sdpa_kernel_priority": strategy.sdpa_kernel_priority}
+    if timer.optimizer_times[args.warmup:timed]:
+        extra["optimizer_step_s"] = statistics.median(timer.optimizer_times[args.warmup:timed])
+    return timer.times[args.warmup:timed], extra
 
 
 def main() -> None:
@@ -103,6 +110,10 @@ def main() -> None:
     parser.add_argument("--liger", action="store_true",
                         help="auto: Liger Kernel's RMSNorm and SwiGLU in the model instead of our fused elementwise"
                              " kernels (liger-kernel; issue 35's comparison)")
+    parser.add_argument("--split", action="store_true",
+                        help="also time the optimizer step alone (from the end of backward, one more CUDA sync)")
+    parser.add_argument("--profile", action="store_true",
+                        help="two more steps after the timed ones under torch.profiler; its tables in the log")
     parser.add_argument("--zero3-leaf-layers", choices=["on", "off"], default="on",
                         help="ZeRO-3 gathers each decoder layer whole (the default) or submodule by submodule")
     args = parser.parse_args()

@@ -125,13 +125,16 @@ class StepProfiler:
             self.profiler = None
 
 
-def step_timer(profiler: "StepProfiler"):
-    """A Lightning callback timing whole steps (CUDA-synchronised): `.times`, one per step."""
+def step_timer(profiler: "StepProfiler", split: bool = False):
+    """A Lightning callback timing whole steps (CUDA-synchronised): `.times`, one per step. With `split`, also the
+    optimizer step alone, from the end of backward (`on_before_optimizer_step`, synchronised: one more wait per step)
+    to the step's end: `.optimizer_times`."""
     import lightning as L
 
     class StepTimer(L.Callback):
         def __init__(self):
             self.times, self.last, self.profiler = [], None, profiler
+            self.optimizer_times, self.backward_done = [], None
 
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             self.profiler.step(batch_idx)
@@ -139,10 +142,18 @@ def step_timer(profiler: "StepProfiler"):
                 torch.cuda.synchronize()
                 self.last = time.perf_counter()
 
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            if split:
+                torch.cuda.synchronize()
+                self.backward_done = time.perf_counter()
+
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             torch.cuda.synchronize()
             now = time.perf_counter()
             self.times.append(now - self.last)
+            if self.backward_done is not None:
+                self.optimizer_times.append(now - self.backward_done)
+                self.backward_done = None
             self.last = now
 
     return StepTimer()

@@ -7,6 +7,7 @@ for strategies).
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_ulysses import families  # noqa: F401  (every family registers itself: adapters/registry.py)
 from lightning_ulysses.attention import UlyssesAttention
 from lightning_ulysses.batch.sharding import SequenceSharder
 from lightning_ulysses.hf import prepare_hf_model

@@ -1,25 +1,17 @@
-"""Per-family knowledge, one small file per family: what a family computes from positions it numbers itself.
+"""The registry of per-family knowledge (registry.py), which every layer reads, and `NativeCausalLM`
+(native_model.py), how a model that is not Hugging Face's tells the core what it needs.
 
-Three kinds: a `FamilyAdapter` corrects an attention module's query (below); a `PositionRule` says how a family
-numbers the tokens of a row when it is given no `position_ids`, so that the sharder fills in the positions the
-family itself would have used (most count `0..seq-1`, padding included; OPT counts real tokens only); an
-`InlineAttention` gives a module that computes attention inline (not through transformers' AttentionInterface:
-BLOOM, MPT, Falcon, GPT-Neo, XGLM) a forward of its own projections around the Ulysses exchange
-(attention/inline.py).
-
-Most families need nothing here: the "ulysses" attention function and the whole-rows mixers (hf/,
-mixers/) serve any family that dispatches through transformers' interfaces. A family that derives
-something inside its attention module from the positions of the tokens it holds (counting them from 0, which
-under sequence parallelism is each shard's own start) registers a `FamilyAdapter` that corrects the query
-before the exchange, given the shard's global positions. Adding a family is adding a file here (registering itself
-through `adapters.registry`) and importing it below; nothing else changes.
+A family's knowledge is one `Family` record declared in that family's own module (`lightning_ulysses/families/`):
+its inline attention (`InlineAttention`: a module that computes attention itself, BLOOM, MPT, Falcon, GPT-Neo,
+XGLM, given a forward of its own projections around the Ulysses exchange, attention/inline.py), its query correction
+(`FamilyAdapter`: a module that derives something from positions it counts from its shard's start, Llama 4), its
+position rule (`PositionRule`: how it numbers a row given no `position_ids`, OPT), its token mixers' kinds and class
+names, what validation refuses of it, and its decoder layers' kinds for the planner. The layers ask this registry;
+they never name a family. Adding a family: docs/adding-a-family.md.
 """
 
-from lightning_ulysses.adapters.registry import (FamilyAdapter, InlineAttention, PositionRule, adapters_for,
-                                                 inline_attention_of, position_rule_of, register, register_inline,
-                                                 register_position_rule)
-from lightning_ulysses.adapters import (  # noqa: F401  (they register themselves)
-    bloom, falcon, gpt_neo, llama4, mpt, padding_positions, xglm)
+from lightning_ulysses.adapters.registry import (Family, FamilyAdapter, InlineAttention, PositionRule, adapters_for,
+                                                 families, family_of, inline_attention_of, position_rule_of, register)
 
-__all__ = ["FamilyAdapter", "InlineAttention", "PositionRule", "adapters_for", "inline_attention_of",
-           "position_rule_of", "register", "register_inline", "register_position_rule"]
+__all__ = ["Family", "FamilyAdapter", "InlineAttention", "PositionRule", "adapters_for", "families", "family_of",
+           "inline_attention_of", "position_rule_of", "register"]

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from lightning_ulysses.attention import fa4
 from lightning_ulysses.attention.documents import AttentionPattern, DocumentMask, allowed_mask, mask_mod
+from lightning_ulysses.fences import _torch_private as torch_private
 
 BACKENDS = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 _FLASH_MODULES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
@@ -264,9 +265,9 @@ def _restoring_priority(context):
     # torch's `sdpa_kernel(..., set_priority=True)` restores on exit only the order of the kernels enabled at entry
     # and appends the disabled ones: with flash switched off process-wide, flash stays last (behind math) for the
     # rest of the process, also after the user switches it back on. Put the whole previous order back.
-    previous = torch._C._get_sdp_priority_order()
+    previous = torch_private.sdp_priority_order()
     try:
         with context:
             yield
     finally:
-        torch._C._set_sdp_priority_order(previous)
+        torch_private.set_sdp_priority_order(previous)

@@ -23,6 +23,7 @@ from typing import Literal, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from lightning_ulysses.fences import _torch_private as torch_private
 
 _log = logging.getLogger(__name__)
 
@@ -262,19 +263,18 @@ class SymmetricMemoryTransport:
     name = "copy_engine"
 
     def __init__(self):
-        self._buffers: dict[tuple, tuple[torch.Tensor, object]] = {}
+        self._symmetric_buffers: dict[tuple, tuple[torch.Tensor, object]] = {}
         self._stream: Optional[torch.cuda.Stream] = None
         self._cudart = _cudart()
 
     def _buffer(self, group, dtype, numel: int, device):
-        from torch.distributed import _symmetric_memory as symm_mem
-
+        symm_mem = torch_private.symmetric_memory()
         key = (group.group_name, dtype, numel)
-        if key not in self._buffers:  # a collective: every rank reaches it at the same exchange (same shapes)
+        if key not in self._symmetric_buffers:  # a collective: every rank reaches it at the same exchange (same shapes)
             symm_mem.enable_symm_mem_for_group(group.group_name)  # idempotent; older torch needs it before rendezvous
             buffer = symm_mem.empty(numel, dtype=dtype, device=device)
-            self._buffers[key] = buffer, symm_mem.rendezvous(buffer, group)
-        return self._buffers[key]
+            self._symmetric_buffers[key] = buffer, symm_mem.rendezvous(buffer, group)
+        return self._symmetric_buffers[key]
 
     def launch(self, tensor: torch.Tensor, group, size: int, split_dim: int, join_dim: int):
         rank = dist.get_rank(group)
@@ -336,7 +336,7 @@ def multicast_is_off(environ=os.environ) -> bool:
 
 def symmetric_memory_importable() -> bool:
     try:
-        from torch.distributed import _symmetric_memory  # noqa: F401
+        torch_private.symmetric_memory()
     except ImportError:
         return False
     return True

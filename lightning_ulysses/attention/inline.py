@@ -3,7 +3,7 @@
 These families' attention modules do not dispatch through transformers' AttentionInterface: they multiply their
 own scores (BLOOM's `alibi.baddbmm`, MPT's `position_bias`, Falcon's own sdpa branches, GPT-Neo's and XGLM's eager
 code), so the "ulysses" attention function never runs and each rank would attend within its shard. While a model
-is prepared, every such module gets the forward its family's `InlineAttention` (lightning_ulysses/adapters/)
+is prepared, every such module gets the forward its family's `InlineAttention` (lightning_ulysses/families/)
 writes: the module's own projections, `attend` (below) in place of its attention, its own output projection and
 dropout; `PreparedHFModel.restore` removes it again.
 

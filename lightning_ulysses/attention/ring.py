@@ -30,9 +30,7 @@ import torch.distributed as dist
 
 from lightning_ulysses.attention import fa4
 from lightning_ulysses.attention.backends import fa4_first_for
-
-_aten = torch.ops.aten
-
+from lightning_ulysses.fences import _torch_private as torch_private
 
 def sdpa_kernel_order() -> tuple[str, ...]:
     """The fused SDPA kernels enabled now, in the priority torch tries them (under the strategy's
@@ -41,8 +39,8 @@ def sdpa_kernel_order() -> tuple[str, ...]:
 
     enabled = {"cudnn": torch.backends.cuda.cudnn_sdp_enabled(), "flash": torch.backends.cuda.flash_sdp_enabled()}
     # torch's private getter; without it (an older torch), torch's default order, flash before cuDNN
-    order = getattr(torch._C, "_get_sdp_priority_order", lambda: [int(SDPBackend.FLASH_ATTENTION),
-                                                                 int(SDPBackend.CUDNN_ATTENTION)])()
+    order = (torch_private.sdp_priority_order() if torch_private.has_sdp_priority_order()
+             else [int(SDPBackend.FLASH_ATTENTION), int(SDPBackend.CUDNN_ATTENTION)])
     names = {int(SDPBackend.CUDNN_ATTENTION): "cudnn", int(SDPBackend.FLASH_ATTENTION): "flash"}
     return tuple(names[value] for value in order if value in names and enabled[names[value]])
 
@@ -75,8 +73,8 @@ def lse_to_cudnn(lse: torch.Tensor, kernel_dim: int) -> torch.Tensor:
 
 
 # aten's cuDNN ops, looked up here so that CPU tests can stand in for them (they only run on CUDA)
-_cudnn_forward = _aten._scaled_dot_product_cudnn_attention
-_cudnn_backward = _aten._scaled_dot_product_cudnn_attention_backward
+_cudnn_forward = torch_private.SDPA_CUDNN
+_cudnn_backward = torch_private.SDPA_CUDNN_BACKWARD
 _log = logging.getLogger("lightning.pytorch.ulysses")
 # (device, dtype, heads, kv_heads, head_dim) → (kind, whether cuDNN takes the KV heads unrepeated), per process
 _decided: dict[tuple, tuple[str, bool]] = {}
@@ -129,7 +127,7 @@ class BlockAttentionKernel:
     def forward(self, q, k, v, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self._repeat_kv(k, q.size(1)), self._repeat_kv(v, q.size(1))
         if self.kind == "cpu_flash":
-            out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=self.scale)
+            out, lse = torch_private.SDPA_FLASH_FOR_CPU(q, k, v, 0.0, is_causal, scale=self.scale)
         elif self.kind == "cuda_fa4":  # [batch, rows, heads, dim] in and out; the KV heads as they are
             out, lse = fa4.block_forward(*(t.transpose(1, 2) for t in (q, k, v)), self.scale, is_causal)
             out = out.transpose(1, 2)
@@ -139,10 +137,10 @@ class BlockAttentionKernel:
             self._extras, self._lse_dim = (seed, offset), lse.dim()
             lse = lse_from_cudnn(lse)
         elif self.kind == "cuda_flash":
-            out, lse, *extras = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=self.scale)
+            out, lse, *extras = torch_private.SDPA_FLASH(q, k, v, 0.0, is_causal, False, scale=self.scale)
             self._extras = tuple(extras[:6])
         else:
-            out, lse, *extras = _aten._scaled_dot_product_efficient_attention(
+            out, lse, *extras = torch_private.SDPA_EFFICIENT(
                 q, k, v, None, True, 0.0, is_causal, scale=self.scale
             )
             self._extras = tuple(extras)
@@ -154,7 +152,7 @@ class BlockAttentionKernel:
         k, v = self._repeat_kv(k, q.size(1)), self._repeat_kv(v, q.size(1))
         lse = lse.contiguous()
         if self.kind == "cpu_flash":
-            dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dq, dk, dv = torch_private.SDPA_FLASH_FOR_CPU_BACKWARD(
                 grad_out, q, k, v, out, lse, 0.0, is_causal, scale=self.scale
             )
         elif self.kind == "cuda_fa4":
@@ -166,14 +164,14 @@ class BlockAttentionKernel:
                                          None, None, q.size(2), k.size(2), 0.0, is_causal, scale=self.scale)
         elif self.kind == "cuda_flash":
             cum_q, cum_k, max_q, max_k, seed, offset = self._extras
-            dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+            dq, dk, dv = torch_private.SDPA_FLASH_BACKWARD(
                 grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, is_causal, seed, offset, scale=self.scale
             )
         else:
             padded = -(-lse.size(-1) // 32) * 32  # back to the kernel's own padded row count
             lse = torch.nn.functional.pad(lse, (0, padded - lse.size(-1)))
             seed, offset = self._extras
-            dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+            dq, dk, dv, _ = torch_private.SDPA_EFFICIENT_BACKWARD(
                 grad_out, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], is_causal,
                 scale=self.scale,
             )

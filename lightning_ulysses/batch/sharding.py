@@ -7,10 +7,10 @@ SP group alike, before any collective.
   labels): a step that reads `batch["labels"]` sees what it would see without the strategy. The loss shifts them
   (the target of t is label t+1) across shard boundaries itself (`loss.shift_sharded_labels`: one small integer
   all-gather), so no target is lost where a shard ends; a loss computed by hand from this rank's shard alone cannot
-  be, and the strategy refuses it at SP > 1 (`loss.reduces_over_sequence`).
+  be, and the strategy refuses it at SP > 1 (it differs between the SP ranks: `integration.logged_values`).
 - `position_ids` are made global when absent and the sequence is cut: a model left to itself would number each
   shard from 0. They are the ones the model would number the whole rows with: `0..seq-1` for most families, the
-  family's `PositionRule` (adapters/) for the few that count real tokens only (OPT). Given ones are cut as they are: packed rows (several documents per row, positions
+  family's `PositionRule` (families/) for the few that count real tokens only (OPT). Given ones are cut as they are: packed rows (several documents per row, positions
   restarting at 0) keep their per-document positions, and the attention gathers them to keep documents apart.
   Whole-row document descriptions (`cu_seq_lens_q`, ... of flash-attention collators) cannot be cut and are
   rejected: positions carry the same information shard by shard.
@@ -71,7 +71,7 @@ class SequenceSharder:
         # each row's last real token when the batch carries no attention mask.
         self.unpadded_length: int | None = None
         self.batch_rows = batch_rows
-        # How the models number a row they are given no positions for (adapters/; None: 0..seq-1, padding included).
+        # How the models number a row they are given no positions for (families/; None: 0..seq-1, padding included).
         self.position_rule = position_rule
 
     def __call__(self, batch: Any) -> Any:

@@ -204,6 +204,44 @@ def hpc_save_path(trainer: "pl.Trainer") -> str:
     return trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
 
 
+# -- ModelParallelStrategy's device mesh -------------------------------------------------------------------------
+# `ModelParallelStrategy.setup_environment` builds its mesh into `_device_mesh` and hands it to the LightningModule's
+# `_device_mesh` (read by its public `device_mesh` property); neither has a setter. The FSDP2 strategy builds its own
+# DP × SP mesh in its place (`init_model_parallel_distributed` above) and hands it over the same way.
+def device_mesh_of(strategy: ModelParallelStrategy) -> Any:
+    """`ModelParallelStrategy._device_mesh` (None before it is built; the public property raises then)."""
+    return strategy._device_mesh
+
+
+def set_device_mesh(strategy: ModelParallelStrategy, mesh: Any) -> None:
+    """`ModelParallelStrategy._device_mesh = mesh`."""
+    strategy._device_mesh = mesh
+
+
+def hand_device_mesh(lightning_module: "pl.LightningModule", mesh: Any) -> None:
+    """`LightningModule._device_mesh = mesh`, as `ModelParallelStrategy.setup_environment` does."""
+    lightning_module._device_mesh = mesh
+
+
+# -- the base implementations of the overridden methods below ------------------------------------------------------
+# An override (`OVERRIDDEN`) that adds to Lightning's behaviour calls the next class's method in the MRO: each of these
+# is `super(owner, instance).<name>(...)`, from a method of class `owner`.
+def configure_launcher_above(owner: type, strategy: Strategy) -> None:
+    """`super(owner, strategy)._configure_launcher()`."""
+    super(owner, strategy)._configure_launcher()
+
+
+def wrapping_function_above(owner: type, launcher: _MultiProcessingLauncher, *args: Any, **kwargs: Any) -> None:
+    """`super(owner, launcher)._wrapping_function(*args, **kwargs)`."""
+    super(owner, launcher)._wrapping_function(*args, **kwargs)
+
+
+def collect_rank_zero_results_above(owner: type, launcher: _MultiProcessingLauncher, trainer: "pl.Trainer",
+                                    results: Any) -> Optional[_WorkerOutput]:
+    """`super(owner, launcher)._collect_rank_zero_results(trainer, results)`."""
+    return super(owner, launcher)._collect_rank_zero_results(trainer, results)
+
+
 # -- private methods the package overrides (Lightning calls them by name) -----------------------------------------
 # (owner, name, parameters): checked by the unit test; a change here means Lightning's caller changed too.
 OVERRIDDEN: tuple[tuple[type, str, tuple[str, ...]], ...] = (

@@ -1,8 +1,9 @@
 """Ulysses attention for Hugging Face models, switched on per model instance.
 
-`transformers` picks an attention function by the name in `config._attn_implementation`. We register one name,
-`"ulysses"` (registration is the only process-wide step, and it changes no existing name), and switch a model
-to it on a *private copy* of its config: `from_config(cfg)` models share the caller's config object, and
+`transformers` picks attention and mask functions by the name in the config's attention implementation. We register
+`"ulysses"` and, for each prepared model while it is prepared, a name of its own (`"ulysses-<n>"`, whose mask
+function is bound to that model; registration is the only process-wide step, and it changes no existing name), and
+switch a model to its name on a *private copy* of its config: `from_config(cfg)` models share the caller's config object, and
 flipping the shared one would silently change every other model built from it. The model's own backend
 (sdpa, flash-attention 2/3, flex) and its SP group live on its modules (`_lightning_ulysses`), so two models in
 one process can use different backends and groups, and `restore()` gives the model back exactly as it was.
@@ -19,9 +20,9 @@ Beyond plain causal attention: sliding windows and chunks reach the attention th
 marker carrying the pattern, applied on whole rows by the core); eager attention and arguments only the model's own
 attention function applies (soft-capping, sinks) run that function on whole rows of each rank's heads
 (`_OwnAttention`); token mixers that are not attention run on whole rows (`mixers/`); per-family
-corrections of positions a module counts itself live in `lightning_ulysses/adapters/`, and so do the families whose
-modules compute attention inline (BLOOM, MPT, Falcon, GPT-Neo, XGLM), taken over module by module
-(attention/inline.py) instead of switched.
+corrections of positions a module counts itself are declared in `lightning_ulysses/families/` (read through the
+registry, `lightning_ulysses.adapters`), and so are the families whose modules compute attention inline (BLOOM,
+MPT, Falcon, GPT-Neo, XGLM), taken over module by module (attention/inline.py) instead of switched.
 
 We do not use DeepSpeed's `UlyssesSPAttentionHF`: it registers process-wide, fixes the batch size at
 construction, can be set up once per process and drops padding masks.

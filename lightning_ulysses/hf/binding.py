@@ -1,7 +1,7 @@
 """The binding: what one prepared model's attention modules share (groups, backend, transport, the batch's rows).
 
 `prepare_hf_model` creates one `_Binding` per model and puts it on every module of the model (`_lightning_ulysses`);
-the "ulysses" attention function, the mask interface (through the model's private config, `mask_interface.py`),
+the "ulysses" attention function, the mask interface (through the model's own attention name, `mask_interface.py`),
 the inline attention and the position hooks read every per-model fact from it, never from a module global, so two
 models (or two Trainers) in one process never see each other's groups, transport or mask configuration.
 """
@@ -32,10 +32,10 @@ class _Binding:
     batch_rows: Optional[BatchRowsSlot] = None
     # Head groups whose all-to-alls are pipelined with their attention (core.exchange_and_attend).
     head_groups: int = 1
-    # The position_ids of the model's latest forward (`_ForwardPositions`), for attention modules whose layer does
     # How the Ulysses all-to-alls move their bytes (`copy_engine.py`: the strategy's agreed `exchange`); None: the
     # collective all-to-all.
     transport: Any = None
+    # The position_ids of the model's latest forward (`_ForwardPositions`), for attention modules whose layer does
     # not hand them on (Llama 4): without them packed documents would not be kept apart.
     forward_positions: Optional[torch.Tensor] = None
     # The 2-D attention_mask of the model's latest forward, for attention computed inline (attention/inline.py),
@@ -49,6 +49,12 @@ class _Binding:
 
     def __deepcopy__(self, memo):
         return self
+
+
+def is_ulysses_attention(name) -> bool:
+    """Whether an attention implementation `name` is ours: the plain "ulysses", or a prepared model's own
+    (`ulysses-<n>`, `forward.register_model_attention`)."""
+    return isinstance(name, str) and (name == ULYSSES_ATTENTION or name.startswith(f"{ULYSSES_ATTENTION}-"))
 
 
 def binding_of(model) -> Optional[_Binding]:

@@ -1,7 +1,11 @@
 """The "ulysses" attention function transformers calls in every attention layer of a prepared model, and its
-registration (the only process-wide step: one new name in transformers' registries, no existing name changed)."""
+registration (the only process-wide step: new names in transformers' registries, the plain "ulysses" and one per
+prepared model while it is prepared; no existing name changed)."""
 
 from __future__ import annotations
+
+import functools
+import itertools
 
 import torch
 from transformers import AttentionInterface
@@ -13,6 +17,7 @@ from lightning_ulysses.attention.backends import BACKENDS
 from lightning_ulysses.attention.core import ulysses_attention
 from lightning_ulysses.attention.documents import AttentionPattern
 from lightning_ulysses.attention.masks import reject_window
+from lightning_ulysses.fences._transformers_private import unregister_attention
 from lightning_ulysses.hf.binding import _BINDING_ATTRIBUTE, ULYSSES_ATTENTION, _Binding
 from lightning_ulysses.hf.decoding import _decode_attention
 from lightning_ulysses.hf.mask_interface import _shard_padding_mask, _unmark
@@ -54,7 +59,7 @@ def _ulysses_attention_forward(module, query, key, value, attention_mask, **kwar
                 f"{type(module).__name__} needs {adapters[0].name} from global positions, which decoding from a"
                 " sequence-parallel KV cache does not give it yet: generate with sequence_parallel_size=1.")
         return _decode_attention(query, key, value, binding.decode, group, kwargs.get("scaling")), None
-    if adapters:  # positions the module counted from this shard's start (adapters/): corrected to the global ones
+    if adapters:  # positions the module counted from this shard's start (its family's): corrected to the global ones
         order, rank = ShardOrder.of_groups(binding.group.group, binding.ring.group)
         local = torch.arange(query.size(2), device=query.device)
         global_ = order.positions(row_length, rank, device=query.device)
@@ -112,6 +117,29 @@ def _reject_unsharded_inputs(module, attention_mask, kwargs) -> None:
 
 
 def _register_attention() -> None:
+    """The plain "ulysses" name: what a private config names once its model is restored (its own name is gone), an
+    attention that refuses to run on modules without a binding and a mask function that builds no shard masks."""
     if ULYSSES_ATTENTION not in ALL_ATTENTION_FUNCTIONS.valid_keys():
         AttentionInterface.register(ULYSSES_ATTENTION, _ulysses_attention_forward)
-        AttentionMaskInterface.register(ULYSSES_ATTENTION, _shard_padding_mask)
+        AttentionMaskInterface.register(ULYSSES_ATTENTION, functools.partial(_shard_padding_mask, None, None))
+
+
+_MODEL_NAMES = itertools.count(1)
+
+
+def register_model_attention(model_name: str, binding: _Binding) -> str:
+    """A name of its own for one prepared model, in transformers' attention and mask registries: the "ulysses"
+    attention function (which reads the binding from the module it runs for) and a mask function bound to
+    `binding` (transformers hands mask functions only the config, whose attention implementation is this name).
+    `unregister_model_attention` removes it again."""
+    _register_attention()
+    name = f"{ULYSSES_ATTENTION}-{next(_MODEL_NAMES)}"
+    AttentionInterface.register(name, _ulysses_attention_forward)
+    AttentionMaskInterface.register(name, functools.partial(_shard_padding_mask, model_name, binding))
+    return name
+
+
+def unregister_model_attention(name: str) -> None:
+    """Remove one prepared model's name (`register_model_attention`) from both registries."""
+    unregister_attention(AttentionInterface, name)
+    unregister_attention(AttentionMaskInterface, name)

@@ -1,60 +1,27 @@
 """The "ulysses" mask interface: what transformers' `create_*_mask` functions hand the attention of a prepared model.
 
-transformers hands a mask function only the model's config, so a prepared model's private config names its binding
-through its attention-implementation key (`BoundImplementation`): the one attribute transformers never serialises,
-so the config still saves and prints as before, and no table outside the model maps configs to bindings.
+transformers hands a mask function only the model's config, and finds it by the name in the config's attention
+implementation. So each prepared model gets a name of its own (`ulysses-<n>`, `hf/forward.py`
+`register_model_attention`), registered with a mask function bound to that model's binding and removed again by
+`restore()`: the config holds a plain string (it saves, prints, pickles and loads with `torch.load`'s weights-only
+defaults as before), a deep copy of it (an EMA copy of the model) names the same binding, as the copied modules do,
+and no table outside transformers' registries maps configs to bindings.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from lightning_ulysses.attention.documents import AttentionPattern
 from lightning_ulysses.attention.masks import attention_pattern, reject_unsupported_pattern
-from lightning_ulysses.hf.binding import ULYSSES_ATTENTION
 from lightning_ulysses.mixers.arguments import MASK_MARKER
 
 if TYPE_CHECKING:
     from lightning_ulysses.hf.binding import _Binding
-
-
-class BoundImplementation(str):
-    """`"ulysses"` as a prepared model's private configs hold it in `_attn_implementation`: equal to (and hashed
-    as) `"ulysses"` wherever transformers looks the name up, and carrying the model's name and binding, which the
-    mask interface needs (the SP size gives the whole row's length) and is handed only the config to find.
-
-    A deep copy of the config (an EMA copy of the model) shares the binding, as the copied modules do; a pickled
-    one holds the plain name (a binding holds process groups, which cannot be pickled)."""
-
-    def __new__(cls, model_name: str, binding: "_Binding") -> "BoundImplementation":
-        name = super().__new__(cls, ULYSSES_ATTENTION)
-        name.model_name, name.binding = model_name, binding
-        return name
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def __reduce__(self):
-        return str, (ULYSSES_ATTENTION,)
-
-
-def bind_configs(configs: Iterable, model_name: str, binding: "_Binding") -> list:
-    """Point every config of `configs` switched to "ulysses" at `binding`; returns them (`unbind_configs` undoes)."""
-    bound = [config for config in configs if getattr(config, "_attn_implementation", None) == ULYSSES_ATTENTION]
-    for config in bound:
-        # (the internal attribute: the public setter would also reset every sub-config, each bound on its own)
-        config._attn_implementation_internal = BoundImplementation(model_name, binding)
-    return bound
-
-
-def unbind_configs(configs: Iterable) -> None:
-    """The configs no longer name a binding (a private config kept past `restore()` builds no shard masks)."""
-    for config in configs:
-        config._attn_implementation_internal = ULYSSES_ATTENTION
 
 
 _PATTERN_ATTRIBUTE = MASK_MARKER
@@ -74,9 +41,10 @@ def _unmark(attention_mask) -> tuple[Optional[torch.Tensor], Optional[AttentionP
     return (attention_mask, None) if marked is None else marked
 
 
-def _shard_padding_mask(*args, attention_mask=None, mask_function=None, config=None, q_length=None,
-                        kv_length=None, kv_offset=0, **kwargs):
-    """Mask function for the "ulysses" key: hand the attention this shard's 2-D padding mask as it is.
+def _shard_padding_mask(model_name: Optional[str], binding: Optional["_Binding"], *args, attention_mask=None,
+                        mask_function=None, config=None, q_length=None, kv_length=None, kv_offset=0, **kwargs):
+    """Mask function of one prepared model's key (`functools.partial` of its name and binding; both None for the
+    plain "ulysses" key, which names no model): hand the attention this shard's 2-D padding mask as it is.
 
     A 4-D mask built at shard length would be wrong after the all-to-all, so the attention gathers the 2-D mask
     and builds its own. The mask is kept even when this shard holds no padding (flash's mask function would
@@ -87,9 +55,7 @@ def _shard_padding_mask(*args, attention_mask=None, mask_function=None, config=N
     attention applies itself) would be dropped, so it is refused here (attention/masks.py), before the model's
     first attention layer and so alike on every SP rank before any all-to-all of this forward.
     """
-    implementation = getattr(config, "_attn_implementation", None)
-    if mask_function is not None and isinstance(implementation, BoundImplementation):
-        model_name, binding = implementation.model_name, implementation.binding
+    if mask_function is not None and binding is not None:
         decode = binding.decode
         if not binding.sharded:
             # SP 1: the model's own mask for what the core does not apply (see _ulysses_attention_forward).

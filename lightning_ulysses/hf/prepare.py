@@ -16,9 +16,10 @@ from lightning_ulysses.attention import inline
 from lightning_ulysses.attention.backends import BACKENDS
 from lightning_ulysses.attention.core import ProcessGroupHandle
 from lightning_ulysses.attention.rows import BatchRowsSlot
-from lightning_ulysses.hf.binding import _BINDING_ATTRIBUTE, ULYSSES_ATTENTION, _Binding
-from lightning_ulysses.hf.forward import _register_attention
-from lightning_ulysses.hf.mask_interface import bind_configs, unbind_configs
+from lightning_ulysses.fences._transformers_private import (assigned_loss_function, attention_implementation,
+                                                            forget_loss_function, set_attention_implementation)
+from lightning_ulysses.hf.binding import _BINDING_ATTRIBUTE, ULYSSES_ATTENTION, _Binding, is_ulysses_attention
+from lightning_ulysses.hf.forward import register_model_attention, unregister_model_attention
 from lightning_ulysses.hf.positions import _CacheCheck, _ForwardPositions, _PositionCheck
 from lightning_ulysses.hf.validation import (_unswitchable_message, _unswitchable_submodel, _unswitched_module,
                                              hf_head_counts, token_mixer_modules, validate_hf_model)
@@ -38,7 +39,8 @@ class PreparedHFModel:
     original_loss_function: Any = _NOT_SET
     loss_swapped: bool = False
     hooks: list = field(default_factory=list)
-    mask_configs: list = field(default_factory=list)  # the private configs that name the binding
+    attention_name: str | None = None  # the model's own name in transformers' registries (`register_model_attention`)
+    mask_configs: list = field(default_factory=list)  # the private configs that hold it
     inline_modules: list = field(default_factory=list)
     resume_hub_kernels: Callable[[], None] | None = None  # `suspend_hub_kernels`: off while prepared
 
@@ -49,8 +51,12 @@ class PreparedHFModel:
         for module in self.inline_modules:
             module.__dict__.pop("forward", None)
         self.inline_modules = []
-        unbind_configs(self.mask_configs)
+        for config in self.mask_configs:  # a private config kept past restore() names no binding
+            set_attention_implementation(config, ULYSSES_ATTENTION)
         self.mask_configs = []
+        if self.attention_name is not None:
+            unregister_model_attention(self.attention_name)
+            self.attention_name = None
         for module in self.model.modules():
             if _BINDING_ATTRIBUTE in module.__dict__:
                 del module.__dict__[_BINDING_ATTRIBUTE]
@@ -63,7 +69,7 @@ class PreparedHFModel:
         if not self.loss_swapped:
             return
         if self.original_loss_function is _NOT_SET:
-            self.model.__dict__.pop("_loss_function", None)
+            forget_loss_function(self.model)
         else:
             self.model.loss_function = self.original_loss_function
 
@@ -133,7 +139,7 @@ def prepare_hf_model(
     group = ProcessGroupHandle(sequence_parallel_group)
     ring = ProcessGroupHandle(ring_group)
     backend = validate_hf_model(model, group.world_size, ring.world_size)
-    if model.config._attn_implementation == ULYSSES_ATTENTION:
+    if is_ulysses_attention(attention_implementation(model.config)):
         raise RuntimeError(f"{type(model).__name__} is already prepared for sequence parallelism: restore() it first.")
     prepared = PreparedHFModel(model=model, backend=backend)
     if backend == "eager" and group.world_size > 1 and hf_head_counts(model) is not None:
@@ -144,14 +150,14 @@ def prepare_hf_model(
             f" ({heads * 32768 ** 2 * 4 / 2 ** 30:.0f} GiB at 32K tokens in fp32). Use sdpa, flash or flex attention"
             " where the model supports them.", stacklevel=2)
     if loss_function is not None:
-        prepared.original_loss_function = model.__dict__.get("_loss_function", _NOT_SET)
+        prepared.original_loss_function = assigned_loss_function(model, _NOT_SET)
         prepared.loss_swapped = True
         model.loss_function = loss_function
     sharded = group.world_size > 1 or ring.world_size > 1
     if not sharded and (backend not in BACKENDS or _unswitchable_submodel(model) is not None
                         or inline.covers(model)):
         # SP 1 with a backend we do not wrap (eager), a model transformers cannot switch, or a family whose attention
-        # modules an adapter takes over at SP > 1 (adapters/: BLOOM, MPT, Falcon, ...; Falcon can be switched from
+        # modules an adapter takes over at SP > 1 (families/: BLOOM, MPT, Falcon, ...; Falcon can be switched from
         # transformers 5.25 on, but its ALiBi variant then adds its bias to the mask the "ulysses" key replaces): the
         # model keeps its own attention, exactly as unprepared (packed rows then follow transformers' own rules).
         return prepared
@@ -193,8 +199,9 @@ def prepare_hf_model(
 
 
 def _switch_attention(model: PreTrainedModel, prepared: PreparedHFModel, binding: _Binding) -> None:
-    """Switch `model` to the "ulysses" attention on a private config copy, its modules bound to `binding`."""
-    _register_attention()
+    """Switch `model` to the "ulysses" attention on a private config copy, its modules bound to `binding`, under a
+    name of its own (`register_model_attention`) by which the mask function finds `binding`."""
+    prepared.attention_name = register_model_attention(type(model).__name__, binding)
     # Private config copy, installed on every module that referenced the shared one (or a sub-config of it).
     memo: dict[int, Any] = {}
     copy.deepcopy(model.config, memo)
@@ -204,7 +211,7 @@ def _switch_attention(model: PreTrainedModel, prepared: PreparedHFModel, binding
             prepared.original_configs[id(module)] = shared
             module.config = memo[id(shared)]
     try:
-        model.set_attn_implementation(ULYSSES_ATTENTION)
+        model.set_attn_implementation(prepared.attention_name)
     except (ValueError, NotImplementedError) as error:
         prepared.restore()
         raise ValueError(
@@ -217,5 +224,5 @@ def _switch_attention(model: PreTrainedModel, prepared: PreparedHFModel, binding
         raise ValueError(_unswitchable_message(model, unswitched))
     for module in model.modules():
         module.__dict__[_BINDING_ATTRIBUTE] = binding
-    private = [config for config in memo.values() if isinstance(config, PreTrainedConfig)]
-    prepared.mask_configs = bind_configs(private, type(model).__name__, binding)
+    prepared.mask_configs = [config for config in memo.values() if isinstance(config, PreTrainedConfig)
+                             and attention_implementation(config) == prepared.attention_name]

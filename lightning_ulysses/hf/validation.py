@@ -11,10 +11,13 @@ from typing import Any, Optional
 import torch
 from transformers import PreTrainedModel
 
+from lightning_ulysses.adapters.registry import (attention_the_exchange_cannot_carry, encoder_model_types,
+                                                 token_mixer_names)
 from lightning_ulysses.attention import inline
 from lightning_ulysses.attention.backends import BACKENDS, check_backend
 from lightning_ulysses.attention.core import validate_head_counts
-from lightning_ulysses.hf.binding import ULYSSES_ATTENTION
+from lightning_ulysses.fences._transformers_private import attention_implementation, can_set_attention_implementation
+from lightning_ulysses.hf.binding import ULYSSES_ATTENTION, is_ulysses_attention
 from lightning_ulysses.mixers import left_on_whole_rows
 from lightning_ulysses.mixers.arguments import CACHE_ARGUMENTS
 
@@ -25,12 +28,9 @@ from lightning_ulysses.mixers.arguments import CACHE_ARGUMENTS
 # MLP kinds ("mlp", "moe", "dense", "sparse") appear in the same lists of some families and mix no tokens.
 _ATTENTION_LAYER_TYPES = frozenset({"attention", "full_attention", "sliding_attention", "chunked_attention",
                                     "mlp", "moe", "dense", "sparse"})
-# Class names of the token mixers transformers' hybrid and recurrent families use instead of (or beside) attention:
-# Mamba/Mamba2 mixers, Gated DeltaNet and Kimi's delta attention, LFM2's short convolution, MiniMax's lightning
-# attention, RG-LRU, RWKV time mixing, xLSTM cells. Those holding a causal `nn.Conv1d` are found without their name.
-_TOKEN_MIXER_NAMES = re.compile(
-    r"Mamba|Mixer|DeltaNet|DeltaAttention|ShortConv|LightningAttention|Rglru|RecurrentBlock|Rwkv|[xm]LSTM"
-)
+# The class names of the token mixers transformers' hybrid and recurrent families use instead of (or beside)
+# attention are declared by the families (`Family.token_mixer_names`: Mamba/Mamba2 mixers, Gated DeltaNet, LFM2's
+# short convolution, RWKV time mixing, ...). Those holding a causal `nn.Conv1d` are found without their name.
 _TOKEN_MIXER_ADVICE = (
     "Under sequence parallelism every rank holds a slice of the sequence, and only attention that dispatches through"
     " transformers' attention interface, or a token mixer lightning_ulysses runs on whole rows, is exchanged between"
@@ -47,7 +47,7 @@ _WHOLE_ROW_ARGUMENTS = frozenset({"attention_mask", "position_ids", "cache_posit
 
 def _mixer_by_name(module: torch.nn.Module) -> bool:  # (MambaForCausalLM names a model, MambaRMSNorm a norm)
     name = type(module).__name__
-    return not isinstance(module, PreTrainedModel) and "Norm" not in name and bool(_TOKEN_MIXER_NAMES.search(name))
+    return not isinstance(module, PreTrainedModel) and "Norm" not in name and bool(token_mixer_names().search(name))
 
 
 def token_mixer_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -134,21 +134,12 @@ def _reject_token_mixing_outside_attention(model: PreTrainedModel) -> None:
                 f" some other way. {_TOKEN_MIXER_ADVICE}"
             )
 
-# Attention classes that dispatch through transformers' attention interface (so transformers switches them) but work
-# on the rank's shard in a way the exchange does not carry, by class name, with what goes wrong (transformers 5.25).
-_ATTENTION_THE_EXCHANGE_CANNOT_CARRY = {
-    # its mask is built inside the layer from the values of the keys (a learned per-key bias added to the 4-D mask
-    # it indexes), before the interface is called: on a shard the keys are the shard's own, not the whole row's
-    "DogeAttention": "builds a dynamic mask from its keys' values before the attention call",
-    # its recurrent loops extend the cache with extra layers the attention reads back, keys the Ulysses mask
-    # (built for the rows' own tokens) does not cover: it fails in training at SP 1 already once prepared
-    "DoryAttention": "re-reads keys its recurrent loops wrote to extra cache layers",
-}
-
-
 def _reject_attention_the_exchange_cannot_carry(model: PreTrainedModel) -> None:
+    """Attention classes that dispatch through transformers' attention interface (so transformers switches them)
+    but work on the rank's shard in a way the exchange does not carry (declared by their families:
+    `Family.attention_the_exchange_cannot_carry`)."""
     for path, module in model.named_modules():
-        why = _ATTENTION_THE_EXCHANGE_CANNOT_CARRY.get(type(module).__name__)
+        why = attention_the_exchange_cannot_carry(type(module).__name__)
         if why is not None:
             raise NotImplementedError(
                 f"{type(model).__name__}'s attention {path} ({type(module).__name__}) {why}, which the Ulysses"
@@ -157,18 +148,16 @@ def _reject_attention_the_exchange_cannot_carry(model: PreTrainedModel) -> None:
 
 
 # Encoder and encoder-decoder families whose causal-LM heads transformers' causal-LM mapping lists beside the
-# decoders (BertLMHeadModel, BartForCausalLM, ...): known by their masked-LM or sequence-to-sequence heads, and these
-# three, which have neither. Their attention (bidirectional unless `is_decoder`, cross-attention, relative or
-# permuted positions) is outside what the family matrix holds exact (decoder-only families: docs/model-families.md).
-_ENCODER_FAMILIES_WITHOUT_SUCH_HEADS = frozenset({"bert-generation", "trocr", "xlnet"})
-
-
+# decoders (BertLMHeadModel, BartForCausalLM, ...): known by their masked-LM or sequence-to-sequence heads, and those
+# the families declare encoders (`Family.encoder`: they have neither). Their attention (bidirectional unless
+# `is_decoder`, cross-attention, relative or permuted positions) is outside what the family matrix holds exact
+# (decoder-only families: docs/model-families.md).
 def _encoder_family(model: PreTrainedModel) -> Optional[str]:
     from transformers.models.auto import modeling_auto
 
     encoders = (set(modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)
                 | set(modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
-                | set(modeling_auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES) | _ENCODER_FAMILIES_WITHOUT_SUCH_HEADS)
+                | set(modeling_auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES) | encoder_model_types())
     for config in (model.config, model.config.get_text_config()):
         if getattr(config, "model_type", None) in encoders:
             return config.model_type
@@ -190,7 +179,7 @@ def _unswitchable_submodel(model: PreTrainedModel) -> Optional[PreTrainedModel]:
     `_can_set_attn_implementation`: attention classes that do not dispatch through the interface, classes defined
     in `__main__`, sources `inspect` cannot read), and the model keeps its own attention on each shard."""
     for module in model.modules():
-        if isinstance(module, PreTrainedModel) and not type(module)._can_set_attn_implementation():
+        if isinstance(module, PreTrainedModel) and not can_set_attention_implementation(type(module)):
             return module
     return None
 
@@ -218,7 +207,7 @@ def validate_hf_model(model: PreTrainedModel, sequence_parallel_size: int, ring_
 
     Everything here reads the model and its config only (no communication), so a refusal happens on every rank
     alike before any collective."""
-    backend = model.config._attn_implementation
+    backend = attention_implementation(model.config)
     sharded = sequence_parallel_size * ring_size > 1
     if sharded:
         _reject_encoder_families(model)
@@ -243,7 +232,7 @@ def validate_hf_model(model: PreTrainedModel, sequence_parallel_size: int, ring_
     if sharded and hf_head_counts(model) is not None:  # (a model without attention has nothing to switch)
         if backend != "eager":
             check_backend(backend)  # installed and usable here, checked before any collective
-        if inline.covers(model):  # attention computed inline, taken over module by module (adapters/)
+        if inline.covers(model):  # attention computed inline, taken over module by module (families/)
             refusal = inline.inline_refusal(model, backend, ring_size)
             if refusal is not None:
                 raise NotImplementedError(refusal)
@@ -272,6 +261,6 @@ def _unswitched_module(model: PreTrainedModel, private_configs: dict[int, Any]) 
     for module in model.modules():
         config = module.__dict__.get("config")
         if (isinstance(module, PreTrainedModel) or id(config) in ours) and \
-                getattr(config, "_attn_implementation", ULYSSES_ATTENTION) != ULYSSES_ATTENTION:
+                not is_ulysses_attention(attention_implementation(config, ULYSSES_ATTENTION)):
             return module
     return None

@@ -38,6 +38,7 @@ import torch
 from typing_extensions import override
 
 from lightning_ulysses.fences import _deepspeed_private as deepspeed_private
+from lightning_ulysses.fences import _transformers_private as transformers_private
 
 # Where a `PeftModel` keeps the model it adapts (`peft_model.base_model.model`): the PEFT model's state-dict keys are
 # that model's (adapted layers included) under this prefix.
@@ -166,7 +167,7 @@ def _assign(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> None
 
 
 def _is_tied(model, key: str) -> bool:
-    tied = getattr(model, "_tied_weights_keys", None) or {}
+    tied = transformers_private.tied_weights_keys(model) or {}
     keys = tied.keys() if isinstance(tied, Mapping) else tied
     return any(key == pattern or key.endswith(pattern) for pattern in keys)
 

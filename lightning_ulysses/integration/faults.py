@@ -105,7 +105,7 @@ class RankWatchdog:
         info = {"host": socket.gethostname(), "pid": os.getpid(), "local_rank": os.environ.get("LOCAL_RANK")}
         self._store.set(self._key("info", self.rank), json.dumps(info))
         self._store.set(self._key("finished", self.rank), "0")
-        self._thread = threading.Thread(target=self._run, name="lightning-ulysses-watchdog", daemon=True)
+        self._thread = threading.Thread(target=self._watch, name="lightning-ulysses-watchdog", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -178,7 +178,7 @@ class RankWatchdog:
     def _key(self, kind: str, rank: int) -> str:
         return f"{_PREFIX}/{self._generation}/{kind}/{rank}"
 
-    def _run(self) -> None:
+    def _watch(self) -> None:
         store = self._store
         others = [rank for rank in range(self.world_size) if rank != self.rank]
         last_value = {rank: -1 for rank in others}

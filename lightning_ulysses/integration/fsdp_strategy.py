@@ -24,6 +24,7 @@ from lightning_ulysses.fences import _lightning_private as lightning_private
 from lightning_ulysses.integration import fsdp
 from lightning_ulysses.integration.callbacks import correct_progress_bar
 from lightning_ulysses.integration.pretrained import ShardedPretrainedLoads
+from lightning_ulysses.integration.logged_values import PerRankValues
 from lightning_ulysses.integration.runtime import UlyssesRuntime
 from lightning_ulysses.integration.sequence_parallel_hooks import SequenceParallelHooks
 from lightning_ulysses.memory import MemoryOptions
@@ -40,7 +41,7 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
         sequence_parallel_size: ranks sharing one sequence; must divide the processes and the heads. `None`: devices
             per node; `1`: plain FSDP2.
         ring_size, sequence_padding, sequence_parallel_in_evaluation, sdpa_kernel_priority, overlap_head_groups,
-            check_batches, heartbeat_timeout, quiet_third_party: as `UlyssesDeepSpeedStrategy`'s (a SIGTERM or SLURM's
+            check_batches, per_rank_values, heartbeat_timeout, quiet_third_party: as `UlyssesDeepSpeedStrategy`'s (a SIGTERM or SLURM's
             requeue signal saves `hpc_ckpt_<n>.ckpt` at the next step boundary on every rank; a rank that raises makes
             the others exit naming it).
         memory: the memory features (`MemoryOptions` or its fields), every one of the DeepSpeed strategy's; or
@@ -75,6 +76,7 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
         sdpa_kernel_priority: Union[Literal["auto"], Sequence[str], None] = "auto",
         overlap_head_groups: int = 1,
         check_batches: CheckBatches = "first",
+        per_rank_values: Optional[PerRankValues] = None,
         reshard_after_forward: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -90,7 +92,7 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
         self.runtime = UlyssesRuntime(
             self, sequence_parallel_size=sequence_parallel_size, ring_size=ring_size, sequence_padding=sequence_padding,
             memory=memory, sdpa_kernel_priority=sdpa_kernel_priority, overlap_head_groups=overlap_head_groups,
-            check_batches=check_batches, heartbeat_timeout=heartbeat_timeout,
+            check_batches=check_batches, per_rank_values=per_rank_values, heartbeat_timeout=heartbeat_timeout,
             sequence_parallel_in_evaluation=sequence_parallel_in_evaluation, quiet_third_party=quiet_third_party)
         super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend, timeout=timeout)
         self._shard_mesh = None  # the one-dimensional mesh of all ranks that fully_shard uses (`setup_environment`)
@@ -117,12 +119,13 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
         self.runtime.parallel.start(run, num_processes=self.num_processes, num_nodes=self.num_nodes, barrier=self.barrier,
                              build_groups=self._build_groups)
         self._shard_mesh = fsdp.world_mesh(self.root_device.type)
-        self.lightning_module._device_mesh = self._device_mesh
+        lightning_private.hand_device_mesh(self.lightning_module, lightning_private.device_mesh_of(self))
         self.runtime.random_streams.reset(self.sequence_parallel_rank, self.sequence_parallel_world_size, self.root_device)
         self.runtime.faults.start_watchdog(self.cluster_environment, self.global_rank, self.world_size)
 
     def _build_groups(self, layout) -> SequenceParallelGroups:
-        groups, self._device_mesh = SequenceParallelGroups.build_device_mesh(layout, self.root_device.type)
+        groups, mesh = SequenceParallelGroups.build_device_mesh(layout, self.root_device.type)
+        lightning_private.set_device_mesh(self, mesh)
         return groups
 
     # -- model preparation and sharding --------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_ulysses.fences import _lightning_private as lightning_private
+from lightning_ulysses.fences import _torch_private as torch_private
 
 _RUN_AS_SCRIPT = (
     "run the training as a script, where every rank is a fresh process: Trainer(strategy='ulysses') in"
@@ -134,20 +135,20 @@ class UlyssesForkLauncher(lightning_private.MultiProcessingLauncher):
         # "poisoned" for forks without counting as initialised: torch.cuda.is_available() called before Lightning
         # was imported (Lightning switches it to NVML, which is fork-safe) queries the CUDA runtime. The rank would
         # then die deep inside setup with "Cannot re-initialize CUDA in forked subprocess"; say what to do instead.
-        if getattr(torch.cuda, "_is_in_bad_fork", lambda: False)():
+        if torch_private.in_bad_fork():
             raise RuntimeError(
                 "This rank was forked by strategy='ulysses_notebook' from a process that had already used CUDA (e.g."
                 " torch.cuda.is_available() or a CUDA tensor before `import lightning`), and forked processes cannot"
                 " use CUDA. Restart the kernel, import lightning (or lightning_ulysses) before touching torch.cuda, and"
                 f" keep everything on the CPU until trainer.fit; or {_RUN_AS_SCRIPT}."
             )
-        super()._wrapping_function(process_idx, *args, **kwargs)
+        lightning_private.wrapping_function_above(UlyssesForkLauncher, self, process_idx, *args, **kwargs)
 
     @override
     def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Optional[lightning_private.WorkerOutput]:
         # Rank 0's state dict goes back to the parent, whose LightningModule loads it (after fit only).
         if trainer.state.fn != TrainerFn.FITTING:
-            return super()._collect_rank_zero_results(trainer, results)
+            return lightning_private.collect_rank_zero_results_above(UlyssesForkLauncher, self, trainer, results)
         module = trainer.lightning_module
         half = sorted({str(p.dtype) for p in module.parameters() if p.dtype in (torch.float16, torch.bfloat16)})
         if half:
@@ -158,7 +159,7 @@ class UlyssesForkLauncher(lightning_private.MultiProcessingLauncher):
                 " To keep them, save a checkpoint during fit (e.g. a ModelCheckpoint callback)."
             )
         if not getattr(lightning_private.launcher_strategy(self), "zero_stage_3", False):
-            return super()._collect_rank_zero_results(trainer, results)
+            return lightning_private.collect_rank_zero_results_above(UlyssesForkLauncher, self, trainer, results)
         # Under ZeRO-3 each rank holds only a partition of every parameter (the parameter itself is an empty
         # placeholder, which the parent could not load): gather the full parameters first. This is a collective;
         # every rank runs this method, and the base class saves rank 0's state dict inside the `with`. The full
@@ -166,4 +167,4 @@ class UlyssesForkLauncher(lightning_private.MultiProcessingLauncher):
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-            return super()._collect_rank_zero_results(trainer, results)
+            return lightning_private.collect_rank_zero_results_above(UlyssesForkLauncher, self, trainer, results)

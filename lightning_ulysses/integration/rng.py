@@ -82,7 +82,7 @@ class SequenceParallelRNG:
     def __init__(self) -> None:
         self._own: Optional[_States] = None  # the own stream's states while the shared one is installed
         self._shared: Optional[_States] = None  # the shared stream's states while the own one is installed
-        self._device: Optional[torch.device] = None  # the CUDA device whose generator is swapped too
+        self._cuda_device: Optional[torch.device] = None  # the CUDA device whose generator is swapped too
 
     @property
     def active(self) -> bool:
@@ -94,14 +94,14 @@ class SequenceParallelRNG:
         strategy sets up, after Lightning's `reset_seed`."""
         if self.active:
             raise RuntimeError("The sequence-parallel random streams cannot be reset inside a step.")
-        self._device = device if device.type == "cuda" else None
+        self._cuda_device = device if device.type == "cuda" else None
         if sequence_parallel_size == 1:
             self._own = None
             return
         seed = stream_seed(next_shared_value(), sequence_parallel_rank)
         cuda = None
-        if self._device is not None:
-            cuda = torch.Generator(device=self._device).manual_seed(seed).get_state()
+        if self._cuda_device is not None:
+            cuda = torch.Generator(device=self._cuda_device).manual_seed(seed).get_state()
         self._own = torch.Generator().manual_seed(seed).get_state(), cuda
 
     @contextlib.contextmanager
@@ -111,13 +111,13 @@ class SequenceParallelRNG:
         if self._own is None or self.active:
             yield
             return
-        self._shared = _capture(self._device)
-        _install(self._own, self._device)
+        self._shared = _capture(self._cuda_device)
+        _install(self._own, self._cuda_device)
         try:
             yield
         finally:
-            self._own = _capture(self._device)
-            _install(self._shared, self._device)
+            self._own = _capture(self._cuda_device)
+            _install(self._shared, self._cuda_device)
             self._shared = None
 
     @contextlib.contextmanager
@@ -126,19 +126,19 @@ class SequenceParallelRNG:
         if not self.active:
             yield
             return
-        own = _capture(self._device)
-        _install(self._shared, self._device)
+        own = _capture(self._cuda_device)
+        _install(self._shared, self._cuda_device)
         try:
             yield
         finally:
-            self._shared = _capture(self._device)
-            _install(own, self._device)
+            self._shared = _capture(self._cuda_device)
+            _install(own, self._cuda_device)
 
     def collect(self) -> dict[str, Any]:
         """Every generator state a checkpoint keeps for this rank: Lightning's (`torch`, `torch.cuda`, `numpy`,
         `python`: the shared stream) and, at SP > 1, the rank's own stream under `STATE_KEY`."""
         # Inside a step the own stream is the one installed: its live state, not the one kept from the step's start.
-        own = _capture(self._device) if self.active else self._own
+        own = _capture(self._cuda_device) if self.active else self._own
         with self._outside_steps():
             states = lightning_private.collect_rng_states(include_cuda=torch.cuda.is_available())
         if own is not None:
@@ -154,7 +154,7 @@ class SequenceParallelRNG:
         own = states.pop(STATE_KEY, None)
         lightning_private.set_rng_states(states)
         if own is not None and self._own is not None:
-            cuda = own["torch.cuda"] if self._device is not None and own["torch.cuda"] is not None else self._own[1]
+            cuda = own["torch.cuda"] if self._cuda_device is not None and own["torch.cuda"] is not None else self._own[1]
             self._own = own["torch"], cuda
 
 

@@ -6,8 +6,8 @@ FSDP2's `fully_shard`) around one runtime, which owns every collaborator both ne
 - `parallel` (`parallel_run.ParallelRun`): the layout and groups, the run's description, the sharder, the module
   pipeline (preparation, the loss) and evaluation on whole rows;
 - `auto` (`planning.auto.AutoDecisions`): `memory="auto"` and `sdpa_kernel_priority="auto"`;
-- `batch_check` (`batch.check.SameBatchCheck`) and `logged_values` (`logged_values.ShardLocalLogCheck`): what the
-  ranks of an SP group must agree on, compared by value;
+- `batch_check` (`batch.check.SameBatchCheck`) and `value_check` (`logged_values.SameValueCheck`: the training loss
+  and the logged values): what the ranks of an SP group must agree on, compared by value;
 - `random_streams` (`rng.SequenceParallelRNG`), `checkpoints` (`checkpoint.resume.StrategyCheckpoints`) and
   `faults` (`faults.RunFaults`: signals, requeue, the rank watchdog);
 - `process_state` (`process_state.ProcessWideState`): what a run replaces for the whole process, put back at its
@@ -30,7 +30,7 @@ from lightning_ulysses.batch.check import CheckBatches, SameBatchCheck
 from lightning_ulysses.batch.sharding import SequencePadding, check_sequence_padding
 from lightning_ulysses.integration import console, faults
 from lightning_ulysses.integration.checkpoint.resume import StrategyCheckpoints
-from lightning_ulysses.integration.logged_values import ShardLocalLogCheck
+from lightning_ulysses.integration.logged_values import PerRankValues, SameValueCheck
 from lightning_ulysses.integration.parallel_run import ParallelRun
 from lightning_ulysses.integration.process_state import ProcessWideState
 from lightning_ulysses.integration.rng import SequenceParallelRNG
@@ -47,7 +47,8 @@ class UlyssesRuntime:
                  sequence_padding: SequencePadding,
                  memory: Union[MemoryOptions, "auto.AutoMemory", str, Mapping[str, Any], None],
                  sdpa_kernel_priority: Union[str, Sequence[str], None], overlap_head_groups: int,
-                 check_batches: CheckBatches, heartbeat_timeout: Optional[float],
+                 check_batches: CheckBatches, per_rank_values: Optional[PerRankValues],
+                 heartbeat_timeout: Optional[float],
                  sequence_parallel_in_evaluation: bool, quiet_third_party: bool) -> None:
         if quiet_third_party:  # first: Lightning's Trainer prints its notes, and DeepSpeed is first imported, later
             console.quiet_third_party()
@@ -62,7 +63,7 @@ class UlyssesRuntime:
         self.sequence_parallel_in_evaluation = sequence_parallel_in_evaluation
         self.auto = auto.AutoDecisions(memory, sdpa_kernel_priority)  # decided in the first run's `setup`
         self.batch_check = SameBatchCheck(check_batches)
-        self.logged_values = ShardLocalLogCheck(check_batches)
+        self.value_check = SameValueCheck(check_batches, per_rank_values)
         # Dropout masks differ between the SP ranks: the steps draw from a stream of their own (`rng.py`).
         self.random_streams = SequenceParallelRNG()
         # Atomic saves with a manifest, exact resume (data position, random streams) at the same or another split.

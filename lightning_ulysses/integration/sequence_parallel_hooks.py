@@ -34,7 +34,7 @@ from lightning_ulysses.integration.runtime import UlyssesRuntime
 from lightning_ulysses.memory import apply_allocator_settings
 from lightning_ulysses.parallel.layout import SequenceParallelGroups
 from lightning_ulysses.parallel.run_spec import RunSpec
-from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss, refuse_shard_local_loss
+from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss
 
 
 def _step_hook(name: str) -> Callable[..., Any]:
@@ -49,16 +49,21 @@ def _step_hook(name: str) -> Callable[..., Any]:
     return override(step)
 
 
-def _evaluation_step_hook(name: str) -> Callable[..., Any]:
-    """`_step_hook(name)` whose logged values are compared over the SP group while rows are sharded: one of this
-    rank's shard alone is refused after the step (`logged_values.py`)."""
+def _checked_step_hook(name: str) -> Callable[..., Any]:
+    """`_step_hook(name)` whose logged tensors (and in training under automatic optimization, the loss it returns) are
+    compared over the SP group after the step while rows are sharded: a value of this rank's shard alone is refused
+    on every rank of the group, before the loss reaches `backward` and before any logger sees a value
+    (`logged_values.SameValueCheck`)."""
     parent_step = _step_hook(name)
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
-        with (self.runtime.logged_values.step(module, name, module.trainer.state.stage, self.parallel_groups)
-              if self.batches_are_sharded else contextlib.nullcontext()):
+        if not self.batches_are_sharded:
             return parent_step(self, *args, **kwargs)
+        returns_loss = name == "training_step" and module.automatic_optimization
+        return self.runtime.value_check.run_step(lambda: parent_step(self, *args, **kwargs), module, name,
+                                                 module.trainer.state.stage, self.parallel_groups, self.root_device,
+                                                 returns_loss)
 
     step.__name__ = step.__qualname__ = name
     return override(step)
@@ -177,7 +182,7 @@ class SequenceParallelHooks:
 
     @override
     def _configure_launcher(self) -> None:
-        super()._configure_launcher()
+        lightning_private.configure_launcher_above(SequenceParallelHooks, self)
         faults.mark_launching_process(self)  # the ranks Lightning's script launcher starts from here inherit it
 
     @override
@@ -214,10 +219,11 @@ class SequenceParallelHooks:
     # its forward picked (keep_attention_outputs replays them). Lightning has no single point around both (its
     # precision plugin's step contexts wrap the forward only), so each hook enters the same context here; the SP
     # rank's own random stream (`rng.py`) is entered alongside.
-    training_step = _step_hook("training_step")
-    # A value an evaluation step logs from this rank's shard alone is refused (evaluation has no graph to read).
-    validation_step = _evaluation_step_hook("validation_step")
-    test_step = _evaluation_step_hook("test_step")
+    # The loss and the logged values of this rank's shard alone are refused (`logged_values.py`); Lightning refuses
+    # `self.log` in `predict_step` itself.
+    training_step = _checked_step_hook("training_step")
+    validation_step = _checked_step_hook("validation_step")
+    test_step = _checked_step_hook("test_step")
     predict_step = _step_hook("predict_step")
 
     # -- checkpoints (`checkpoint.resume.StrategyCheckpoints`, `_checkpoints`) and data ---------------------------
@@ -258,11 +264,6 @@ class SequenceParallelHooks:
         whole rows (`sequence_parallel_in_evaluation=False`) draw from the shared one, alike on every rank."""
         return self.runtime.random_streams.steps() if self.batches_are_sharded else contextlib.nullcontext()
 
-    def _refuse_shard_local_loss(self, args: tuple, kwargs: dict) -> None:
-        """At every backward: a loss of this rank's shard alone is refused at SP > 1 (`refuse_shard_local_loss`)."""
-        if self.batches_are_sharded:
-            refuse_shard_local_loss(args[0] if args else kwargs["closure_loss"], self.sequence_parallel_world_size)
-
     # -- the module pipeline (`preparation.py`, through `ParallelRun`) ------------------------------------------------
     def _prepare_modules(self) -> preparation.ModuleScan:
         """Scan the models and settle the ring size from their heads (raising before any collective, on every rank
@@ -298,7 +299,10 @@ class SequenceParallelHooks:
     # -- backward and the accumulation window --------------------------------------------------------------------
     @override
     def backward(self, *args: Any, **kwargs: Any) -> Any:
-        self._refuse_shard_local_loss(args, kwargs)  # a loss of this rank's shard alone is refused at SP > 1
+        # A loss given to `manual_backward` in a checked step: compared over the SP group before the step's own
+        # optimizer step (under automatic optimization `training_step` compared it already, `logged_values.py`).
+        if self.runtime.value_check.in_checked_step:
+            self.runtime.value_check.check_backward(args[0] if args else kwargs["closure_loss"])
         ends_window = None
         if self.lightning_module is not None and self.lightning_module.automatic_optimization:
             ends_window = not lightning_private.should_accumulate(self.lightning_module.trainer)

@@ -30,6 +30,7 @@ from lightning_ulysses.fences import _lightning_private as lightning_private
 from lightning_ulysses.integration import console, engine, pretrained
 from lightning_ulysses.integration.callbacks import correct_progress_bar
 from lightning_ulysses.integration.notebook import check_start_method, configure_launcher
+from lightning_ulysses.integration.logged_values import PerRankValues
 from lightning_ulysses.integration.runtime import UlyssesRuntime
 from lightning_ulysses.integration.sequence_parallel_hooks import SequenceParallelHooks
 from lightning_ulysses.memory import MemoryOptions
@@ -63,8 +64,11 @@ class UlyssesDeepSpeedStrategy(SequenceParallelHooks, DeepSpeedStrategy):
             serve a call exactly). `"auto"` (default): on Hopper GPUs FA4 first where installed, then cuDNN; `None`:
             torch's order.
         overlap_head_groups: head groups pipelined so that all-to-alls overlap attention; exact; 1 (default): none.
-        check_batches: `"first"` (default), `"every"` or `"never"`: batches checked to be the same over the SP group,
-            and evaluation steps whose logged values are checked to be the whole rows' (`logged_values.py`).
+        check_batches: `"first"` (default: the first 2 of every loop), `"every"` or `"never"`: batches checked to be
+            the same over the SP group, and steps whose training loss and logged tensors are checked to be the same
+            on every rank of it (the whole rows' values, not one shard's: `logged_values.py`).
+        per_rank_values: logged names (`fnmatch` patterns, e.g. `"time/*"`) whose tensors are meant per rank and
+            are not compared over the SP group (the loss always is).
         exchange: the all-to-alls' transport: `"nccl"` (default; gloo on CPU), `"copy_engine"` (peer copies into
             symmetric memory, refused where it cannot run) or `"auto"`.
         zero3_leaf_layers: under ZeRO-3, gather each decoder layer's parameters whole (DeepSpeed leaf modules).
@@ -95,6 +99,7 @@ class UlyssesDeepSpeedStrategy(SequenceParallelHooks, DeepSpeedStrategy):
         sdpa_kernel_priority: Union[Literal["auto"], Sequence[str], None] = "auto",
         overlap_head_groups: int = 1,
         check_batches: CheckBatches = "first",
+        per_rank_values: Optional[PerRankValues] = None,
         exchange: copy_engine.Exchange = "nccl",
         zero3_leaf_layers: bool = True,
         quiet_third_party: bool = True,
@@ -108,7 +113,7 @@ class UlyssesDeepSpeedStrategy(SequenceParallelHooks, DeepSpeedStrategy):
         self.runtime = UlyssesRuntime(
             self, sequence_parallel_size=sequence_parallel_size, ring_size=ring_size, sequence_padding=sequence_padding,
             memory=memory, sdpa_kernel_priority=sdpa_kernel_priority, overlap_head_groups=overlap_head_groups,
-            check_batches=check_batches, heartbeat_timeout=heartbeat_timeout,
+            check_batches=check_batches, per_rank_values=per_rank_values, heartbeat_timeout=heartbeat_timeout,
             sequence_parallel_in_evaluation=sequence_parallel_in_evaluation, quiet_third_party=quiet_third_party)
         super().__init__(stage=stage, config=config, **kwargs)
         if config_overrides:
@@ -123,7 +128,8 @@ class UlyssesDeepSpeedStrategy(SequenceParallelHooks, DeepSpeedStrategy):
     @override
     def _configure_launcher(self) -> None:
         if not configure_launcher(self):  # fork, or no launch in a notebook (notebook.py); else Lightning's own
-            super()._configure_launcher()  # (`SequenceParallelHooks`: marks the ranks it starts)
+            # (`SequenceParallelHooks`: marks the ranks it starts)
+            lightning_private.configure_launcher_above(UlyssesDeepSpeedStrategy, self)
 
     @override
     def setup_environment(self) -> None:

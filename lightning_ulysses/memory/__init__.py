@@ -50,6 +50,7 @@ from torch import nn
 
 from lightning_ulysses.adapters.native_model import NativeCausalLM
 from lightning_ulysses.fences import _deepspeed_private as deepspeed_private
+from lightning_ulysses.fences import _torch_private as torch_private
 from lightning_ulysses.hf.prepare import suspend_hub_kernels
 from lightning_ulysses.memory.checkpointing import HostActivationStore, checkpoint_layers
 from lightning_ulysses.memory.fused import check_backend, gated_mlp_activation, use_fused_gated_mlp, use_fused_norm
@@ -152,7 +153,7 @@ def _undo_allocator_settings() -> None:
 
 def _set_expandable_segments(enabled: bool) -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # else the variable is read when CUDA starts
-        torch.cuda.memory._set_allocator_settings(f"expandable_segments:{enabled}")
+        torch_private.set_allocator_settings(f"expandable_segments:{enabled}")
 
 
 def _takes_hidden_states_only(mlp: nn.Module) -> bool:

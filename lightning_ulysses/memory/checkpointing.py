@@ -31,10 +31,11 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_ulysses.attention import fa4  # noqa: F401  (registers the operator recorded below)
 from lightning_ulysses.fences import _deepspeed_private as deepspeed_private
+from lightning_ulysses.fences import _torch_private as torch_private
+from lightning_ulysses.fences import _transformers_private as transformers_private
 from lightning_ulysses.memory.autocast_state import AutocastState
 from lightning_ulysses.memory.tiled_mlp import TiledMLP, deferred_recompute, tiled_mlps
 from lightning_ulysses.parallel.recompute_regions import MARK, TILED, TOKEN_MIXER
@@ -45,8 +46,7 @@ from lightning_ulysses.parallel.views import view_key
 # into ordinary ops and simply runs again.
 _ATTENTION_KERNELS = frozenset(
     [getattr(torch.ops.aten, name).default
-     for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
-                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
+     for name in torch_private.SDPA_KERNEL_NAMES
      if hasattr(torch.ops.aten, name)]
     + [torch.ops.lightning_ulysses.fa4_attention.default]
 )
@@ -63,7 +63,7 @@ def _with_log_sumexp(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     F.scaled_dot_product_attention sets it only when an input requires grad, i.e. never in the checkpointed forward
     (run without gradients); the backward of the recompute then needs the log-sum-exp the recording skipped.
     """
-    names = [argument.name for argument in func._schema.arguments]
+    names = [argument.name for argument in torch_private.op_schema(func).arguments]
     if "compute_log_sumexp" not in names:
         return args, kwargs
     position = names.index("compute_log_sumexp")
@@ -129,9 +129,7 @@ class HostActivationStore:
         # Same strides as the device tensor: kernels such as cuDNN attention's backward expect their own layout.
         buffer = torch.empty_like(tensor, device="cpu")
         if torch.cuda.is_available() and torch.cuda.is_initialized() and buffer.numel():
-            from torch.cuda._pin_memory_utils import pin_memory
-
-            pin_memory(buffer.data_ptr(), buffer.untyped_storage().nbytes())
+            torch_private.pin_memory(buffer.data_ptr(), buffer.untyped_storage().nbytes())
             self._pinned[buffer.data_ptr()] = buffer
         return buffer
 
@@ -145,10 +143,8 @@ class HostActivationStore:
                   if buffer.data_ptr() in self._pinned]
         if pinned:
             torch.cuda.synchronize()  # no copy may still be reading or writing a buffer
-            from torch.cuda._pin_memory_utils import unpin_memory
-
             for buffer in pinned:
-                unpin_memory(buffer.data_ptr())
+                torch_private.unpin_memory(buffer.data_ptr())
 
     def _copy_stream(self, device: torch.device) -> Optional[torch.cuda.Stream]:
         """The side stream of `device`, after everything queued so far on the compute stream (None: copy there)."""
@@ -218,10 +214,8 @@ class HostActivationStore:
         self._drop_idle()
         if self._pinned:  # buffers still stashed (a forward without backward not yet freed): no longer reused
             torch.cuda.synchronize()
-            from torch.cuda._pin_memory_utils import unpin_memory
-
             for buffer in self._pinned.values():
-                unpin_memory(buffer.data_ptr())
+                torch_private.unpin_memory(buffer.data_ptr())
         self._pinned = {}
 
     def __del__(self) -> None:
@@ -249,22 +243,22 @@ class _Kept:
         self.store, self.what = store, what
         self.value = store.stash(tensor) if store is not None else tensor.detach()
         # Until the layer's forward ends: the tensor and its version, to refuse an in-place change racing the copy.
-        self.source = (tensor, tensor._version) if store is not None else None
+        self.source = (tensor, torch_private.version_counter(tensor)) if store is not None else None
         self.fetched: Optional[Fetch] = None  # a copy back to the device already under way
         # On the device, the kept tensor shares the source's storage and version counter: an in-place change of it
         # after recording (in the forward, or by a replay's user) must refuse the replay, not replay changed values.
-        self.version = tensor._version if store is None else None
+        self.version = torch_private.version_counter(tensor) if store is None else None
         self.nbytes = tensor.untyped_storage().nbytes() if store is None else tensor.numel() * tensor.element_size()
         self.address = tensor.untyped_storage().data_ptr()  # of the source: what the in-place check watches
 
     def unchanged(self) -> bool:
-        return self.version is None or self.value is None or self.value._version == self.version
+        return self.version is None or self.value is None or torch_private.version_counter(self.value) == self.version
 
     def check_unchanged(self, layer: str) -> None:
         if self.source is not None:
             tensor, version = self.source
             self.source = None
-            if tensor._version != version:
+            if torch_private.version_counter(tensor) != version:
                 raise RuntimeError(_CHANGED_IN_PLACE.format(layer=layer, what=self.what))
 
     def prefetch(self) -> None:
@@ -303,7 +297,8 @@ _KEPT_CHANGED = ("kept outputs: {op}'s output, kept from a checkpointed layer's 
 # `@` of 3-D and more), grouped products (transformers' `grouped_mm` experts) and triangular solves dispatch to,
 # forward and without gradients alike (checked: torch 2.13).
 _PRODUCTS = frozenset(getattr(torch.ops.aten, name).default
-                      for name in ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "linalg_solve_triangular")
+                      for name in ("mm", "addmm", "bmm", "baddbmm", torch_private.GROUPED_MM_NAME,
+                                   "linalg_solve_triangular")
                       if hasattr(torch.ops.aten, name))
 # What each keep group keeps (`checkpoint_layers`' `keep` set): by operator, and by the region it runs in.
 ATTENTION, MATMULS, TOKEN_MIXERS = "attention", "matmuls", "token_mixers"
@@ -323,7 +318,7 @@ def _set_generator_state(device: torch.device, state: torch.Tensor) -> None:
 @functools.lru_cache(maxsize=None)
 def _written(func) -> tuple[tuple[int, str], ...]:
     """(position, name) of the arguments `func` writes to (`Tensor(a!)` in its schema): in-place and `out=` ops."""
-    return tuple((index, argument.name) for index, argument in enumerate(func._schema.arguments)
+    return tuple((index, argument.name) for index, argument in enumerate(torch_private.op_schema(func).arguments)
                  if argument.alias_info is not None and argument.alias_info.is_write)
 
 
@@ -334,7 +329,7 @@ def _shapes(args: tuple) -> tuple:
     return tuple((tuple(a.shape), a.dtype) if torch.is_tensor(a) else a for a in args)
 
 
-class _KeptOutputs(TorchDispatchMode):
+class _KeptOutputs(torch_private.TorchDispatchMode):
     """Records the outputs of the operations a checkpointed layer keeps in its forward; replays them in its
     recomputes, which run everything else again. One mode for every kept kind (`keep`):
     - `"attention"`: the fused attention kernels (output and log-sum-exp): the most expensive kernel of a long row;
@@ -658,7 +653,7 @@ def _without_cache(layer: nn.Module, signature: inspect.Signature, args: tuple, 
     for arguments in (bound.arguments, bound.arguments.get(var_keyword, {})):
         if arguments.get("use_cache"):
             arguments["use_cache"] = False
-        if not getattr(layer, "_can_checkpoint_with_cache", False):
+        if not transformers_private.checkpoints_with_cache(layer):
             for name in _CACHE_ARGUMENTS:
                 if arguments.get(name) is not None:
                     arguments[name] = None

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_ulysses.fences import _torch_private as torch_private
+
 # The activations a gated MLP may use, as the functions the compiled gate calls. Recognised by output, not by class.
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -55,10 +57,8 @@ def gated_activation(activation: str, gate: torch.Tensor, up: torch.Tensor) -> t
 
 def check_backend(backend: str) -> None:
     """Refuse a `torch.compile` backend name that does not exist (before anything changes)."""
-    import torch._dynamo
-
     try:
-        torch._dynamo.lookup_backend(backend)
+        torch_private.lookup_compile_backend(backend)
     except Exception as error:
         raise ValueError(f"fused_backend={backend!r} is not a torch.compile backend ({error}); use 'inductor' (the"
                          " default), or switch fused_elementwise off (MemoryOptions(fused_elementwise=False); recipes:"
@@ -77,7 +77,7 @@ def call_compiled(function: Callable, backend: str, *args):
         for tensor in args:
             if torch.is_tensor(tensor) and tensor.dim() > 1:
                 for dim in range(tensor.dim() - 1):
-                    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+                    torch_private.maybe_mark_dynamic(tensor, dim)
     return compiled(function, backend)(*args)
 
 

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from lightning_ulysses.fences import _deepspeed_private as deepspeed_private
+from lightning_ulysses.fences import _torch_private as torch_private
 from lightning_ulysses.memory.autocast_state import AutocastState
 from lightning_ulysses.parallel.recompute_regions import TILED, recompute_region
 
@@ -180,7 +181,7 @@ def _saves_tensors(node: Any) -> bool:
     if isinstance(node, torch.autograd.function.BackwardCFunction):
         held = [*node.saved_tensors, *vars(node).values()]
     else:
-        held = [getattr(node, name) for name in dir(node) if name.startswith("_saved_")]
+        held = torch_private.saved_values_of(node)
     held += [item for value in held if isinstance(value, (tuple, list)) for item in value]
     return any(torch.is_tensor(value) for value in held)
 

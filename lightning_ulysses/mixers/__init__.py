@@ -2,8 +2,9 @@
 under sequence parallelism.
 
 Each mixer found in a model (`hf.token_mixer_modules`) runs one of two ways:
-- split by heads (head_split.py), the Ulysses way, when its family declares how (one small file per family:
-  gated_deltanet.py, short_conv.py, mamba2.py, mamba.py, kimi_delta.py, lightning_attention.py, rg_lru.py) and it
+- split by heads (head_split.py), the Ulysses way, when a kind of mixer recognises it (one small file per kind:
+  gated_deltanet.py, short_conv.py, mamba2.py, mamba.py, kimi_delta.py, lightning_attention.py, rg_lru.py; each
+  used by the families that declare it, `Family.token_mixers` in lightning_ulysses/families/) and it
   has at least as many heads (or channels) as SP ranks: each rank takes ⌈U/SP⌉ or ⌊U/SP⌋ of its U units
   (channels.py `unit_range`), so its work and activations shrink with SP (`1/SP` of the whole layer's where SP
   divides U) — with a ring too, over all `ulysses × ring` SP ranks (ranks.py);
@@ -20,23 +21,20 @@ from typing import Callable
 
 import torch
 
-from lightning_ulysses.mixers import (gated_deltanet, kimi_delta, lightning_attention, lora, mamba, mamba2, rg_lru,
-                                     short_conv)
+from lightning_ulysses.adapters.registry import token_mixer_kinds
+from lightning_ulysses.mixers import lora
 from lightning_ulysses.mixers.arguments import PackedDocuments
 from lightning_ulysses.mixers.head_split import HeadSplitMixer, MixerSplit
 from lightning_ulysses.mixers.ranks import SequenceRanks
 from lightning_ulysses.mixers.whole_rows import WholeRowsMixer
 
-# Per family: `matches(module)` recognises its mixer by structure, `split(module, parts, rank)` declares the split
-# as rank `rank` of `parts` sees it.
-FAMILIES = (gated_deltanet, short_conv, mamba2, mamba, kimi_delta, lightning_attention, rg_lru)
-
-
 def split_of(module: torch.nn.Module, parts: int, rank: int = 0) -> MixerSplit | None:
     """The declared split of `module` over `parts` ranks as rank `rank` sees it (its units, layouts and paths are
-    every rank's), or None when no family declares one."""
-    family = next((family for family in FAMILIES if family.matches(module)), None)
-    return None if family is None else family.split(module, parts, rank)
+    every rank's), or None when no kind the families declare (`Family.token_mixers`) recognises it. A kind
+    (gated_deltanet.py, mamba2.py, ...) recognises its mixer by structure (`matches(module)`) and declares the split
+    as rank `rank` of `parts` sees it (`split(module, parts, rank)`)."""
+    kind = next((kind for kind in token_mixer_kinds() if kind.matches(module)), None)
+    return None if kind is None else kind.split(module, parts, rank)
 
 
 def runs_split(module: torch.nn.Module, parts: int) -> bool:

@@ -144,7 +144,7 @@ class ChannelExchange:
             raise ValueError(f"{layout.units} units cannot be split over {parts} ranks")
         self.layout, self.ranks, self.parts = layout, ranks, parts
         self.widths = [len(layout.local_channels(rank, parts)) for rank in range(parts)]
-        self._indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._device_indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @cached_property
     def _order(self) -> torch.Tensor | None:
@@ -153,10 +153,10 @@ class ChannelExchange:
         return None if torch.equal(order, torch.arange(self.layout.channels)) else order
 
     def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if device not in self._indices:
+        if device not in self._device_indices:
             order = self._order
-            self._indices[device] = (order.to(device), torch.argsort(order).to(device))
-        return self._indices[device]
+            self._device_indices[device] = (order.to(device), torch.argsort(order).to(device))
+        return self._device_indices[device]
 
     def to_head_rows(self, shard: torch.Tensor) -> torch.Tensor:
         """`[batch, seq/P, C]` → `[batch, seq, C_local]`."""

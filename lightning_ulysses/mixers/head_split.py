@@ -46,7 +46,6 @@ takes the path that calls the modules (mamba2.py).
 
 from __future__ import annotations
 
-import collections
 import inspect
 import types
 from dataclasses import dataclass, field
@@ -54,15 +53,13 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from lightning_ulysses.fences import _torch_private as torch_private
 from lightning_ulysses.fences._deepspeed_private import Z3_LEAF_ATTRIBUTE, mark_z3_leaf
 from lightning_ulysses.mixers.arguments import CACHE_ARGUMENTS, PackedDocuments, shard_padding_mask, whole_row_argument
 from lightning_ulysses.mixers.channels import ChannelExchange, ChannelLayout, Replicated, Shared
 from lightning_ulysses.mixers.kernels import LinearTimeKernels
 from lightning_ulysses.mixers.lora import is_plain_lora
 from lightning_ulysses.mixers.ranks import SequenceRanks
-
-_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
-               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
 
 
 @dataclass(frozen=True)
@@ -193,8 +190,8 @@ class SumOfPartialProducts(_StandIn):
         if is_plain_lora(linear):
             if not first:
                 base = _bare_copy(linear.base_layer)
-                base._parameters["bias"] = None
-                linear._modules["base_layer"] = base  # (`linear` is the view's own copy)
+                torch_private.parameter_table(base)["bias"] = None
+                torch_private.child_table(linear)["base_layer"] = base  # (`linear` is the view's own copy)
             self.adapted = linear
             return
         if not isinstance(linear, torch.nn.Linear):
@@ -211,17 +208,8 @@ class SumOfPartialProducts(_StandIn):
 
 def _bare_copy(module: torch.nn.Module) -> torch.nn.Module:
     """A shallow copy of `module` with its own parameter and child tables and no hooks (DeepSpeed's and ours stay
-    on the module itself, which runs them around the whole mixer)."""
-    copy = module.__class__.__new__(module.__class__)
-    copy.__dict__.update(module.__dict__)
-    copy.__dict__.pop("forward", None)  # the split forward installed on the module itself
-    copy.__dict__["_parameters"] = dict(module._parameters)
-    copy.__dict__["_modules"] = dict(module._modules)
-    copy.__dict__["_buffers"] = dict(module._buffers)
-    for name in _HOOK_DICTS:
-        if name in copy.__dict__:
-            copy.__dict__[name] = collections.OrderedDict()
-    return copy
+    on the module itself, which runs them around the whole mixer), without the split forward installed on it."""
+    return torch_private.bare_copy(module)
 
 
 class HeadSplitMixer:
@@ -347,26 +335,27 @@ class HeadSplitMixer:
             parent, _, name = path.rpartition(".")
             if parent not in copies:
                 owner, child = holder(parent)
-                copies[parent] = _bare_copy(owner._modules[child])
-                owner._modules[child] = copies[parent]
+                copies[parent] = _bare_copy(torch_private.child_table(owner)[child])
+                torch_private.child_table(owner)[child] = copies[parent]
             return copies[parent], name
 
         for path in self.inputs:
             owner, name = holder(path)
-            owner._modules[name] = input_stand_in(path, owner._modules[name])
+            torch_private.child_table(owner)[name] = input_stand_in(path, torch_private.child_table(owner)[name])
         owner, name = holder(self.output[0])
-        owner._modules[name] = output_stand_in(owner._modules[name])
+        torch_private.child_table(owner)[name] = output_stand_in(torch_private.child_table(owner)[name])
         for path, (dim, channels) in self.slices.items():
             owner, name = holder(path)
-            table = owner._parameters if name in owner._parameters else owner._buffers
+            parameters = torch_private.parameter_table(owner)
+            table = parameters if name in parameters else torch_private.buffer_table(owner)
             table[name] = table[name].index_select(dim, channels.to(table[name].device))
         for path, value in self.split.attributes.items():
             owner, name = holder(path)
             owner.__dict__[name] = value
         for path, make in self.split.replaced.items():
             owner, name = holder(path)
-            view = owner._modules[name]
-            owner._modules[name] = make(view if path in copies else _bare_copy(view), self.ranks)
+            view = torch_private.child_table(owner)[name]
+            torch_private.child_table(owner)[name] = make(view if path in copies else _bare_copy(view), self.ranks)
         return copies[""]
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lightning_ulysses.fences import _torch_private as torch_private
 from lightning_ulysses.mixers.channels import ChannelLayout, Shared, unit_range
 from lightning_ulysses.mixers.head_split import MixerSplit, sum_over_ranks
 from lightning_ulysses.mixers.ranks import SequenceRanks
@@ -58,7 +59,7 @@ def split(module: torch.nn.Module, parts: int, rank: int) -> MixerSplit:
                   "dt_bias": (0, per_head)}
     if module.conv1d.bias is not None:
         parameters["conv1d.bias"] = (0, convolution)
-    if "mup_vector" in module._buffers:  # Falcon-H1: one multiplier per projected channel
+    if "mup_vector" in torch_private.buffer_table(module):  # Falcon-H1: one multiplier per projected channel
         parameters["mup_vector"] = (module.mup_vector.dim() - 1, projection)
     attributes = {
         # the path that calls the modules (module docstring): training mode selects nothing else in these mixers

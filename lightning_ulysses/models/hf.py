@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from lightning_ulysses.fences import _transformers_private as transformers_private
 from lightning_ulysses.integration.pretrained import (MAKE_AN_EXAMPLE, check_pretrained_folder,
                                                       transformers_initialises_partitioned_weights)
 
@@ -118,4 +119,4 @@ def _initialize_partitioned_weights(model) -> None:
         if own:
             with deepspeed.zero.GatheredParameters(own, modifier_rank=0):
                 if rank == 0:
-                    model._init_weights(module)
+                    transformers_private.init_weights(model, module)

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
+from lightning_ulysses.fences import _torch_private as torch_private
+
 
 def divisors(number: int) -> list[int]:
     return [d for d in range(1, number + 1) if number % d == 0]
@@ -277,7 +279,7 @@ class SequenceParallelGroups:
         sequence_parallel_group = mesh.get_group("sequence_parallel")
         data_parallel_group = mesh.get_group("data_parallel")
         # A dimension spanning the whole world is the default group itself (torch reuses it): never destroyed here.
-        world = dist.distributed_c10d._get_default_group()
+        world = torch_private.default_process_group()
         created = [group for group in (sequence_parallel_group, data_parallel_group) if group is not world]
         shared = _SharedGroups(sequence_parallel_group, data_parallel_group, {}, created=created)
         return cls(layout, dist.get_rank(), None, None, _shared=shared), mesh
@@ -303,7 +305,7 @@ class SequenceParallelGroups:
             return
         shared.released = True
         destroy = _destroy_process_group()
-        registered = dist.distributed_c10d._world.pg_map
+        registered = torch_private.registered_process_groups()
         for group in shared.created:
             if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER and group in registered:
                 destroy(group)

@@ -48,8 +48,8 @@ BACKENDS = ("deepspeed", "fsdp2")
 FSDP2_PRECISIONS = ("32-true", "bf16-mixed")  # FSDP2's MixedPrecisionPolicy gives bf16-mixed (`fsdp_param_dtype`)
 # The strategy arguments `UlyssesFSDPStrategy` takes (its own, and `ModelParallelStrategy`'s it keeps).
 FSDP2_ARGUMENTS = ("sequence_parallel_size", "ring_size", "sequence_padding", "sequence_parallel_in_evaluation",
-                   "memory", "sdpa_kernel_priority", "overlap_head_groups", "check_batches", "reshard_after_forward",
-                   "process_group_backend", "timeout", "heartbeat_timeout", "quiet_third_party")
+                   "memory", "sdpa_kernel_priority", "overlap_head_groups", "check_batches", "per_rank_values",
+                   "reshard_after_forward", "process_group_backend", "timeout", "heartbeat_timeout", "quiet_third_party")
 # What the DeepSpeed strategy takes and FSDP2 has no counterpart for (refused by name, with the fix).
 _DEEPSPEED_ONLY_HINTS = {
     "stage": "FSDP2 always shards parameters, gradients and optimizer state over all ranks (as ZeRO-3)",

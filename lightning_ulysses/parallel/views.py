@@ -11,6 +11,8 @@ import weakref
 
 import torch
 
+from lightning_ulysses.fences import _torch_private as torch_private
+
 
 class _StorageOf:
     """Compares equal to the same live storage only; holds it weakly (no device memory kept alive)."""
@@ -29,5 +31,5 @@ def view_key(tensor: torch.Tensor) -> tuple:
     Inference tensors (Lightning evaluates under `torch.inference_mode`) have no version counter: an in-place change
     to them goes unnoticed.
     """
-    version = None if tensor.is_inference() else tensor._version
+    version = None if tensor.is_inference() else torch_private.version_counter(tensor)
     return _StorageOf(tensor), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype, version

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import itertools
+import logging
 import math
 import statistics
 import time
@@ -45,7 +46,10 @@ from lightning_ulysses.parallel.run_spec import LIGHTNING_SUB_GROUP_SIZE, RunSpe
 from lightning_ulysses.planning.planner import (GIB, MemoryPlan, ModelShape, TrainingSetup, _saved_bytes_by_layer,
                                                 plan_memory)
 from lightning_ulysses.planning.selective import describe as describe_layers, layer_costs, uncheckpoint_order, which
-from lightning_ulysses.planning.step_time import StepTime, layer_recompute_seconds, predict_step_time
+from lightning_ulysses.planning.step_time import (H200, KNOWN_DEVICES, DeviceSpeeds, StepTime,
+                                                  layer_recompute_seconds, predict_step_time, speeds_for)
+
+_log = logging.getLogger("lightning.pytorch.ulysses")
 
 # The features `choose` decides, in the order the report lists them.
 FEATURES = ("tiled_logits_loss", "low_memory_norms", "tiled_mlp", "activation_checkpointing",
@@ -210,6 +214,20 @@ def auto_sdpa_kernel(device) -> Optional[tuple[str, ...]]:
     return (FA4, "cudnn") if fa4_installed() else ("cudnn",)
 
 
+def device_speeds(device) -> DeviceSpeeds:
+    """The step-time model's constants for `device`: the measured card's own (`step_time.KNOWN_DEVICES`: the H200,
+    the H100), else the nearest measured card's, said in one log line; on a CPU device the H200's (its predictions
+    there are not timings of the CPU: `Confirmation.report`)."""
+    if getattr(device, "type", "cpu") != "cuda":
+        return H200
+    props = torch.cuda.get_device_properties(device)
+    speeds, note = speeds_for(torch.cuda.get_device_name(device), (props.major, props.minor), props.total_memory,
+                              props.multi_processor_count)
+    if note:
+        _log.info(note)
+    return speeds
+
+
 def _configured_offload(run: RunSpec) -> Optional[tuple[float, int]]:
     """A DeepSpeed config that already offloads the optimizer: its (share on the host, sub-group size), kept."""
     if not run.offloads_optimizer:
@@ -253,6 +271,7 @@ class AutoChoice:
     reasons: dict[str, str]
     runner_up: Optional[Candidate]
     free: tuple[float, float]
+    speeds: DeviceSpeeds = H200  # the step-time model's constants the times were predicted with
 
     @property
     def memory(self) -> MemoryOptions:
@@ -270,7 +289,8 @@ class AutoChoice:
         return {"memory": dataclasses.asdict(self.memory), "offload_optimizer": self.offload_optimizer,
                 "sub_group_size": self.sub_group_size, "kernel": self.kernel,
                 "predicted_step_s": self.best.time.total, "predicted_device_bytes": self.best.plan.gpu_total,
-                "predicted_host_bytes": self.best.plan.host_total, **self.recompute_plan()}
+                "predicted_host_bytes": self.best.plan.host_total, "speeds": self.speeds.name,
+                "predicted_terms_s": dict(self.best.time.terms), **self.recompute_plan()}
 
     def recompute_plan(self) -> dict[str, Any]:
         """Which decoder layers are checkpointed, and what their recompute replays instead of running again."""
@@ -301,7 +321,7 @@ class AutoChoice:
         lines.append(f"  predicted: device peak {best.plan.gpu_total / GIB:.2f} GiB, host peak"
                      f" {best.plan.host_total / GIB:.2f} GiB, step {best.time.total:.3f} s"
                      f" ({tokens * s.data_parallel_size / best.time.total:,.0f} tokens/s)")
-        lines.append(f"  step time by term: {best.time.summary()}")
+        lines.append(f"  step time by term ({self.speeds.name}'s speeds): {best.time.summary()}")
         if self.runner_up is not None:
             lines.append(f"  runner-up: {_describe(self.runner_up.setup)}, step {self.runner_up.time.total:.3f} s"
                          f" ({self.runner_up.time.total / best.time.total - 1:+.1%})")
@@ -391,24 +411,27 @@ def _setup(request: AutoMemory, run: RunSpec, options: MemoryOptions, share: flo
                                 host_process_bytes=TrainingSetup.host_process_bytes if run.on_cuda else 0)
 
 
-def _best_share(shape, request, run, kernel, budget, options, offloads) -> Optional[Candidate]:
+def _best_share(shape, request, run, kernel, budget, options, offloads,
+                speeds: DeviceSpeeds = H200) -> Optional[Candidate]:
     """The smallest optimizer share on the host with which `options` fit (more share: more CPU Adam time)."""
     for share, cut in offloads:
         setup = _setup(request, run, options, share, cut)
         plan = plan_memory(shape, setup)
         if budget.fits(plan):
-            return Candidate(setup, plan, predict_step_time(shape, setup, kernel, host_beside_device=run.on_cuda))
+            return Candidate(setup, plan, predict_step_time(shape, setup, kernel, speeds,
+                                                            host_beside_device=run.on_cuda))
     return None
 
 
 def choose(shape: ModelShape, request: AutoMemory, run: RunSpec, free: tuple[float, float], *,
            kernel: Optional[str] = None, fused_elementwise: bool = False,
-           refused: frozenset = frozenset()) -> AutoChoice:
+           refused: frozenset = frozenset(), speeds: DeviceSpeeds = H200) -> AutoChoice:
     """The fastest predicted configuration of `run` that fits `free` (device, host bytes per rank) less the margins;
     raises `ValueError` naming the longest length that would fit, and what to change, when none does. `kernel`: the
     SDPA kernel attention runs with (None: torch's order); `fused_elementwise`: whether that feature may be switched
     on (CUDA with Triton, and a model it recognises parts of); `refused`: the features the model refuses
-    (`memory.features_refused_by`), left off."""
+    (`memory.features_refused_by`), left off; `speeds`: the step-time model's constants for the device
+    (`step_time.speeds_for`; `decide` picks them from the device it runs on)."""
     if request.seq_len is None:
         raise ValueError('memory="auto" needs the training length: memory={"auto": True, "seq_len": N} (and'
                          ' "micro_batch" if it is not 1); the recipes fill both in from data.seq_len and data.batch_size.')
@@ -416,19 +439,20 @@ def choose(shape: ModelShape, request: AutoMemory, run: RunSpec, free: tuple[flo
     offloads = _offload_choices(request, run, shape)
     refused = refused | selective_refusals(shape)
     option_sets = _option_sets(request, run, fused_elementwise, refused)
-    fitting = [c for c in (_best_share(shape, request, run, kernel, budget, options, offloads)
+    fitting = [c for c in (_best_share(shape, request, run, kernel, budget, options, offloads, speeds)
                            for options in option_sets) if c is not None]
-    fitting += _partial_candidates(shape, request, run, kernel, budget, option_sets, offloads)
+    fitting += _partial_candidates(shape, request, run, kernel, budget, option_sets, offloads, speeds)
     if not fitting:
         raise ValueError(_nothing_fits(shape, request, run, fused_elementwise, budget, offloads, refused))
     ranked = sorted(fitting, key=lambda c: c.key)  # stable: candidates in enumeration order on equal keys
     best = ranked[0]
-    reasons = _reasons(shape, request, run, kernel, fused_elementwise, budget, offloads, best, refused)
-    return AutoChoice(shape, run, kernel, budget, best, reasons, ranked[1] if len(ranked) > 1 else None, free)
+    reasons = _reasons(shape, request, run, kernel, fused_elementwise, budget, offloads, best, refused, speeds)
+    return AutoChoice(shape, run, kernel, budget, best, reasons, ranked[1] if len(ranked) > 1 else None, free,
+                      speeds)
 
 
 def _reasons(shape, request, run, kernel, fused_elementwise, budget, offloads, best: Candidate,
-             refused: frozenset = frozenset()) -> dict[str, str]:
+             refused: frozenset = frozenset(), speeds: DeviceSpeeds = H200) -> dict[str, str]:
     """Per feature: pinned, refused by the model, or what switching it alone would do (not fit, or its time)."""
     pinned, reasons = request.pinned(), {}
     for name in FEATURES:
@@ -454,7 +478,7 @@ def _reasons(shape, request, run, kernel, fused_elementwise, budget, offloads, b
         if name in ("offload_activations",) and not run.on_cuda:
             reasons[name] = "no host offload on CPU"
             continue
-        alternative = _best_share(shape, request, run, kernel, budget, options, offloads)
+        alternative = _best_share(shape, request, run, kernel, budget, options, offloads, speeds)
         label = f"{name}={other}"
         if alternative is None:
             reasons[name] = f"with {label} nothing fits"
@@ -462,14 +486,15 @@ def _reasons(shape, request, run, kernel, fused_elementwise, budget, offloads, b
             delta = alternative.time.total - best.time.total
             reasons[name] = (f"with {label}: {delta:+.3f} s per step" + (" (and fewer features win ties)"
                                                                          if abs(delta) < 1e-9 else ""))
-    reasons["checkpoint_layers"] = _checkpoint_layers_reason(shape, request, run, kernel, budget, offloads, best)
+    reasons["checkpoint_layers"] = _checkpoint_layers_reason(shape, request, run, kernel, budget, offloads, best,
+                                                             speeds)
     if request.fused_elementwise is not None:
         reasons["fused_elementwise"] = "set by you"
     elif not fused_elementwise:
         reasons["fused_elementwise"] = "needs CUDA with Triton and Llama-style norms or gated MLPs"
     else:
         off = _best_share(shape, request, run, kernel, budget,
-                          dataclasses.replace(best.setup.memory, fused_elementwise=False), offloads)
+                          dataclasses.replace(best.setup.memory, fused_elementwise=False), offloads, speeds)
         reasons["fused_elementwise"] = (f"with fused_elementwise=False: {off.time.total - best.time.total:+.3f} s per"
                                         " step" if off else "with fused_elementwise=False nothing fits")
     if run.fsdp2:
@@ -670,10 +695,13 @@ def decide(request: Union[MemoryOptions, AutoMemory], run: RunSpec, models: Sequ
     device = run.device
     device_free, host_free = request.free_bytes(device, local_ranks) if memory_auto else (0, 0)
     level = float(_AUTO_PRIORITIES.index(auto_sdpa_kernel(device)) if kernel_auto else 0)
-    agreed = torch.tensor([device_free, host_free, level], dtype=torch.float64, device=device)
+    # the device's step-time constants, by their place in `KNOWN_DEVICES`: every rank takes the same (the least)
+    known = list(KNOWN_DEVICES)
+    speeds_index = float(known.index(device_speeds(device).name)) if memory_auto and run.on_cuda else 0.0
+    agreed = torch.tensor([device_free, host_free, level, speeds_index], dtype=torch.float64, device=device)
     if reduce:
         torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
-    device_free, host_free, level = agreed.tolist()
+    device_free, host_free, level, speeds_index = agreed.tolist()
     priority = _AUTO_PRIORITIES[int(level)] if kernel_auto else kernel_priority
     if not memory_auto:
         return priority, None
@@ -683,7 +711,7 @@ def decide(request: Union[MemoryOptions, AutoMemory], run: RunSpec, models: Sequ
     refused = frozenset().union(*map(features_refused_by, models))
     return priority, choose(shape_of(models), request, run, (device_free, host_free),
                             kernel=(priority or (None,))[0] if run.on_cuda else None, fused_elementwise=fusable,
-                            refused=refused)
+                            refused=refused, speeds=KNOWN_DEVICES[known[int(speeds_index)]][0])
 
 
 class AutoDecisions:
@@ -773,7 +801,8 @@ def _checkpoint_layers_for(order: list[int], uncheckpointed: int, num_layers: in
     return len(kept) if kept == list(range(len(kept))) else tuple(kept)
 
 
-def _partial_candidates(shape, request, run, kernel, budget, option_sets, offloads) -> list[Candidate]:
+def _partial_candidates(shape, request, run, kernel, budget, option_sets, offloads,
+                        speeds: DeviceSpeeds = H200) -> list[Candidate]:
     """For each option set that checkpoints every layer one by one (`checkpoint_layers` not pinned), the plans that
     leave as many layers un-checkpointed as fit — at every optimizer share on the host, since more layers kept can
     need a larger share —, the layers taken in `uncheckpoint_order` (most recompute time saved per byte first)."""
@@ -785,7 +814,7 @@ def _partial_candidates(shape, request, run, kernel, budget, option_sets, offloa
         probe = _setup(request, run, options, 0.0, offloads[0][1])
         costs = layer_costs(shape, probe.compute_bytes, options,
                             _saved_bytes_by_layer(shape, probe.compute_bytes, options))
-        order = uncheckpoint_order(costs, layer_recompute_seconds(shape, probe, kernel))
+        order = uncheckpoint_order(costs, layer_recompute_seconds(shape, probe, kernel, speeds))
         uncheckpointed = 0
         for share, cut in offloads:  # the count that fits only grows with the share
             def fits(count: int):
@@ -800,14 +829,15 @@ def _partial_candidates(shape, request, run, kernel, budget, option_sets, offloa
             found = fits(uncheckpointed) if uncheckpointed else None
             if found is not None:
                 setup, plan = found
-                candidates.append(Candidate(setup, plan, predict_step_time(shape, setup, kernel,
+                candidates.append(Candidate(setup, plan, predict_step_time(shape, setup, kernel, speeds,
                                                                            host_beside_device=run.on_cuda)))
             if uncheckpointed == shape.num_layers - 1:
                 break
     return candidates
 
 
-def _checkpoint_layers_reason(shape, request, run, kernel, budget, offloads, best: Candidate) -> str:
+def _checkpoint_layers_reason(shape, request, run, kernel, budget, offloads, best: Candidate,
+                              speeds: DeviceSpeeds = H200) -> str:
     m = best.setup.memory
     if request.checkpoint_layers is not None:
         return "set by you"
@@ -815,7 +845,8 @@ def _checkpoint_layers_reason(shape, request, run, kernel, budget, offloads, bes
         return "needs layer checkpointing"
     if m.checkpoint_layers is None:
         return "every layer (leaving one out does not fit, or is not faster)"
-    every = _best_share(shape, request, run, kernel, budget, dataclasses.replace(m, checkpoint_layers=None), offloads)
+    every = _best_share(shape, request, run, kernel, budget, dataclasses.replace(m, checkpoint_layers=None), offloads,
+                        speeds)
     layers = describe_layers(m.checkpoint_layers, shape.num_layers)
     if every is None:
         return f"{layers}; with every layer checkpointed nothing fits"

@@ -10,11 +10,12 @@ holds the model to this table (within 10%, pairs ranked and their savings reprod
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 from lightning_ulysses.planning.planner import MODELS, TrainingSetup, memory_options
-from lightning_ulysses.planning.step_time import H200, DeviceSpeeds, StepTime, predict_step_time
+from lightning_ulysses.planning.step_time import H100, H200, DeviceSpeeds, StepTime, predict_step_time
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class Measured:
     source: str
     overlapped: bool = False
     deferred_mlp: bool = False
+    # `MemoryOptions` fields the feature string cannot name, as (field, value) pairs (memory="auto"'s partial
+    # checkpointing and kept matmul outputs)
+    overrides: tuple = ()
 
 
 _ENGINE = "2026-11-29-h200-memory-engine"
@@ -151,17 +155,39 @@ FUSED_PAIRS = (
 )
 
 
+# The H100 (`nvidia-h100-x1`, 2026-12-07): the 1B shape's whole steps at 32K through `benchmarks/memory_engine.py` (the
+# features of the H200's 1B rows; without any feature the 1B shape does not fit 80 GB), which `H100.elementwise_s` is
+# fit to, and memory="auto"'s own choices for the 8B shape, which `H100.cpu_adam_elements` is fit to (their optimizer
+# step timed alone: `memory_auto.py --split`). Predicted before `cpu_adam_elements` was fit (the H200's 1.2e9): 8K
+# +2.6%, 32K +10.7%, 128K +4.9% (README.md there).
+_H100_CAL = "2026-12-07-h100-calibration/llama1b-features.jsonl"
+_H100_AUTO = "2026-12-07-h100-memory-auto"
+_H100_1B = tuple(Measured("llama3.2-1b", 32768, features, 0.0, 1 << 28, "cudnn", step, _H100_CAL, overlapped=True,
+                          deferred_mlp=True)
+                 for features, step in (("ac", 1.5839), ("ac+logits", 1.6120), ("ac+logits+mlp", 1.6304)))
+H100_CALIBRATION = _H100_1B + (
+    Measured("llama3-8b", 8192, "ac+attn+offload+logits+mlp+fused", 0.6, 200756532, "cudnn", 5.3946,
+             f"{_H100_AUTO}/points.jsonl", overlapped=True, deferred_mlp=True,
+             overrides=(("checkpoint_layers", 21), ("keep_matmul_outputs", True))),
+    Measured("llama3-8b", 32768, "ac+attn+offload+logits+mlp+fused", 0.6, 200756532, "cudnn", 9.4659,
+             f"{_H100_AUTO}/points.jsonl", overlapped=True, deferred_mlp=True, overrides=(("checkpoint_layers", 30),)),
+    Measured("llama3-8b", 131072, "ac+every4+logits+mlp+fused", 0.75, 200756532, "cudnn", 64.211,
+             f"{_H100_AUTO}/points_128k.jsonl", overlapped=True, deferred_mlp=True),
+)
+
+
 def predicted(row: Measured, speeds: DeviceSpeeds = H200) -> StepTime:
+    memory = dataclasses.replace(memory_options(row.features), **dict(row.overrides))
     setup = TrainingSetup(seq_len=row.seq, offload_optimizer=row.offload, sub_group_size=row.sub_group_size,
-                          memory=memory_options(row.features))
+                          memory=memory)
     return predict_step_time(MODELS[row.model], setup, row.kernel, speeds, overlapped_copies=row.overlapped,
                              deferred_mlp=row.deferred_mlp)
 
 
-def calibration_table(speeds: DeviceSpeeds = H200) -> str:
+def calibration_table(speeds: DeviceSpeeds = H200, rows: tuple = CALIBRATION) -> str:
     lines = [f"{'model':<12}{'seq':>8}  {'features':<40}{'host':>6}{'kernel':>8}{'copies':>12}{'measured s':>12}"
              f"{'model s':>10}{'error':>8}"]
-    for row in CALIBRATION:
+    for row in rows:
         seconds = predicted(row, speeds).total
         lines.append(f"{row.model:<12}{row.seq:>8}  {row.features:<40}{row.offload:>6.0%}{row.kernel or 'flash':>8}"
                      f"{'overlapped' if row.overlapped else 'in line':>12}{row.step_s:>12.3f}{seconds:>10.3f}"
@@ -171,3 +197,5 @@ def calibration_table(speeds: DeviceSpeeds = H200) -> str:
 
 if __name__ == "__main__":
     print(calibration_table())
+    print(f"\n{H100.name}:")
+    print(calibration_table(H100, H100_CALIBRATION))

@@ -7,9 +7,10 @@ several, and their token mixers cost what no attention layer does: a chunked rec
 chunk (C×C matrices per head, one state per head and chunk), a short convolution, wider projections. Each part of a
 layer is a `LayerPart` — parameters, the weights a token multiplies, the bytes autograd keeps per token, the
 recurrence's own FLOPs per token, and the softmax attention in it if any — and a layer is a `LayerKind` (a token
-mixer, an MLP, its norms). `hybrid_layers(config)` reads them from a Hugging Face config (`layer_types`,
-`layers_block_type` or `hybrid_override_pattern`, and each mixer's widths); the planner and the step-time model sum
-them layer by layer.
+mixer, an MLP, its norms). The parts' costs are here, one function per kind of part; which parts a family's
+layers hold, read from its config (`layer_types`, `layers_block_type` or `hybrid_override_pattern`, and each
+mixer's widths), is declared by the family (`Family.planner_layers`, lightning_ulysses/families/), and
+`hybrid_layers(config)` asks it; the planner and the step-time model sum them layer by layer.
 
 The saved bytes are linear forms in the widths, fit to what autograd keeps in the layers as the strategy runs them
 (bf16, our linear-time delta rule for Gated DeltaNet, our blockwise SSD scan for Mamba2, transformers' PyTorch paths
@@ -19,9 +20,10 @@ elsewhere: its eager experts loop for the mixtures of experts), measured per par
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from lightning_ulysses.adapters.registry import planner_layers_of
 
 # Gated DeltaNet's chunk (ours and flash-linear-attention's), in tokens.
 DELTA_RULE_CHUNK = 64
@@ -189,13 +191,8 @@ def experts(h: int, num_experts: int, top_k: int, intermediate: int, shared_inte
                      product_bytes=products)
 
 
-# Nemotron-H's `hybrid_override_pattern` characters
-_PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
-_ALIASES = {"linear_attention": "mamba", "full_attention": "attention", "mamba": "mamba", "attention": "attention",
-            "mlp": "mlp", "moe": "moe"}
-
-
-def _get(config: Any, *names: str, default: Any = None) -> Any:
+def setting(config: Any, *names: str, default: Any = None) -> Any:
+    """The first of `names` the config sets (families spell the same width differently), else `default`."""
     for name in names:
         value = getattr(config, name, None)
         if value is not None:
@@ -203,70 +200,46 @@ def _get(config: Any, *names: str, default: Any = None) -> Any:
     return default
 
 
-def hybrid_layers(config: Any) -> Optional[tuple[LayerKind, ...]]:
-    """The layer kinds of a Hugging Face hybrid config (Gated DeltaNet + gated attention with dense or expert MLPs:
-    Qwen3-Next; Mamba2 / attention / MLP / expert blocks: Nemotron-H), or None for a config with attention layers
-    only (a Llama-style shape). Raises `ValueError` for any other hybrid: its costs are not declared (measured) here,
-    and planning it as something else would be silently wrong."""
+def layer_types(config: Any) -> Optional[list[str]]:
+    """The config's kind of each layer (`layers_block_type` or `layer_types`; None: it declares none)."""
+    return setting(config, "layers_block_type", "layer_types")
+
+
+def attention_only(types: Optional[list[str]]) -> bool:
+    """Whether layers of these kinds are all softmax attention (a Llama-style shape: no `LayerKind`s needed)."""
+    return types is None or all(t in ("full_attention", "attention", "sliding_attention") for t in types)
+
+
+def attention_shape(config: Any) -> tuple[int, int, int, int]:
+    """(hidden size, heads, KV heads, head dim) of a config's attention."""
     h, heads = config.hidden_size, config.num_attention_heads
-    kv_heads = _get(config, "num_key_value_heads", default=heads)
-    head_dim = _get(config, "head_dim", default=h // heads)
-    types = _get(config, "layers_block_type", "layer_types")
+    return h, heads, setting(config, "num_key_value_heads", default=heads), setting(config, "head_dim",
+                                                                                     default=h // heads)
+
+
+def undeclared(config: Any, types: list[str]) -> ValueError:
+    """The refusal of a hybrid whose layers' costs are not declared (measured): planning it as something else would
+    be silently wrong."""
+    return ValueError(f"memory=\"auto\" has no costs declared for the token mixers of {config.model_type} (layer"
+                      f" types {sorted(set(types))}); set the memory features by hand (memory={{...}}).")
+
+
+def hybrid_layers(config: Any) -> Optional[tuple[LayerKind, ...]]:
+    """The layer kinds of a Hugging Face hybrid config, as its family declares them (`Family.planner_layers`, in
+    lightning_ulysses/families/: Gated DeltaNet + gated attention with dense or expert MLPs, Qwen3-Next; Mamba2 /
+    attention / MLP / expert blocks, Nemotron-H), or None for a config with attention layers only (a Llama-style
+    shape). Raises `ValueError` for any other hybrid: its costs are not declared (measured) here, and planning it as
+    something else would be silently wrong."""
+    planner_layers = planner_layers_of(config)
+    if planner_layers is not None:
+        return planner_layers(config)
+    types = layer_types(config)
     pattern = getattr(config, "hybrid_override_pattern", None)
-    if types is None and pattern is not None:
-        types = [_PATTERN[c] for c in pattern]
-    if types is None or all(t in ("full_attention", "attention", "sliding_attention") for t in types):
+    if types is None and pattern is not None:  # a pattern of characters per layer ("*": attention)
+        types = ["attention" if character == "*" else character for character in pattern]
+    if attention_only(types):
         return None
-    hybrid_norm = 8 * h + 4  # fp32 input and fp32 normalised values (Gemma-style) or 16-bit (Llama-style), + rstd
-    # Gated DeltaNet layers with Qwen3-Next's gated attention beside them (measured: Qwen3-Next; Qwen3.5's and
-    # OLMo-hybrid's layers differ in their projections and attention, not measured, so refused below)
-    if config.model_type == "qwen3_next":
-        mixer = gated_deltanet(h, config.linear_num_key_heads, config.linear_key_head_dim,
-                               config.linear_num_value_heads, config.linear_value_head_dim,
-                               config.linear_conv_kernel_dim)
-        attention = softmax_attention(h, heads, kv_heads, head_dim, gated=True)
-        sparse_step = _get(config, "decoder_sparse_step", default=1)
-        only_dense = set(_get(config, "mlp_only_layers", default=()))
-        layers = []
-        for index, kind in enumerate(types):
-            if kind not in ("linear_attention", "full_attention"):
-                raise ValueError(f"memory=\"auto\" has no cost declared for {config.model_type} layer type {kind!r}")
-            moe = (index not in only_dense and _get(config, "num_experts", default=0) > 0
-                   and (index + 1) % sparse_step == 0)
-            mlp = (experts(h, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
-                           _get(config, "shared_expert_intermediate_size", default=0), gated=True, tiles=True)
-                   if moe else dense_mlp(h, config.intermediate_size, gated=True))
-            layers.append(LayerKind(mixer if kind == "linear_attention" else attention, mlp, 2, hybrid_norm, h))
-        return tuple(layers)
-    # Mamba2 blocks that each hold one part (Nemotron-H). Bamba, Granite-MoE-hybrid, Falcon-H1 and Zamba2 also have
-    # Mamba2 mixers, but with an MLP (or attention beside them) in the same layer: not declared, so refused below.
-    if config.model_type == "nemotron_h":
-        parts = {"mamba": mamba2(h, _get(config, "mamba_num_heads", "mamba_n_heads"),
-                                 _get(config, "mamba_head_dim", "mamba_d_head"), config.ssm_state_size,
-                                 _get(config, "n_groups", "mamba_n_groups", default=1),
-                                 _get(config, "conv_kernel", "mamba_d_conv", default=4),
-                                 _get(config, "chunk_size", "mamba_chunk_size", default=256)),
-                 "attention": softmax_attention(h, heads, kv_heads, head_dim, gated=False),
-                 # a block's MLP is its `mixer`, not an `mlp`: the tiled MLP does not apply
-                 "mlp": dense_mlp(h, config.intermediate_size, gated=False)}
-        if _get(config, "n_routed_experts", "num_local_experts"):
-            parts["moe"] = experts(h, _get(config, "n_routed_experts", "num_local_experts"), config.num_experts_per_tok,
-                                   config.moe_intermediate_size,
-                                   _get(config, "moe_shared_expert_intermediate_size", default=0), gated=False,
-                                   tiles=False)
-        block_norm = (4 + 2 + 2) * h + 4  # Llama-style: fp32 input, 16-bit normalised values, rstd
-        layers = []
-        for kind in types:
-            name = _ALIASES.get(kind)
-            if name not in parts:
-                raise ValueError(f"memory=\"auto\" has no cost declared for {config.model_type} block type {kind!r}")
-            part = parts[name]
-            tokens_mixer = name in ("mamba", "attention")
-            layers.append(LayerKind(part if tokens_mixer else None,
-                                    None if tokens_mixer else dataclasses.replace(part, tiles=False), 1, block_norm, h))
-        return tuple(layers)
-    raise ValueError(f"memory=\"auto\" has no costs declared for the token mixers of {config.model_type} (layer types"
-                     f" {sorted(set(types))}); set the memory features by hand (memory={{...}}).")
+    raise undeclared(config, types)
 
 
 def attention_layers(layers: tuple[LayerKind, ...]) -> int:

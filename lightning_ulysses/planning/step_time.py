@@ -3,9 +3,9 @@
 `predict_step_time(shape, setup, kernel)` returns every term (the step's matmuls, each recompute a memory feature
 adds, attention forward and backward with the chosen SDPA kernel, host transfers of offloaded activations, the CPU
 Adam share of an offloaded optimizer, the GPU optimizer, a fixed cost) so that `memory="auto"` can say *why* it
-chose what it chose. The constants (`H200`) are calibrated from the measurements committed under
-`benchmarks/results/`, listed in `calibration.py` (`CALIBRATION`; `python -m lightning_ulysses.planning.calibration`
-prints prediction against measurement). What the model counts:
+chose what it chose. The constants (`H200`, `H100`; `speeds_for` picks them by device) are calibrated from the
+measurements committed under `benchmarks/results/`, listed in `calibration.py` (`CALIBRATION`, `H100_CALIBRATION`;
+`python -m lightning_ulysses.planning.calibration` prints prediction against measurement). What the model counts:
 
 - matmuls: 2 FLOPs per parameter and token forward, 4 backward (the linear layers and the output head), at one
   effective rate (`matmul_flops`, which also absorbs ZeRO-3's gathers and the elementwise kernels);
@@ -110,6 +110,58 @@ H200 = DeviceSpeeds(
     # 1.0 and 1.1e12 FLOP/s of `gated_deltanet`'s scan FLOPs; Mamba2's PyTorch SSD not measured (taken alike).
     scan_flops=1.2e12,
 )
+
+# The H100 (SXM, 80 GB HBM3), measured on the lent `nvidia-h100-x1` (benchmarks/results/2026-12-07-h100-calibration/
+# and -h100-memory-auto/): the attention rates as the H200's (`attention_kernels.py`, mean of 32K and 128K); the
+# matmul rate the H200's fit times the two cards' measured 8192³ products (762.5 against 772 TFLOP/s); the
+# elementwise term fit to the 1B shape's whole steps at 32K and CPU Adam to memory="auto"'s 8B steps at 8K, 32K and
+# 128K (`calibration.H100_CALIBRATION`, least squares, one constant each, the rest held fixed); GPU Adam and the host
+# link measured (`device_speeds.py`). The fixed and host terms and the fused and overlap factors are the H200's (fit
+# to savings measured there, not here).
+H100 = DeviceSpeeds(
+    name="NVIDIA H100 80GB HBM3",
+    matmul_flops=711e12,
+    # "fa4" not measured on the H100 (no FlashAttention-4 wheel carried): the H200's; "efficient" and "math" as there
+    attention_forward_flops={**H200.attention_forward_flops, "cudnn": 592e12, "flash": 340e12},
+    attention_backward_flops={**H200.attention_backward_flops, "cudnn": 431e12, "flash": 258e12},
+    host_link_bytes=88e9,  # pinned, both directions at once (55 GB/s each alone)
+    gpu_adam_elements=33e9,  # torch AdamW's foreach step over 5e8 fp32 elements
+    # DeepSpeed's offloaded step per host element (its copies included): 1.32e9 fit; the optimizer step timed alone
+    # gives 1.34e9 (8K) and 1.32e9 (32K); the bare CPU Adam update ran 4.2e9 elements/s on the same host
+    cpu_adam_elements=1.32e9,
+    step_overhead_s=H200.step_overhead_s,
+    elementwise_s=3.67e-10,
+    fused_elementwise_factor=H200.fused_elementwise_factor,
+    overlapped_transfer_factor=H200.overlapped_transfer_factor,
+    host_step_s=H200.host_step_s,
+    host_layer_pass_s=H200.host_layer_pass_s,
+    scan_flops=H200.scan_flops,
+)
+
+# The devices whose speeds are measured, each with the properties `speeds_for` matches an unknown card by.
+KNOWN_DEVICES = {
+    H200.name: (H200, {"capability": (9, 0), "memory_gib": 139.8, "multiprocessors": 132}),
+    H100.name: (H100, {"capability": (9, 0), "memory_gib": 79.2, "multiprocessors": 132}),
+}
+
+
+def speeds_for(name: str, capability: tuple = (0, 0), memory_bytes: float = 0.0,
+               multiprocessors: int = 0) -> tuple[DeviceSpeeds, Optional[str]]:
+    """The step-time constants for a device (`torch.cuda.get_device_name` and properties): a measured one's own, or
+    the nearest measured one's (same compute capability first, then the closest memory size, then multiprocessor
+    count), with one line saying so (None for a known device)."""
+    if name in KNOWN_DEVICES:
+        return KNOWN_DEVICES[name][0], None
+
+    def distance(item) -> tuple:
+        known = item[1][1]
+        size = abs(math.log(max(memory_bytes, 1.0) / (known["memory_gib"] * 2**30)))
+        return (tuple(capability) != known["capability"], size, abs(multiprocessors - known["multiprocessors"]))
+
+    speeds = min(KNOWN_DEVICES.items(), key=distance)[1][0]
+    return speeds, (f'lightning_ulysses memory="auto": no step-time constants measured for {name!r} (compute'
+                    f" capability {capability[0]}.{capability[1]}, {memory_bytes / 2**30:.0f} GiB); predicting with"
+                    f" the nearest measured device's, {speeds.name}")
 
 
 def _attention_width(shape: ModelShape) -> float:

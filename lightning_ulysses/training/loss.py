@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_ulysses.attention.all_to_all import all_gather_sequence
+from lightning_ulysses.fences import _torch_private as torch_private
 
 IGNORE_INDEX = -100
 
@@ -26,7 +27,8 @@ IGNORE_INDEX = -100
 class _SumOverGroup(torch.autograd.Function):
     """All-reduce (sum) forward; backward passes the gradient to the local share only, times `gradient_scale`.
 
-    Every whole-sequence loss of this module ends in it, which is how `reduces_over_sequence` recognises one."""
+    Every whole-sequence loss of this module ends in it, so its value is the same bits on every SP rank: what the
+    strategy checks a training loss by (`integration.logged_values`)."""
 
     @staticmethod
     def forward(ctx, local_share, group, gradient_scale: float):
@@ -104,48 +106,6 @@ def sequence_parallel_token_mean(
     if group is None and gradient_scale == 1.0:
         return local_share
     return _SumOverGroup.apply(local_share, group, gradient_scale)
-
-
-def reduces_over_sequence(loss: torch.Tensor) -> bool:
-    """Whether `loss` went through this module's reduction over the SP group (`_SumOverGroup`), i.e. is a
-    whole-sequence loss rather than one of this rank's shard alone. Walks the autograd graph from `loss` breadth
-    first: the reduction lies a node or two below a loss (a division by the accumulation, an added auxiliary
-    term), so a whole-sequence loss answers at once; only a shard-local one is walked to the end. A loss with no
-    graph trains nothing and is not ours to judge (True)."""
-    if loss.grad_fn is None:
-        return True
-    frontier, seen = [loss.grad_fn], {loss.grad_fn}
-    while frontier:
-        following = []
-        for node in frontier:
-            if getattr(node, "_forward_cls", None) is _SumOverGroup:
-                return True
-            for parent, _ in node.next_functions:
-                if parent is not None and parent not in seen:
-                    seen.add(parent)
-                    following.append(parent)
-        frontier = following
-    return False
-
-
-def refuse_shard_local_loss(loss: torch.Tensor, sequence_parallel_size: int) -> None:
-    """At SP > 1 each rank holds `seq/P` tokens of every row: a loss computed from this rank's logits alone (the
-    hand-written `cross_entropy(logits[:, :-1], batch["labels"][:, 1:])`) drops the targets at shard boundaries,
-    averages per shard, and is then summed over the SP group by ZeRO — it trains, silently wrong. Every
-    whole-sequence loss of ours ends in a reduction over the group (`reduces_over_sequence`); one that does not is
-    refused (the strategy asks at its first backward, before any optimizer step, on every rank alike: each runs the
-    same step)."""
-    if sequence_parallel_size == 1 or reduces_over_sequence(loss):
-        return
-    raise RuntimeError(
-        f"The loss of this training step was computed from this rank's shard alone: at sequence_parallel_size="
-        f"{sequence_parallel_size} every rank holds 1/{sequence_parallel_size} of each row,"
-        " so a loss of its logits only (e.g. cross_entropy(logits[:, :-1], batch['labels'][:, 1:])) loses the"
-        " targets at shard boundaries and averages per shard. Return model(**batch).loss, or"
-        " self.trainer.strategy.loss_function(logits, batch['labels']) (labels as the batch holds them,"
-        " unshifted); for a per-token loss of your own, sum it over this rank's tokens and reduce it with"
-        " loss_fn.reduce_token_loss_sum(token_loss_sum, loss_fn.targets(batch['labels'])), where loss_fn ="
-        " self.trainer.strategy.loss_function.")
 
 
 class SequenceParallelCausalLMLoss:

@@ -9,6 +9,11 @@ group's shards (bound by the strategy; unbound, a plain shift); targets equal to
 Any other metric (sequence-level, or needing whole rows) goes through `SequenceParallel(metric)`: it gathers
 the row pieces over the SP group, updates the wrapped metric with whole rows on every SP rank, and syncs the
 wrapped metric over the DP group only, so each sample is counted once.
+
+Every one of them returns the whole rows' value from `forward` too (the per-batch value `self.log(name, metric)`
+logs on step), the same on every SP rank: the token metrics add this batch's sums and counts over the SP group for
+it (one small all-reduce), the wrapper computes its batch value from the whole rows it gathered. (A torchmetrics
+metric used unwrapped would give this rank's shard's value per batch, which the strategy refuses when it is logged.)
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch.nn.functional as F
 from torchmetrics import Metric
 
 from lightning_ulysses.attention.all_to_all import all_gather_sequence
-from lightning_ulysses.training.loss import IGNORE_INDEX, shift_sharded_labels
+from lightning_ulysses.training.loss import IGNORE_INDEX, _SumOverGroup, shift_sharded_labels
 
 
 class _TokenSums(Metric):
@@ -32,6 +37,7 @@ class _TokenSums(Metric):
         self.add_state("total", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("count", torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
         self._sequence_parallel_group, self._shard_order = None, None  # how this rank's rows were cut
+        self._computing_batch_value = False  # inside `forward`: `compute` sees this batch's sums alone
 
     def bind_parallel_groups(self, groups, whole_rows: bool = False) -> None:
         """Called by the strategy at setup, and with None to unbind: the SP group across whose shards the labels are
@@ -50,8 +56,27 @@ class _TokenSums(Metric):
     def _token_values(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def _mean(self) -> torch.Tensor:
-        return self.total / self.count.clamp(min=1)
+    def _value(self, mean: torch.Tensor) -> torch.Tensor:
+        """The metric of a token mean."""
+        return mean.float()
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """This batch's value of the whole rows (the same on every SP rank), accumulated as `update` does."""
+        self._computing_batch_value = True
+        try:
+            return super().forward(logits, labels)
+        finally:
+            self._computing_batch_value = False
+
+    def compute(self) -> torch.Tensor:
+        total, count = self.total, self.count
+        # torchmetrics' `forward` computes the batch value from this batch's states alone, on this rank (synced over
+        # every rank only with `dist_sync_on_step`): this rank's shard. Its sums added over the SP group make it the
+        # whole rows' (each target lives on one SP rank); `compute` of the accumulated states syncs them already.
+        if self._computing_batch_value and self._sequence_parallel_group is not None and not self.dist_sync_on_step:
+            total, count = _SumOverGroup.apply(torch.stack([total, count.to(total.dtype)]),
+                                               self._sequence_parallel_group, 1.0)
+        return self._value(total / count.clamp(min=1))
 
 
 class TokenCrossEntropy(_TokenSums):
@@ -60,15 +85,12 @@ class TokenCrossEntropy(_TokenSums):
     def _token_values(self, logits, labels):
         return F.cross_entropy(logits, labels, reduction="none")
 
-    def compute(self) -> torch.Tensor:
-        return self._mean().float()
-
 
 class Perplexity(TokenCrossEntropy):
     """exp(token-mean cross-entropy) over all valid tokens of all ranks."""
 
-    def compute(self) -> torch.Tensor:
-        return torch.exp(self._mean()).float()
+    def _value(self, mean: torch.Tensor) -> torch.Tensor:
+        return torch.exp(mean).float()
 
 
 class NextTokenAccuracy(_TokenSums):
@@ -76,9 +98,6 @@ class NextTokenAccuracy(_TokenSums):
 
     def _token_values(self, logits, labels):
         return (logits.argmax(dim=-1) == labels).double()
-
-    def compute(self) -> torch.Tensor:
-        return self._mean().float()
 
 
 class SequenceParallel(Metric):
@@ -118,9 +137,12 @@ class SequenceParallel(Metric):
         self.metric.update(*self._whole_rows(tensors), **kwargs)
 
     def forward(self, *tensors: torch.Tensor, **kwargs: Any) -> Any:
-        # The wrapped metric owns all the state: let its own forward (batch value + accumulation) do the work.
+        # The wrapped metric owns all the state: let its own forward (batch value + accumulation) do the work, on the
+        # whole rows (so its batch value is theirs, the same on every SP rank).
         self._update_count += 1  # what torchmetrics checks before compute()
-        return self.metric(*self._whole_rows(tensors), **kwargs)
+        # What Lightning logs on step for `self.log(name, metric)` (`_ResultMetric.update` reads `_forward_cache`).
+        self._forward_cache = self.metric(*self._whole_rows(tensors), **kwargs)
+        return self._forward_cache
 
     def compute(self) -> Any:
         return self.metric.compute()

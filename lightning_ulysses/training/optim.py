@@ -21,9 +21,10 @@ from typing import Any, Literal, Optional
 
 import torch
 
+from lightning_ulysses.fences import _torch_private as torch_private
 from lightning_ulysses.parallel.run_spec import RunSpec
 
-_NORM_TYPES = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.RMSNorm, torch.nn.modules.batchnorm._NormBase)
+_NORM_TYPES = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.RMSNorm, torch_private.NormBase)
 
 
 def _is_norm(module: torch.nn.Module) -> bool:

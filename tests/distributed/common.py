@@ -212,7 +212,11 @@ def save_pretrained_once(kind: str, num_key_value_heads: int, folder: str, rank:
 # x_proj by its input channels (a sum of partial products), Kimi's g_b_proj and f_b_proj by their output channels.
 MIXER_LORA_TARGETS = {"bamba": ["in_proj", "out_proj"], "jamba": ["in_proj", "x_proj", "dt_proj", "out_proj"],
                       "kimi_linear": ["q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "g_b_proj", "f_a_proj",
-                                      "f_b_proj", "o_proj"]}
+                                      "f_b_proj", "o_proj"],
+                      # (peft refuses out_proj on a Mamba-based model such as Nemotron-H: its fused kernel reads the
+                      # weight without calling the layer; LFM2's attention has an out_proj too, adapted as well)
+                      "qwen3_next": ["in_proj_qkvz", "in_proj_ba", "out_proj"], "nemotron_h": ["in_proj"],
+                      "lfm2": ["in_proj", "out_proj"]}
 
 
 def tiny_lora(model, target_modules=("q_proj", "v_proj", "down_proj")):
@@ -343,6 +347,17 @@ def _hand_written_step(module, batch):
                                              ignore_index=-100)
 
 
+def _hand_written_aux_step(module, batch):
+    # The same with an MoE model's load-balancing term added (`output_router_logits=True`), as its own loss adds it:
+    # the term is the whole rows' (the strategy reduces it over the SP group), the cross-entropy is not.
+    out = module.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+    logits, labels = out.logits, batch["labels"]
+    token_mean = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)),
+                                                   labels[:, 1:].reshape(-1), ignore_index=-100)
+    return token_mean + module.model.config.router_aux_loss_coef * out.aux_loss
+
+
 # How a test step calls its model (CausalLM(step=...)); the references in test_parity.py mirror each form.
 STEP_FORMS = {"batch": _batch_step, "labels_are_input_ids": _labels_are_input_ids_step,
-              "built_labels": _built_labels_step, "own_loss": _own_loss_step, "hand_written": _hand_written_step}
+              "built_labels": _built_labels_step, "own_loss": _own_loss_step, "hand_written": _hand_written_step,
+              "hand_written_aux": _hand_written_aux_step}

@@ -35,7 +35,7 @@ NEWER_FAMILIES = {
         "afmoe", "apertus1p5_text", "aria_text", "beam", "cohere2_moe", "ctrl", "cwm", "doge", "dory", "ergo", "exaone",
         "exaone_moe", "flex_olmo", "flint", "gpt-sw3", "gpt_neox_japanese", "granite_swa", "granitemoe_swa",
         "granitemoeshared", "hrm_text", "hy_v3", "hy_v4", "hyperclovax", "inkling2_loop_text", "inkling2_text",
-        "inkling_text", "iquestcoder", "jais2", "jetmoe", "kolibri1", "laguna", "lara_mini", "lfm3", "mellum",
+        "inkling_text", "iquestcoder", "jais2", "jetmoe", "kolibri1", "laguna", "mellum",
         "mimo_v2_flash", "minicpm5_moe", "minimax_m3_vl_text", "ministral3", "modernbert-decoder", "moshi",
         "openai-gpt", "param2moe", "sarvam_moe", "solar_open", "vaultgemma", "xlstm", "cpmant", "deepseek_v4",
     )},
@@ -45,10 +45,11 @@ NEWER_FAMILIES = {
     "gemma3n_text": {"num_kv_shared_layers": 0, "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 8,
                      "laurel_rank": 4},
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
-    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1, "mixers": "split"},
+    "lara_mini": {"mixers": "split"}, "lfm3": {"mixers": "split"},
     "zaya": {"num_experts_per_tok": 1},
     "zamba": {"layers_block_type": ["linear_attention", "hybrid", "hybrid"], "num_hidden_layers": 3,
-              "attention_head_dim": 16, "n_mamba_heads": 2},
+              "attention_head_dim": 16, "n_mamba_heads": 2, "mixers": "whole rows"},
     "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 8,
                        "indexer_compress_ratio": 2, "hc_lowrank": 8, "ple_embed_dim": 8, "ngram_vocab_size_base": 200,
                        "split_ngram_parts": 2, "linear_num_key_heads": 4, "linear_num_value_heads": 4},
@@ -57,8 +58,8 @@ NEWER_FAMILIES = {
     "dbrx": {"attn_config": {"rope_theta": 10000.0, "kv_n_heads": 2, "clip_qkv": 8.0},
              "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2}},
     # multi-head latent attention: as many KV heads as heads
-    **{name: {"num_key_value_heads": 4} for name in ("axk1", "axk2", "bailing_hybrid", "deepseek_v32", "glm_moe_dsa",
-                                                       "sarvam_mla")},
+    **{name: {"num_key_value_heads": 4} for name in ("axk1", "axk2", "deepseek_v32", "glm_moe_dsa", "sarvam_mla")},
+    "bailing_hybrid": {"num_key_value_heads": 4, "mixers": "split"},
 }
 
 # Families newer than the oldest transformers the dependency allows (5.24): the matrix builds them where the installed
@@ -106,26 +107,42 @@ FAMILIES = {
     "phimoe": {"eval": True},  # its router samples experts at random in training (Gumbel): compared in eval mode
     # multi-head latent attention: as many KV heads as heads
     **{name: {"num_key_value_heads": 4} for name in ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "minicpm3",
-                                                       "longcat_flash", "youtu", "kimi_linear")},
+                                                       "longcat_flash", "youtu")},
+    "kimi_linear": {"num_key_value_heads": 4, "mixers": "split"},
     # eager-only in transformers (no sdpa): Gemma 2's soft-capping and GPT-OSS's sinks run in their own eager
-    # attention on whole rows of each rank's heads; BLOOM, MPT, XGLM and GPT-Neo attend inline (adapters/)
+    # attention on whole rows of each rank's heads; BLOOM, MPT, XGLM and GPT-Neo attend inline (families/)
     **{name: {} for name in ("gemma2", "gpt_oss", "bloom", "mpt", "xglm")},
     "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 5},  # its local window crosses shards
-    # hybrid and recurrent token mixers: run on whole rows
-    "qwen3_next": {}, "qwen3_5_text": {}, "qwen3_5_moe_text": {},
-    "lfm2": {"layer_types": ["conv", "full_attention"]},
+    # hybrid and recurrent token mixers ("mixers": how they run, checked layer by layer: split by heads or on whole
+    # rows)
+    "qwen3_next": {"mixers": "split"}, "qwen3_5_text": {"mixers": "split"}, "qwen3_5_moe_text": {"mixers": "split"},
+    "lfm2": {"layer_types": ["conv", "full_attention"], "mixers": "split"},
     # Falcon-H1 with its gated norm over 2 groups (split with the heads at SP 2, across ranks at SP 4) and muP
     # multipliers that differ per part of the projection
     "falcon_h1": {"mamba_rms_norm": True, "mamba_n_groups": 2, "ssm_in_multiplier": 0.5,
-                  "ssm_multipliers": [0.5, 1.5, 0.75, 1.25, 2.0]},
-    "granitemoehybrid": {"mamba_n_heads": 8, "layer_types": ["mamba", "attention"]}, "nemotron_h": {}, "jamba": {"attn_layer_period": 2,
-    "attn_layer_offset": 1}, "bamba": {"mamba_n_heads": 8, "attn_layer_indices": [1]}, "minimax": {}, "zamba2": {"layers_block_type": ["mamba", "hybrid"], "mamba_headdim": 8, "n_mamba_heads": 8}, "olmo_hybrid": {},
-    "mamba": {}, "falcon_mamba": {}, "mamba2": {"num_heads": 8, "n_groups": 1}, "recurrent_gemma": {"block_types": ["recurrent", "attention"]}, "rwkv": {},
+                  "ssm_multipliers": [0.5, 1.5, 0.75, 1.25, 2.0], "mixers": "split"},
+    "granitemoehybrid": {"mamba_n_heads": 8, "layer_types": ["mamba", "attention"], "mixers": "split"},
+    "nemotron_h": {"mixers": "split"},
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "mixers": "split"},
+    "bamba": {"mamba_n_heads": 8, "attn_layer_indices": [1], "mixers": "split"}, "minimax": {"mixers": "split"},
+    "zamba2": {"layers_block_type": ["mamba", "hybrid"], "mamba_headdim": 8, "n_mamba_heads": 8, "mixers": "split"},
+    "olmo_hybrid": {"mixers": "split"}, "mamba": {"mixers": "split"}, "falcon_mamba": {"mixers": "split"},
+    "mamba2": {"num_heads": 8, "n_groups": 1, "mixers": "split"},
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"], "mixers": "split"}, "rwkv": {"mixers": "whole rows"},
     "llama4_text": {"no_rope_layers": [1, 0]},  # layer 1 without RoPE: the NoPE temperature tuning is active
     **NEWER_FAMILIES,
 }
 FAMILIES = {name: settings for name, settings in FAMILIES.items()
             if name not in SINCE_5_25 or name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES}
+# Keys of a `FAMILIES` entry that say how the matrix runs the family, not settings of its config: compared in eval
+# mode (`eval`), in float64 (`float64`); its token mixers that are not attention checked layer by layer, expected to
+# run "split" by heads or on "whole rows" (`mixers`).
+MARKERS = ("eval", "float64", "mixers")
+
+
+def settings_of(name: str) -> dict:
+    """The config settings of `FAMILIES[name]` (its markers left out)."""
+    return {key: value for key, value in FAMILIES.get(name, {}).items() if key not in MARKERS}
 
 
 def _has_setting(config, key: str) -> bool:
@@ -155,6 +172,8 @@ UNEVEN = {
     "recurrent_gemma": {"num_attention_heads": 5, "num_key_value_heads": 1, "hidden_size": 40, "lru_width": 40,
                         "head_dim": 8},
 }
+# `<family>@router`: the MoE load-balancing term in the model's output (`aux_loss`) and loss, weighted to matter.
+ROUTER = {"qwen3_moe": {"output_router_logits": True, "router_aux_loss_coef": 0.5}}
 
 
 def tiny_config(model_type: str, **overrides):
@@ -182,12 +201,13 @@ def tiny_model(model_type: str, attn_implementation: str = "sdpa", seed: int = 0
 
 
 def family_model(name: str):
-    """The tiny model of family `name` with the matrix's settings (`FAMILIES`; `<family>@uneven`: with `UNEVEN`'s),
+    """The tiny model of family `name` with the matrix's settings (`FAMILIES`; `<family>@uneven`: with `UNEVEN`'s,
+    `<family>@router`: with `ROUTER`'s),
     in sdpa, or in eager where transformers allows only that (GPT-OSS, Gemma 2, ...)."""
     name, _, variant = name.partition("@")
-    overrides = {key: value for key, value in FAMILIES.get(name, {}).items() if key not in ("eval", "float64")}
+    overrides = settings_of(name)
     if variant:
-        overrides.update({"uneven": UNEVEN}[variant][name])
+        overrides.update({"uneven": UNEVEN, "router": ROUTER}[variant][name])
     try:
         return tiny_model(name, "sdpa", **overrides)
     except ValueError as error:

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import json
 import multiprocessing
+import multiprocessing.connection
 import multiprocessing.forkserver
 import os
 import runpy
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -59,8 +61,10 @@ def torchrun_variables(rank: int, world_size: int) -> dict[str, str]:
 # Ranks are forked from one process that imported torch, Lightning, DeepSpeed and transformers once (multiprocessing's
 # forkserver): a fresh interpreter per rank spent ~15-17 s of CPU on those imports (DeepSpeed's Muon module, imported
 # by the first ZeRO engine, `torch.compile`s at import), a fork ~0.05 s. Each rank is still `python <script> <args>`
-# with its own environment, folder, output and exit status (a signal's: negative, as with a subprocess).
-_PRELOAD = ["lightning_ulysses", "deepspeed.runtime.zero.muon.muon_optimizer", "tests.distributed.common"]
+# with its own environment, folder, output and exit status (a signal's: negative, as with a subprocess). The server
+# runs nothing of any case: every rank starts from its state after these imports (server_preload.py: warm, settled).
+_PRELOAD = ["lightning_ulysses", "deepspeed.runtime.zero.muon.muon_optimizer", "tests.distributed.common",
+            "tests.distributed.server_preload"]
 
 
 @functools.cache
@@ -124,7 +128,13 @@ class _Rank:
     def __init__(self, script: Path, args: list[str], env: dict, cwd: Path, log: Path, error_log: Optional[Path] = None):
         self.process = _forkserver().Process(
             target=_as_script, args=(str(script), args, env, str(cwd), str(log), error_log and str(error_log)))
-        self.process.start()
+        # multiprocessing would have the rank run this process's main module first (as `__mp_main__`: pytest's, or
+        # the script that launched): a rank is `python <script>` alone, however the session was started.
+        main, sys.modules["__main__"] = sys.modules["__main__"], types.ModuleType("__main__")
+        try:
+            self.process.start()
+        finally:
+            sys.modules["__main__"] = main
 
     @property
     def pid(self) -> int:
@@ -169,12 +179,16 @@ def start_script(script: Path, args: list[str], env: dict, cwd: Path, stdout: Pa
 
 
 def run_ranks(script: Path, world_size: int, spec: dict, workdir: Path, timeout: float = 300,
-              stop_on_first_failure: bool = True, launcher_variables=torchrun_variables) -> LaunchOutcome:
-    """Run `script` on `world_size` ranks; return their exit statuses and logs. Ranks still running at the timeout
-    (or, with `stop_on_first_failure`, shortly after one rank fails) are killed. `launcher_variables(rank,
-    world_size)` gives the variables a launcher would set (torchrun's by default; SLURM's srun in a test)."""
+              stop_on_first_failure: bool = True, launcher_variables=torchrun_variables,
+              records: Optional[Path] = None) -> LaunchOutcome:
+    """Run `script` on `world_size` ranks in `workdir`; return their exit statuses and logs. Ranks still running at
+    the timeout (or, with `stop_on_first_failure`, shortly after one rank fails) are killed. `launcher_variables(rank,
+    world_size)` gives the variables a launcher would set (torchrun's by default; SLURM's srun in a test). The spec
+    file and the ranks' logs are written to `records` (default: `workdir`)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    spec_path = workdir / "spec.json"
+    records = records or workdir
+    records.mkdir(parents=True, exist_ok=True)
+    spec_path = records / "spec.json"
     spec_path.write_text(json.dumps(spec))
     port = _free_port()
     processes = []
@@ -189,18 +203,20 @@ def run_ranks(script: Path, world_size: int, spec: dict, workdir: Path, timeout:
             **launcher_variables(rank, world_size),
         )
         env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
-        processes.append(_Rank(script, [str(spec_path), str(workdir)], env, workdir, workdir / f"rank_{rank}.log"))
+        processes.append(_Rank(script, [str(spec_path), str(workdir)], env, workdir, records / f"rank_{rank}.log"))
     deadline = start + timeout
     failure = None
-    while any(p.poll() is None for p in processes):
+    while running := [p.process.sentinel for p in processes if p.poll() is None]:
         if time.monotonic() > deadline:
             failure = "timeout"
             break
         if stop_on_first_failure and any(p.returncode not in (None, 0) for p in processes):
             failure = "a rank failed"
-            time.sleep(2)  # let the failing rank's siblings report their own errors first
+            settle = time.monotonic() + 2  # let the failing rank's siblings report their own errors first
+            while (running := [p.process.sentinel for p in processes if p.poll() is None]) and time.monotonic() < settle:
+                multiprocessing.connection.wait(running, timeout=settle - time.monotonic())
             break
-        time.sleep(0.2)
+        multiprocessing.connection.wait(running, timeout=0.5)  # (until a rank ends)
     seconds = time.monotonic() - start
     for p in processes:
         if p.poll() is None:
@@ -208,7 +224,7 @@ def run_ranks(script: Path, world_size: int, spec: dict, workdir: Path, timeout:
             p.wait()
     if failure is None and any(p.returncode != 0 for p in processes):
         failure = "a rank failed"
-    texts = [(workdir / f"rank_{rank}.log").read_text() for rank in range(world_size)]
+    texts = [(records / f"rank_{rank}.log").read_text() for rank in range(world_size)]
     return LaunchOutcome([p.returncode for p in processes], texts, seconds, failure)
 
 
@@ -218,34 +234,23 @@ def launch(script: Path, world_size: int, spec: dict, workdir: Path, timeout: fl
     return [torch.load(workdir / f"result_{rank}.pt") for rank in range(world_size)]
 
 
-def _run_or_raise(script: Path, world_size: int, spec: dict, workdir: Path, timeout: float) -> None:
-    outcome = run_ranks(script, world_size, spec, workdir, timeout)
+def launch_case(script: Path, world_size: int, spec: dict, workdir: Path, case: str, timeout: float = 300) -> list[dict]:
+    """`launch` of one case of a job whose cases run one launch each in the job's `workdir` (a case may read what an
+    earlier one wrote there: a checkpoint to resume). Its spec, its ranks' logs and what they saved are kept in
+    `workdir / "launches" / case`."""
+    records = workdir / "launches" / case
+    results = [workdir / f"result_{rank}.pt" for rank in range(world_size)]
+    for path in results:  # (an earlier case's, already kept)
+        path.unlink(missing_ok=True)
+    _run_or_raise(script, world_size, spec, workdir, timeout, records, f"case {case}: ")
+    kept = [path.rename(records / path.name) for path in results]
+    return [torch.load(path) for path in kept]
+
+
+def _run_or_raise(script: Path, world_size: int, spec: dict, workdir: Path, timeout: float,
+                  records: Optional[Path] = None, label: str = "") -> None:
+    outcome = run_ranks(script, world_size, spec, workdir, timeout, records=records)
     if outcome.failure:
-        tails = [f"--- rank {rank} (exit {code}){_last_part(text)} ---\n{text[-4000:]}"
+        tails = [f"--- rank {rank} (exit {code}) ---\n{text[-4000:]}"
                  for rank, (code, text) in enumerate(zip(outcome.returncodes, outcome.logs))]
-        raise DistributedLaunchError(f"{outcome.failure}\n" + "\n".join(tails))
-
-
-def _last_part(log: str) -> str:
-    """`, in part <name>` for a rank of a launch_parts launch: the part it was running when it ended."""
-    started = [line for line in log.splitlines() if line.startswith("parts: === ")]
-    return f", in part {started[-1].removeprefix('parts: === ').removesuffix(' ===')}" if started else ""
-
-
-PARTS_WORKER = ROOT / "tests" / "distributed" / "workers" / "parts.py"
-
-
-def launch_parts(world_size: int, parts: dict[str, tuple[Path, dict, float]], workdir: Path) -> dict[str, list[dict]]:
-    """Several workers' jobs in ONE launch: each rank runs `parts[name] = (script, spec, timeout)` one after the
-    other in the same process (workers/parts.py), each as if launched alone, with `workdir / name` as its workdir.
-    Returns, per part, what each rank saved there. A part running past its own timeout ends its rank (with every
-    thread's stack in the log), which ends the launch."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    listed = []
-    for name, (script, spec, timeout) in parts.items():
-        (workdir / name).mkdir(exist_ok=True)
-        (workdir / name / "spec.json").write_text(json.dumps(spec))
-        listed.append({"name": name, "script": str(script), "timeout": timeout})
-    total = sum(timeout for _, _, timeout in parts.values()) + 60
-    _run_or_raise(PARTS_WORKER, world_size, {"parts": listed}, workdir, timeout=total)
-    return {name: [torch.load(workdir / name / f"result_{rank}.pt") for rank in range(world_size)] for name in parts}
+        raise DistributedLaunchError(f"{label}{outcome.failure}\n" + "\n".join(tails))

@@ -27,6 +27,7 @@ def reference_training(
     dataset_kwargs: dict | None = None,
     micro_batches: int = 1,
     micro_batch_size: int | None = None,
+    precision: str = "32-true",
 ) -> dict:
     """Train on `steps[t][dp_rank]` = sample indices, averaging the DP replicas' losses as DDP/ZeRO do.
 
@@ -39,10 +40,19 @@ def reference_training(
     Uses eager attention and Hugging Face's own shifted loss (for the native GPT: its own unsharded forward and
     shifted loss), independent of everything under test; `replica_loss(model, batch)` replaces that loss (packed
     rows: every document alone), `dataset` the `UnevenlyMaskedTokens` samples (or `dataset_kwargs` its options).
+
+    `precision="bf16-mixed"`: what DeepSpeed's bf16 does, in one process: the model's weights in bf16 (forward and
+    backward in bf16), the SGD step on an fp32 master copy of the bf16 weights (gradients cast to fp32, clipped there),
+    the bf16 weights then the master rounded; `initial` and `final` are the fp32 masters, `final_bf16` the bf16
+    weights.
     """
     dataset = dataset if dataset is not None else UnevenlyMaskedTokens(10_000, seq_len, **(dataset_kwargs or {}))
     model = build_model(kind, num_key_value_heads, reference=True)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    if precision == "bf16-mixed":
+        return _bf16_reference_training(model, initial, dataset, steps, lr, gradient_clip_val, replica_loss,
+                                        micro_batches, micro_batch_size)
+    assert precision == "32-true", precision
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
     for replicas in steps:
@@ -61,6 +71,38 @@ def reference_training(
     final = {name: p.detach().clone() for name, p in model.named_parameters()}
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     return {"losses": losses, "initial": initial, "final": final, "trainable": trainable}
+
+
+def _bf16_reference_training(model, initial, dataset, steps, lr, gradient_clip_val, replica_loss, micro_batches,
+                             micro_batch_size) -> dict:
+    """`reference_training` under bf16-mixed (see there): bf16 weights computing, an fp32 master copy stepping."""
+    model = model.to(torch.bfloat16)
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    # DeepSpeed's master copy starts from the bf16 weights (the fp32 initialisation rounded), not from the fp32 ones
+    master = {name: p.detach().float() for name, p in trainable}
+    initial = {name: p.detach().float() for name, p in model.named_parameters()}
+    losses = []
+    for replicas in steps:
+        model.zero_grad(set_to_none=True)
+        micro_losses = []  # [dp_rank][micro-batch]
+        for indices in replicas:
+            size = micro_batch_size or len(indices) // micro_batches
+            micro_losses.append([replica_loss(model, collate([dataset[i] for i in indices[j:j + size]]))
+                                 for j in range(0, len(indices), size)])
+        torch.stack([torch.stack(micro).sum() / micro_batches for micro in micro_losses]).float().mean().backward()
+        gradients = {name: p.grad.float() for name, p in trainable}
+        if gradient_clip_val:
+            norm = torch.nn.utils.get_total_norm(list(gradients.values()))
+            assert norm > gradient_clip_val, "the clipping case must actually clip"
+            gradients = {name: g * (gradient_clip_val / (norm + 1e-6)) for name, g in gradients.items()}
+        with torch.no_grad():
+            for name, p in trainable:
+                master[name] -= lr * gradients[name]
+                p.copy_(master[name])
+        losses += [[micro[j].item() for micro in micro_losses] for j in range(len(micro_losses[0]))]
+    final = {name: master.get(name, p.detach().float()) for name, p in model.named_parameters()}
+    return {"losses": losses, "initial": initial, "final": final, "trainable": set(master),
+            "final_bf16": {name: p.detach().clone() for name, p in model.named_parameters()}}
 
 
 def assert_weights_match(weights: dict, reference: dict) -> None:

@@ -27,6 +27,22 @@ SAVE_PATHS = {
     "callback_mid_epoch": "sp2/callback.ckpt",  # trainer.save_checkpoint from on_train_batch_end after step 5
 }
 
+# The hybrid feature matrix's resumes (tests/README.md): hybrids whose mixers are split by heads, saved and resumed at
+# the same split, bit for bit. Qwen3-Next at SP 2 × DP 2 on ZeRO-2, saved by ModelCheckpoint mid-epoch; Nemotron-H
+# at SP 4 on ZeRO-3, killed by a SIGTERM inside a step (saved at the step boundary, exit 79) and resumed from that
+# save. LFM2 on FSDP2 (Distributed Checkpoint): test_fsdp.py.
+HYBRID_RESUMES = [
+    {"name": "qwen3_next", "model": "family:qwen3_next", "sp": 2, "stage": 2, "batch_size": 2, "steps": STEPS,
+     "save_every": SAVE_AT},
+    {"name": "qwen3_next_resumed", "model": "family:qwen3_next", "sp": 2, "stage": 2, "batch_size": 2,
+     "steps": STEPS, "resume": f"qwen3_next/step={SAVE_AT}.ckpt"},
+    {"name": "nemotron_h", "model": "family:nemotron_h", "sp": 4, "stage": 3, "batch_size": 4, "steps": STEPS},
+    {"name": "nemotron_h_killed", "model": "family:nemotron_h", "sp": 4, "stage": 3, "batch_size": 4,
+     "steps": STEPS, "sigterm_in_batch": SAVE_AT - 1},
+    {"name": "nemotron_h_resumed", "model": "family:nemotron_h", "sp": 4, "stage": 3, "batch_size": 4,
+     "steps": STEPS, "resume": "hpc", "root": "nemotron_h_killed"},
+]
+
 CASES = [
     {"name": "sp4", "sp": 4, "batch_size": 4, "steps": STEPS, "save_every": SAVE_AT},
     {"name": "sp4_to_sp4", "sp": 4, "batch_size": 4, "steps": STEPS, "resume": f"sp4/step={SAVE_AT}.ckpt"},
@@ -53,6 +69,7 @@ CASES = [
     # The checkpoint saved after fit at SP 2 × DP 2, resumed at SP 4 × DP 1 and SP 1 × DP 4 (same global batch).
     {"name": "after_fit_to_sp4", "sp": 4, "batch_size": 4, "steps": LONG, "resume": SAVE_PATHS["after_fit_mid_epoch"]},
     {"name": "after_fit_to_sp1", "sp": 1, "batch_size": 1, "steps": LONG, "resume": SAVE_PATHS["after_fit_mid_epoch"]},
+    *HYBRID_RESUMES,
 ]
 
 
@@ -312,3 +329,32 @@ def test_sigterm_reaching_one_rank_inside_a_batch_saves_on_every_rank(accumulati
     assert all(rank[name]["exit_status"] == EXIT_PREEMPTED for rank in accumulation_runs)
     assert {rank[name]["global_step"] for rank in accumulation_runs} == {2}
     assert (SIGNAL_JOB.workdir(tmp_path_factory) / name / "hpc_ckpt_1.ckpt" / "ulysses.json").exists()
+
+
+def assert_resumed_exactly(results, full: str, resumed: str, start: int = SAVE_AT, steps_run: int = STEPS) -> None:
+    """`resumed` trained the steps after `start` exactly as the uninterrupted `full` did (samples, losses, RNG
+    draws and epochs bit for bit) and ended with its weights bit for bit; both trained every token mixer of the
+    hybrid split by heads."""
+    uninterrupted, after = steps(results, full), steps(results, resumed)
+    assert sorted(after) == list(range(start, steps_run))
+    for step in after:
+        assert after[step] == uninterrupted[step], step
+    for name, value in results[0][full]["weights"].items():
+        assert torch.equal(results[0][resumed]["weights"][name], value), name
+    for rank in results:
+        for run in (full, resumed):
+            assert set(rank[run]["token_mixers"].values()) == {"split"}, (run, rank[run]["token_mixers"])
+
+
+def test_a_hybrid_saved_by_model_checkpoint_on_zero2_resumes_exactly(runs):
+    results, workdir = runs
+    assert (workdir / "qwen3_next" / f"step={SAVE_AT}.ckpt").is_dir()
+    assert_resumed_exactly(results, "qwen3_next", "qwen3_next_resumed")
+
+
+def test_a_hybrid_killed_by_sigterm_on_zero3_resumes_exactly(runs):
+    results, workdir = runs
+    assert all(rank["nemotron_h_killed"]["exit_status"] == EXIT_PREEMPTED for rank in results)
+    assert {rank["nemotron_h_killed"]["global_step"] for rank in results} == {SAVE_AT}
+    assert (workdir / "nemotron_h_killed" / "hpc_ckpt_1.ckpt" / "ulysses.json").exists()
+    assert_resumed_exactly(results, "nemotron_h", "nemotron_h_resumed")

@@ -27,7 +27,7 @@ import pytest
 
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from tests.distributed.families import FAMILIES, NOT_IN_MATRIX, SEQ_LEN, SINCE_5_25, UNEVEN, tiny_config
+from tests.distributed.families import FAMILIES, NOT_IN_MATRIX, SEQ_LEN, SINCE_5_25, UNEVEN, settings_of, tiny_config
 from tests.distributed.harness import ROOT
 from tests.distributed.pool import shared
 from tests.distributed.reference import assert_training_matches, reference_training
@@ -40,11 +40,11 @@ SIZES = (2, 4)
 def _spec() -> dict:
     return {
         "sequence_parallel_sizes": list(SIZES),
-        "families": [{"family": name, "eval": overrides.pop("eval", False), "float64": overrides.pop("float64", False),
-                      "overrides": overrides, "left_padded": name in LEFT_PADDED,
-                      "mixers": name in MIXER_FAMILIES}
-                     for name, overrides in ((name, dict(o)) for name, o in FAMILIES.items())]
-        + [{"family": f"{name}@uneven", "overrides": {**FAMILIES[name], **UNEVEN[name]}, "mixers": True,
+        "families": [{"family": name, "eval": FAMILIES[name].get("eval", False),
+                      "float64": FAMILIES[name].get("float64", False), "overrides": settings_of(name),
+                      "left_padded": name in LEFT_PADDED, "mixers": name in MIXER_FAMILIES}
+                     for name in FAMILIES]
+        + [{"family": f"{name}@uneven", "overrides": {**settings_of(name), **UNEVEN[name]}, "mixers": True,
             "layers_only": name not in UNEVEN_MATRIX} for name in UNEVEN],
         "transport_mixers": list(TRANSPORT_MIXERS),
         "training_cases": [
@@ -78,15 +78,6 @@ MEMORY_FAMILIES = ("qwen3_next", "mistral")
 MEMORY = {"activation_checkpointing": True, "offload_activations": True, "tiled_mlp": True, "mlp_tile_tokens": 3}
 
 
-# Families whose mixers run split by heads (lightning_ulysses/mixers/: a declaration per family); the others' run
-# on whole rows.
-SPLIT_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lfm2", "mamba2", "bamba", "nemotron_h",
-                  "falcon_h1", "granitemoehybrid", "zamba2", "mamba", "falcon_mamba", "jamba", "kimi_linear", "minimax",
-                  "recurrent_gemma",
-                  # 5.24/5.25: Gated DeltaNet (Lara-mini), KDA with full-rank gates (Bailing-hybrid), short
-                  # convolutions (LFM2-MoE, LFM3)
-                  "lara_mini", "bailing_hybrid", "lfm2_moe", "lfm3")
-
 # Hybrids whose mixers' units do not divide by SP 2 or 4 (families.py `UNEVEN`), through the whole matrix: a Gated
 # DeltaNet grouped by key head (Qwen3-Next's in_proj_qkvz), Mamba2 with groups of B and C, a short convolution; the
 # other declared families' mixers (and the other Gated DeltaNet and Mamba2 layouts) layer by layer and on a ring.
@@ -97,10 +88,11 @@ UNEVEN_MATRIX = ("qwen3_next", "mamba2", "lfm2")
 TRANSPORT_MIXERS = {"lfm2": True, "qwen3_next@uneven": False}  # name: whether the transport moves its pieces
 
 # Families whose token mixers that are not attention are also checked layer by layer (`mixer_errors`): one layer of
-# each kind on its shard against the same layer on the whole rows, output and input gradient.
-MIXER_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "minimax", "lfm2", "mamba", "falcon_mamba", "mamba2", "jamba",
-                  "falcon_h1", "granitemoehybrid", "nemotron_h", "bamba", "zamba2", "olmo_hybrid", "recurrent_gemma",
-                  "rwkv", "lara_mini", "bailing_hybrid", "lfm2_moe", "lfm3", "zamba")
+# each kind on its shard against the same layer on the whole rows, output and input gradient; and how they run,
+# split by heads (a kind of lightning_ulysses/mixers/ recognises them) or on whole rows (families.py: their entry's
+# "mixers").
+MIXER_FAMILIES = tuple(name for name, settings in FAMILIES.items() if "mixers" in settings)
+SPLIT_FAMILIES = tuple(name for name in MIXER_FAMILIES if FAMILIES[name]["mixers"] == "split")
 
 
 # In the shared 4-rank launch (pool.py): its ranks' start-up (4 × ~17 s of CPU) is paid once for every job.
@@ -136,8 +128,7 @@ def test_hybrids_run_with_the_cache_transformers_makes_by_default():
     # `model(**batch)` as users write it: transformers then creates a cache in every forward, training included,
     # and hands it to each mixer; the matrix must run with it (a cache the model made for itself is no error).
     for family in MIXER_FAMILIES:
-        overrides = {key: value for key, value in FAMILIES[family].items() if key not in ("eval", "float64")}
-        assert tiny_config(family, **overrides).get_text_config().use_cache is True, family
+        assert tiny_config(family, **settings_of(family)).get_text_config().use_cache is True, family
 
 
 def test_the_matrix_covers_every_causal_lm():
@@ -315,7 +306,7 @@ def test_the_families_users_train_are_exact(outcome):
                    # linear attention, state-space and convolution mixers on whole rows
                    "qwen3_next", "qwen3_5_text", "kimi_linear", "minimax", "lfm2", "mamba", "falcon_mamba", "mamba2", "jamba",
                    "falcon_h1", "granitemoehybrid", "nemotron_h", "bamba", "zamba2", "recurrent_gemma", "rwkv",
-                   # attention computed inline (adapters/): ALiBi, Falcon's own branches, GPT-Neo's local windows
+                   # attention computed inline (families/): ALiBi, Falcon's own branches, GPT-Neo's local windows
                    "bloom", "mpt", "falcon", "gpt_neo", "xglm",
                    # decoders added by transformers 5.24 and 5.25 (ergo, MiniCPM5-MoE, Param2-MoE: 5.25 only)
                    "bailing_hybrid", "lara_mini", "lfm2_moe", "lfm3", "mimo_v2_flash", "laguna",

@@ -300,6 +300,12 @@ CHECKPOINT_CASES = [
      "sigterm_in_batch": SAVE_AT - 1},
     {"name": "fsdp2_sp2_from_sigterm", "backend": "fsdp2", "sp": 2, "batch_size": 2, "steps": CHECKPOINT_STEPS,
      "resume": "hpc", "root": "fsdp2_sp2_sigterm"},
+    # The hybrid feature matrix's FSDP2 resume (tests/README.md): LFM2, its short convolutions split by channels, at
+    # SP 2 × DP 2, saved mid-epoch by ModelCheckpoint (Distributed Checkpoint) and resumed at the same split.
+    {"name": "fsdp2_lfm2", "backend": "fsdp2", "model": "family:lfm2", "sp": 2, "batch_size": 2,
+     "steps": CHECKPOINT_STEPS, "save_every": SAVE_AT},
+    {"name": "fsdp2_lfm2_resumed", "backend": "fsdp2", "model": "family:lfm2", "sp": 2, "batch_size": 2,
+     "steps": CHECKPOINT_STEPS, "resume": f"fsdp2_lfm2/step={SAVE_AT}.ckpt"},
 ]
 CHECKPOINT_JOB = shared(4, "fsdp2_checkpoints", WORKER.parent / "resume.py", {"cases": CHECKPOINT_CASES}, timeout=600)
 
@@ -401,3 +407,11 @@ def test_fsdp2_checkpoint_exports_a_pretrained_model(checkpoint_runs, tmp_path):
     tokens = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(exported(tokens).logits, expected(tokens).logits)
+
+
+def test_fsdp2_checkpoint_of_a_hybrid_resumes_exactly(checkpoint_runs):
+    from tests.distributed.test_checkpoints import assert_resumed_exactly
+
+    results, workdir = checkpoint_runs
+    assert (workdir / f"fsdp2_lfm2/step={SAVE_AT}.ckpt" / "ulysses.json").exists()
+    assert_resumed_exactly(results, "fsdp2_lfm2", "fsdp2_lfm2_resumed", SAVE_AT, CHECKPOINT_STEPS)

@@ -27,7 +27,7 @@ TRAINED = [
 REFUSED = _case(2, 2, 3, "mqa", suffix="-gpt-refused", model="gpt", refused=True, steps=1)
 CASES = [TRAINED[0], REFUSED, TRAINED[1]]
 PLAIN_STEP = {"model": "gpt", "kv_heads": 1, "seq_len": 16, "lr": 0.5, "samples": [0, 1]}
-JOB = shared(2, "process_state", WORKER, {"cases": CASES, "plain_step": PLAIN_STEP})  # the shared 2-rank launch
+JOB = shared(2, "process_state", WORKER, {"runs": CASES, "plain_step": PLAIN_STEP})  # the shared 2-rank launch
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ from lightning_ulysses.parallel.layout import ParallelLayout
 from lightning_ulysses.parallel.run_spec import RunSpec
 from lightning_ulysses.planning.auto import AutoMemory, Confirmation, StepProbe, choose, coerce_memory, longest_fit
 from lightning_ulysses.planning.calibration import (AUTO_VS_HAND_PAIRS, CALIBRATION, DEFERRED_MLP_PAIRS, FUSED_PAIRS,
-                                                    OVERLAP_PAIRS, predicted)
+                                                    H100_CALIBRATION, OVERLAP_PAIRS, predicted)
 from lightning_ulysses.planning.planner import GIB, MODELS, TrainingSetup, plan_memory
-from lightning_ulysses.planning.step_time import predict_step_time
+from lightning_ulysses.planning.step_time import H100, predict_step_time
 
 LLAMA_1B, LLAMA_8B = MODELS["llama3.2-1b"], MODELS["llama3-8b"]
 # The runs these cases plan: one rank, ZeRO-3, bf16; on a GPU (attention with cuDNN, the Hopper rule) or the CPU.
@@ -258,6 +258,11 @@ def test_coerce_memory():
 @pytest.mark.parametrize("row", CALIBRATION, ids=lambda r: f"{r.model}-{r.seq}-{r.features}-{r.kernel}")
 def test_step_time_model_within_10_percent_of_the_measurements(row):
     assert predicted(row).total == pytest.approx(row.step_s, rel=0.10)
+
+
+@pytest.mark.parametrize("row", H100_CALIBRATION, ids=lambda r: f"{r.model}-{r.seq}-{r.features}")
+def test_step_time_model_within_10_percent_of_the_h100_measurements(row):
+    assert predicted(row, H100).total == pytest.approx(row.step_s, rel=0.10)
 
 
 def test_step_time_model_ranks_what_was_measured():

@@ -8,8 +8,8 @@ folder and the folders below it (`LAYERS`, lowest first), never one above:
   `_deepspeed_private`); they import nothing from the package, so every layer may use them (the memory engine and
   the mixers mark ZeRO-3 leaves through `_deepspeed_private`).
 - `parallel/`: the layout, groups and shard order; the run's description (`RunSpec`).
-- `adapters/`: per-family knowledge; `NativeCausalLM`, how a model that is not Hugging Face's tells the core what it
-  needs.
+- `adapters/`: the registry of per-family knowledge (`Family` records, which every layer above reads);
+  `NativeCausalLM`, how a model that is not Hugging Face's tells the core what it needs.
 - `attention/`: the exchanges, the attention core and backends, the batch's rows.
 - `mixers/`: token mixers that are not attention, on the exchanges of `attention/`.
 - `hf/`: the transformers switch, which prepares both attention and mixers.
@@ -18,6 +18,9 @@ folder and the folders below it (`LAYERS`, lowest first), never one above:
 - `data/`: data modules and packing.
 - `memory/`: the memory engine (its fused logits loss is `training/`'s).
 - `planning/`: the memory planner, the step-time model and its calibration, `memory="auto"`, preflight, `plan`.
+- `families/`: one module per model family, each declaring its `Family` into the registry (`adapters/`). Above the
+  layers whose mechanisms they declare (mixer kinds, the planner's cost parts); nothing but the package's `__init__`
+  imports them (`test_only_the_package_imports_the_family_modules`).
 - `integration/`: Lightning and DeepSpeed glue: the strategy, the module preparation, the engine, checkpoints and
   export, faults, RNG streams, the notebook launcher, callbacks, the console, serving.
 - `recipe/`: the Hydra recipes' side: their driver, resolvers, end-of-run summary, `example-finetune`.
@@ -26,19 +29,22 @@ folder and the folders below it (`LAYERS`, lowest first), never one above:
   finds a native model through `adapters.native_model.NativeCausalLM`).
 The recipes (`recipes/`, `conf/`) are outside the package, above all of it.
 
-And no import cycle between the package's modules, and no private DeepSpeed name outside its fence.
+And no import cycle between the package's modules, and no private name of torch, transformers, DeepSpeed or Lightning
+outside `fences/` (the rule: above `test_private_library_names_only_in_the_fences`).
 """
 
 from __future__ import annotations
 
 import ast
+import functools
+import textwrap
 from pathlib import Path
 
 PACKAGE = "lightning_ulysses"
 SOURCE = Path(__file__).resolve().parents[2] / PACKAGE
 
 LAYERS = ("fences", "parallel", "adapters", "attention", "mixers", "hf", "training", "batch", "data", "memory",
-          "planning", "integration", "recipe", "package", "models")
+          "planning", "families", "integration", "recipe", "package", "models")
 ROOT_MODULES = {"__init__", "__main__"}  # the `package` layer: nothing else sits beside the folders
 FENCES = "fences"
 
@@ -211,6 +217,16 @@ def test_an_upward_import_is_found(tmp_path, monkeypatch):
                      f" {PACKAGE}.integration.strategy"]
 
 
+def test_only_the_package_imports_the_family_modules():
+    """The layers read a family through the registry (`adapters.registry`), never its module: a family's knowledge
+    has one place, and the layers below `families/` could not import it anyway. Only the package's `__init__` (which
+    registers them all) and `families/` itself import them."""
+    found = [f"{module}:{line}: imports {target}" for module in sorted(MODULES) for line, target in imports_of(module)
+             if layer_of(target) == "families" and module != PACKAGE and layer_of(module) != "families"]
+    assert not found, "import the registry (lightning_ulysses.adapters) instead:\n" + "\n".join(found)
+    assert any(layer_of(target) == "families" for _, target in imports_of(PACKAGE))
+
+
 def test_fences_import_nothing_from_the_package():
     fences = [module for module in MODULES if layer_of(module) == FENCES]
     assert f"{PACKAGE}.fences._lightning_private" in fences and f"{PACKAGE}.fences._deepspeed_private" in fences
@@ -278,6 +294,163 @@ def test_private_deepspeed_names_only_in_their_fence():
                 if private:
                     found.append(f"{path.relative_to(SOURCE.parent)}:{node.lineno}: {name}")
     assert not found, "private DeepSpeed names outside _deepspeed_private (add an accessor there):\n" + "\n".join(found)
+
+
+# -- every private name of torch / transformers / DeepSpeed / Lightning stays in the fences --------------------------
+# The rule, read from the source (AST) of every module outside `fences/`:
+# 1. an import from those libraries of a private module or name (`import torch._dynamo`,
+#    `from torch.distributed import _symmetric_memory`, `from lightning... import _update_dataloader`);
+# 2. any `obj._name` attribute (one leading underscore or a name-mangled one; dunders are Python's), on whatever
+#    object: an attribute chain rooted at a library (`torch._C._set_sdp_priority_order`) and an attribute of an object
+#    a library hands us (`config._attn_implementation_internal`, `module._parameters`) alike, since which library an
+#    object comes from cannot be read from the source;
+# 3. any string spelling such a name (the `getattr` / `__dict__` spelling: `model.__dict__.pop("_loss_function")`).
+# A name is exempt only when the package itself defines it (a class, function, module or class-level name, an
+# attribute it assigns on `self`/`cls`, one it sets with `setattr(self, ...)`, or any name starting with
+# `_lightning_ulysses`) and no class of those libraries that the package's objects derive from, nor their core classes
+# (`CORE_CLASSES`), has an attribute of that name; or when it is another library's (`OTHER_LIBRARIES`, each with
+# its owner). What the rule cannot see: a private library name we also define ourselves that none of those classes
+# carries (a rename away), and DeepSpeed's dunder-spelled private (`__compatible_ops__`), which the DeepSpeed test
+# above lists by name.
+PRIVATE_LIBRARIES = {"torch", "transformers", "deepspeed", "lightning", "pytorch_lightning", "lightning_fabric"}
+OWN_PREFIX = "_lightning_ulysses"
+# Private spellings of other libraries and of Python itself, each its owner's public API or outside the four.
+OTHER_LIBRARIES = {
+    "_exit": "os._exit: Python's documented exit without cleanup",
+    "_fields": "namedtuple's documented field names",
+    "_target_": "Hydra's documented instantiation key",
+    "_flash_attn_fwd": "flash-attn's CuTe interface (flash_attn.cute.interface), not one of the four libraries",
+    "_flash_attn_bwd": "flash-attn's CuTe interface (flash_attn.cute.interface), not one of the four libraries",
+}
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and name != "_" and not (name.startswith("__") and name.endswith("__")) \
+        and name.replace("_", "a").isidentifier()
+
+
+def _outside_fences() -> dict[str, Path]:
+    return {module: path for module, path in MODULES.items() if layer_of(module) != FENCES}
+
+
+@functools.cache
+def _own_private_names() -> frozenset[str]:
+    """Private names the package itself defines, outside the fences (see the rule above)."""
+    own = set()
+    for path in _outside_fences().values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            body = node.body if isinstance(node, (ast.Module, ast.ClassDef)) else []
+            for statement in body:
+                targets = statement.targets if isinstance(statement, ast.Assign) else \
+                    [statement.target] if isinstance(statement, ast.AnnAssign) else []
+                own.update(target.id for target in targets if isinstance(target, ast.Name))
+            if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    own.update(part.attr for part in ast.walk(target) if isinstance(part, ast.Attribute)
+                               and isinstance(part.value, ast.Name) and part.value.id in ("self", "cls"))
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("setattr", "object.__setattr__") \
+                    and len(node.args) >= 2 and ast.unparse(node.args[0]) == "self" \
+                    and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+                own.add(node.args[1].value)
+    return frozenset(name for name in own if _is_private(name))
+
+
+@functools.cache
+def _library_names() -> frozenset[str]:
+    """Private attribute names of the libraries' classes the package's objects derive from, and of their core
+    classes: a name there is the library's even where the package also defines it."""
+    import importlib
+    import inspect
+
+    import torch
+    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch.strategies import Strategy
+    from transformers import PreTrainedConfig, PreTrainedModel
+
+    classes = {torch.Tensor, torch.nn.Module, torch.nn.Parameter, torch.autograd.Function, PreTrainedModel,
+               PreTrainedConfig, LightningModule, Trainer, Strategy}
+    for module in MODULES:
+        if layer_of(module) == FENCES:
+            continue
+        for value in vars(importlib.import_module(module)).values():
+            if inspect.isclass(value) and value.__module__.startswith(f"{PACKAGE}."):
+                classes.update(base for base in value.__mro__
+                               if base.__module__.split(".")[0] in PRIVATE_LIBRARIES)
+    classes = {base for cls in classes for base in cls.__mro__ if base.__module__.split(".")[0] in PRIVATE_LIBRARIES}
+    names = {name for cls in classes for name in dir(cls) if _is_private(name)}
+    for cls in classes:  # and the attributes their methods set on instances (`nn.Module._parameters`, ...)
+        try:
+            source = textwrap.dedent(inspect.getsource(cls))
+        except (OSError, TypeError):  # built in C
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                    and isinstance(node.value, ast.Name) and node.value.id == "self" and _is_private(node.attr):
+                names.add(node.attr)
+            elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith("__setattr__") and node.args \
+                    and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                names.add(node.args[0].value)  # `super().__setattr__("_parameters", {})`
+    return frozenset(names)
+
+
+def private_library_names(modules: dict[str, Path] | None = None) -> list[str]:
+    """Every use outside the fences the rule above flags, as `file:line: what`."""
+    exempt = (_own_private_names() - _library_names()) | set(OTHER_LIBRARIES)
+    found = []
+    for module, path in sorted((modules or _outside_fences()).items()):
+        where = path.relative_to(SOURCE.parent) if path.is_relative_to(SOURCE.parent) else path
+        for node in sorted(ast.walk(ast.parse(path.read_text())), key=lambda node: getattr(node, "lineno", 0)):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names if alias.name.split(".")[0] in PRIVATE_LIBRARIES
+                         and any(_is_private(part) for part in alias.name.split("."))]
+                found += [f"{where}:{node.lineno}: import {name}" for name in names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module \
+                    and node.module.split(".")[0] in PRIVATE_LIBRARIES:
+                if any(_is_private(part) for part in node.module.split(".")) \
+                        or any(_is_private(alias.name) for alias in node.names):
+                    found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+            elif isinstance(node, ast.Attribute) and _is_private(node.attr) and node.attr not in exempt \
+                    and not node.attr.startswith(OWN_PREFIX):
+                found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _is_private(node.value) \
+                    and node.value not in exempt and not node.value.startswith(OWN_PREFIX):
+                found.append(f"{where}:{node.lineno}: {node.value!r}")
+    return found
+
+
+def test_private_library_names_only_in_the_fences():
+    found = private_library_names()
+    assert not found, ("private torch / transformers / DeepSpeed / Lightning names outside fences/ (add an accessor"
+                       " there, pinned to the version it was checked on):\n" + "\n".join(found))
+
+
+def test_a_private_library_name_is_found(tmp_path):
+    """The check above is not vacuous: each form is found in a planted module, and the package's own private
+    names (and a library name the package also defines) are told apart."""
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "import torch\n"
+        "import torch._dynamo\n"
+        "from torch.distributed import _symmetric_memory\n"
+        "from torch.cuda._pin_memory_utils import pin_memory\n"
+        "from lightning.pytorch.utilities.data import _update_dataloader\n"
+        "torch._C._set_sdp_priority_order([])\n"
+        "def f(config, module, model, lightning_module):\n"
+        "    config._attn_implementation_internal = 'sdpa'\n"
+        "    model.__dict__.pop('_loss_function', None)\n"
+        "    module._parameters.clear()\n"
+        "    lightning_module._device_mesh = None\n"
+        "    return model._lightning_ulysses, model.__dict__, module._BINDING_ATTRIBUTE\n")
+    found = private_library_names({f"{PACKAGE}.attention.planted": planted})
+    assert [line.partition(": ")[2] for line in found] == [
+        "import torch._dynamo", "from torch.distributed import _symmetric_memory",
+        "from torch.cuda._pin_memory_utils import pin_memory",
+        "from lightning.pytorch.utilities.data import _update_dataloader",
+        "torch._C._set_sdp_priority_order", "torch._C", "config._attn_implementation_internal", "'_loss_function'",
+        "module._parameters", "lightning_module._device_mesh"], found
+    assert "_BINDING_ATTRIBUTE" in _own_private_names() and "_buffers" in _library_names()
 
 
 def test_no_function_level_imports_of_the_package():

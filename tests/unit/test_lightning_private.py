@@ -160,7 +160,7 @@ def test_inference_and_training_engines_get_lightnings_arguments_plus_mpu(monkey
     calls = []
     monkeypatch.setattr(deepspeed, "initialize", lambda **kwargs: calls.append(kwargs) or (kwargs["model"], "opt", 0, 0))
     ours = UlyssesDeepSpeedStrategy(sequence_parallel_size=1, stage=3)
-    ours._parallel.groups = SimpleNamespace(sequence_parallel_world_size=1)
+    ours.runtime.parallel.groups = SimpleNamespace(sequence_parallel_world_size=1)
     lightnings = DeepSpeedStrategy(stage=3)
     for strategy in (lightnings, ours):
         strategy.parallel_devices = [torch.device("cpu")]

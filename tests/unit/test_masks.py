@@ -14,21 +14,21 @@ from transformers import masking_utils as hf_masks
 
 from lightning_ulysses.attention.documents import AttentionPattern, DocumentMask, allowed_mask
 from lightning_ulysses.attention.masks import read_mask_function, reject_unsupported_pattern
-from lightning_ulysses.hf import ULYSSES_ATTENTION
-from lightning_ulysses.hf.forward import _register_attention, _reject_unsharded_inputs, _unsupported
-from lightning_ulysses.hf.mask_interface import BoundImplementation, _unmark
+from lightning_ulysses.hf.forward import (_reject_unsharded_inputs, _unsupported, register_model_attention,
+                                          unregister_model_attention)
+from lightning_ulysses.hf.mask_interface import _unmark
 
 LOCAL, SP = 8, 2  # the whole row: 16 tokens
 
 
 @pytest.fixture
 def config():
-    _register_attention()
     config = LlamaConfig(hidden_size=8, num_attention_heads=2, attention_chunk_size=None)
-    config._attn_implementation = ULYSSES_ATTENTION
     binding = SimpleNamespace(group=SimpleNamespace(world_size=SP), ring=SimpleNamespace(world_size=1), decode=None, sharded=True)
-    config._attn_implementation_internal = BoundImplementation("TinyModel", binding)  # as prepare_hf_model binds it
-    return config
+    name = register_model_attention("TinyModel", binding)  # as prepare_hf_model names a prepared model's configs
+    config._attn_implementation = name
+    yield config
+    unregister_model_attention(name)
 
 
 def mask_kwargs(config, attention_mask=False, position_ids=None):

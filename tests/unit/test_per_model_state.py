@@ -8,12 +8,14 @@ sharded mask path the stand-in bindings of test_masks.py (no collective runs her
 from __future__ import annotations
 
 import copy
+import io
 import pickle
 from types import SimpleNamespace
 
 import torch
 from transformers import LlamaConfig
 from transformers import masking_utils as hf_masks
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from lightning_ulysses.attention.core import UlyssesAttention
 from lightning_ulysses.attention.documents import AttentionPattern
@@ -21,8 +23,8 @@ from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.batch.sharding import SequenceSharder
 from lightning_ulysses.hf import ULYSSES_ATTENTION, binding_of, prepare_hf_model
 from lightning_ulysses.hf import forward as hf_forward
-from lightning_ulysses.hf.forward import _register_attention
-from lightning_ulysses.hf.mask_interface import BoundImplementation, _unmark
+from lightning_ulysses.hf.forward import register_model_attention, unregister_model_attention
+from lightning_ulysses.hf.mask_interface import _unmark
 from lightning_ulysses.integration import preparation
 from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss
@@ -94,10 +96,9 @@ def _stand_in_binding(sequence_parallel_size: int):
                            ring=SimpleNamespace(world_size=1), decode=None, sharded=sequence_parallel_size > 1)
 
 
-def _windowed_config(binding) -> LlamaConfig:
+def _windowed_config(name: str) -> LlamaConfig:
     config = LlamaConfig(hidden_size=8, num_attention_heads=2, attention_chunk_size=None, sliding_window=5)
-    config._attn_implementation = ULYSSES_ATTENTION
-    config._attn_implementation_internal = BoundImplementation("TinyModel", binding)  # as prepare_hf_model binds it
+    config._attn_implementation = name  # as prepare_hf_model names a prepared model's configs
     return config
 
 
@@ -110,8 +111,8 @@ def _sliding_mask(config):
 def test_each_model_builds_masks_from_its_own_binding():
     """One model sharded over 2 ranks, one at SP 1, same family and window: the sharded one's windowed layers get
     the window carried to the whole rows; the SP 1 one's get transformers' own mask, as unprepared."""
-    _register_attention()
-    sharded, unsharded = _windowed_config(_stand_in_binding(2)), _windowed_config(_stand_in_binding(1))
+    names = [register_model_attention("TinyModel", _stand_in_binding(size)) for size in (2, 1)]
+    sharded, unsharded = map(_windowed_config, names)
     padding, pattern = _unmark(_sliding_mask(sharded))
     assert pattern == AttentionPattern(sliding_window=5) and padding.shape == (2, 8)
     own = _sliding_mask(unsharded)
@@ -119,15 +120,67 @@ def test_each_model_builds_masks_from_its_own_binding():
     # A deep copy of a prepared model (an EMA copy) shares its modules' binding, and so its configs' too: the copy's
     # windowed layers still get their window (with a table keyed by the config's id the copy found none).
     assert _unmark(_sliding_mask(copy.deepcopy(sharded)))[1] == AttentionPattern(sliding_window=5)
+    for name in names:
+        unregister_model_attention(name)
 
 
 def test_a_prepared_config_saves_prints_and_pickles_as_before():
     model = tiny_model("llama")
     prepared = prepare_hf_model(model, None)
     config = model.config
-    assert config._attn_implementation == ULYSSES_ATTENTION and config._attn_implementation.binding is binding_of(model)
+    name = config._attn_implementation
+    assert type(name) is str and name == prepared.attention_name and name.startswith(f"{ULYSSES_ATTENTION}-")
+    assert hf_masks.ALL_MASK_ATTENTION_FUNCTIONS[name].args[1] is binding_of(model)  # the mask function's binding
     assert "_attn_implementation" not in config.to_json_string() and "LlamaConfig" in repr(config)
-    assert pickle.loads(pickle.dumps(config))._attn_implementation == ULYSSES_ATTENTION  # a plain name, no groups
+    assert pickle.loads(pickle.dumps(config))._attn_implementation == name  # a plain name, no groups
     prepared.restore()
-    assert not isinstance(config._attn_implementation, BoundImplementation)  # the private copy names no binding
+    assert config._attn_implementation == ULYSSES_ATTENTION  # the private copy names no binding
+    assert name not in hf_masks.ALL_MASK_ATTENTION_FUNCTIONS and name not in ALL_ATTENTION_FUNCTIONS
     assert model.config._attn_implementation == "sdpa"
+
+
+def _saved_and_loaded(value):
+    """`value` through `torch.save` and `torch.load` with its default arguments (weights only)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    return torch.load(buffer)
+
+
+def test_a_prepared_config_loads_with_torch_load_defaults():
+    """A prepared config holds plain strings: a checkpoint holding its attention implementation, or the config itself
+    (its class allowlisted, as an unprepared config needs), loads with `torch.load`'s weights-only defaults."""
+    model = tiny_model("llama")
+    prepared = prepare_hf_model(model, None)
+    config = model.config
+    saved = {"attn_implementation": config._attn_implementation, "config": config.to_dict()}
+    assert _saved_and_loaded(saved) == saved
+    with torch.serialization.safe_globals([type(config)]):
+        loaded = _saved_and_loaded(config)
+    assert loaded._attn_implementation == config._attn_implementation and loaded.to_dict() == config.to_dict()
+    prepared.restore()
+
+
+def test_no_str_subclass_in_the_package():
+    """State travels in arguments and bindings, never smuggled inside a string (a `str` subclass in a config pickles
+    as a call of `str`, which `torch.load`'s weights-only mode refuses)."""
+    import ast
+    import importlib
+    import inspect
+    import pkgutil
+    from pathlib import Path
+
+    import lightning_ulysses
+
+    found = []
+    for module_info in pkgutil.walk_packages(lightning_ulysses.__path__, "lightning_ulysses."):
+        module = importlib.import_module(module_info.name)
+        for name, value in vars(module).items():
+            if inspect.isclass(value) and value.__module__ == module.__name__ and issubclass(value, str):
+                found.append(f"{module.__name__}.{name}")
+    # and classes defined inside functions, which no module lists: any class naming `str` among its bases
+    for path in Path(lightning_ulysses.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(ast.unparse(base) in {"str", "builtins.str"} for base in node.bases):
+                found.append(f"{path}:{node.lineno}: {node.name}")
+    assert not found, f"str subclasses in the package: {found}"

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from lightning_ulysses.adapters import family_of
 from lightning_ulysses.attention.rows import BatchRowsSlot
 from lightning_ulysses.batch.sharding import SequenceSharder
 from lightning_ulysses.integration import preparation
@@ -67,9 +68,10 @@ def test_a_sharded_module_without_token_exchange_is_refused():
 
 
 def test_scan_reports_heads_and_the_position_rule():
-    found = preparation.scan(_Module(tiny_model("opt")), 2)
+    opt = tiny_model("opt")
+    found = preparation.scan(_Module(opt), 2)
     assert found.head_counts == [(4, 4)]
-    assert found.position_rule is not None and "opt" in found.position_rule.model_types
+    assert found.position_rule is not None and found.position_rule is family_of(opt.config).position_rule
     assert preparation.scan(_Module(tiny_model("llama")), 2).position_rule is None
 
 

@@ -62,7 +62,7 @@ def test_layout_names_every_module_of_the_package():
             continue
         folder = f"{relative.parts[0]}/"
         assert folder in entries, f"README's layout has no entry for {folder}"
-        if folder == "adapters/" or path.name == "__init__.py":
+        if folder == "families/" or path.name == "__init__.py":
             continue  # "one file per family"; a subpackage's __init__ is the folder itself
         if path.name not in entries[folder]:
             missing.append(str(relative))
@@ -72,3 +72,42 @@ def test_layout_names_every_module_of_the_package():
 def test_guide_points_at_no_issue_numbers():
     """Issues are the team's tracker, not the reader's: the guide says what is and is not done instead."""
     assert not re.search(r"\bissue \d+", (ROOT / "docs" / "guide.md").read_text())
+
+
+# The documents whose relative links must resolve (the API reference and figures are generated, not linked here).
+LINKED_DOCUMENTS = ("README.md", "CHANGELOG.md", "tests/README.md", "benchmarks/results/LOG.md", *(
+    str(path.relative_to(ROOT)) for path in sorted((ROOT / "docs").glob("*.md"))))
+
+
+def _anchors(markdown: str) -> set[str]:
+    """GitHub's anchors of a document's headings: lower case, punctuation dropped, each space a hyphen."""
+    headings = re.findall(r"(?m)^#{1,6} (.+)$", _outside_code(markdown))
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings}
+
+
+def _outside_code(markdown: str) -> str:
+    return re.sub(r"(?ms)^```.*?^```", "", markdown)
+
+
+def test_every_relative_link_of_the_docs_resolves():
+    broken = []
+    for name in LINKED_DOCUMENTS:
+        document = ROOT / name
+        text = _outside_code(document.read_text())
+        for target in re.findall(r"\]\(([^)\s]+)\)", text) + re.findall(r'src="([^"]+)"', text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            resolved = (document.parent / path).resolve() if path else document
+            if not resolved.exists():
+                broken.append(f"{name}: {target}")
+            elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved.read_text()):
+                broken.append(f"{name}: {target} (no such heading)")
+    assert not broken, broken
+
+
+def test_readme_is_a_map_that_points_inside_the_repository():
+    """README ≤ 25,000 characters; no links out of the repository and no issue numbers (the tracker is the team's)."""
+    assert len(README) <= 25_000, f"README.md has {len(README)} characters: move detail into docs/"
+    assert not re.findall(r"https?://", README)
+    assert not re.search(r"\bissues? #?\d+|(?<![\w/&])#\d+\b", README)

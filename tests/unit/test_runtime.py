@@ -28,10 +28,10 @@ def test_one_runtime_owns_the_collaborators(strategy_class, monkeypatch):
     monkeypatch.setattr(runtime_module.UlyssesRuntime, "__init__", counting)
     strategy = strategy_class(2, check_batches="every", sequence_parallel_in_evaluation=False)
     assert built == [strategy.runtime]
-    assert strategy.runtime.batch_check.mode == strategy.runtime.logged_values.mode == "every"
+    assert strategy.runtime.batch_check.mode == strategy.runtime.value_check.mode == "every"
     assert strategy.check_batches == "every" and strategy.sequence_parallel_in_evaluation is False
     # No collaborator is kept on the strategy beside the runtime's.
-    assert not {"_parallel", "_auto", "_batch_check", "_logged_values", "_random_streams", "_checkpoints",
+    assert not {"_parallel", "_auto", "_batch_check", "_value_check", "_random_streams", "_checkpoints",
                 "_faults"} & set(vars(strategy))
 
 

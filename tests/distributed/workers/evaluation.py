@@ -49,10 +49,13 @@ def main():
         sharder = SequenceSharder(sp, groups.sequence_parallel_rank, batch_rows=slot)
         metrics = {"loss": TokenCrossEntropy(), "perplexity": Perplexity(), "accuracy": NextTokenAccuracy()}
         wrapped = SequenceParallel(MulticlassAccuracy(num_classes=VOCAB, ignore_index=-100, average="micro"))
-        wrapped.bind_parallel_groups(groups)
-        for metric in metrics.values():  # as the strategy binds them: labels shifted across the SP group's shards
-            metric.bind_parallel_groups(groups)
-        predictions = []
+        # The same, called (`forward`): each batch's value, then their accumulation
+        called = {"loss": TokenCrossEntropy(), "perplexity": Perplexity(), "accuracy": NextTokenAccuracy(),
+                  "wrapped_accuracy": SequenceParallel(MulticlassAccuracy(num_classes=VOCAB, ignore_index=-100,
+                                                                          average="micro"))}
+        for metric in [wrapped, *metrics.values(), *called.values()]:  # as the strategy binds them: labels shifted
+            metric.bind_parallel_groups(groups)  # across the SP group's shards
+        predictions, batch_values = [], []
         for indices in samples_of(groups.data_parallel_rank, groups.data_parallel_world_size):
             batch = collate([dataset[i] for i in indices])
             batch.pop("sample_index")
@@ -66,6 +69,9 @@ def main():
             for metric in metrics.values():
                 metric.update(logits, shard["labels"])
             wrapped.update(logits.argmax(-1), loss.targets(shard["labels"]))  # targets aligned with the logits
+            batch_values.append({name: metric(logits.argmax(-1), loss.targets(shard["labels"])).item()
+                                 if name == "wrapped_accuracy" else metric(logits, shard["labels"]).item()
+                                 for name, metric in called.items()})
             predictions.append({
                 "indices": indices,
                 "padded": "attention_mask" in batch,
@@ -76,6 +82,8 @@ def main():
         output[sp] = {
             "metrics": {name: metric.compute().item() for name, metric in metrics.items()},
             "wrapped_accuracy": wrapped.compute().item(),
+            "batch_values": batch_values,
+            "called": {name: metric.compute().item() for name, metric in called.items()},
             "predictions": predictions,
         }
         prepared.restore()

@@ -107,7 +107,7 @@ def main() -> None:
     workdir = Path(sys.argv[2])
     world_size = int(spec["world_size"])
     results = {"state_before": process_state(), "runs": {}}
-    for case in spec["cases"]:
+    for case in spec["runs"]:
         if case.get("refused"):
             results["runs"][case["name"]] = refused_run(case, world_size)
             continue

@@ -131,7 +131,8 @@ def train(case: dict, workdir: Path, world_size: int) -> dict:
         default_root_dir=workdir / case.get("root", case["name"]),
         strategy=(lightning_ulysses.UlyssesFSDPStrategy(sequence_parallel_size=case["sp"])
                   if case.get("backend") == "fsdp2"
-                  else lightning_ulysses.UlyssesDeepSpeedStrategy(sequence_parallel_size=case["sp"], stage=3)),
+                  else lightning_ulysses.UlyssesDeepSpeedStrategy(sequence_parallel_size=case["sp"],
+                                                                  stage=case.get("stage", 3))),
     )
     loader = DataLoader(FullyLabelledTokens(), batch_size=case["batch_size"], shuffle=True, collate_fn=collate)
     ckpt_path = case.get("resume")
@@ -161,6 +162,7 @@ def train(case: dict, workdir: Path, world_size: int) -> dict:
         "global_step": trainer.global_step,
         "current_epoch": trainer.current_epoch,
         "cluster_environment": type(trainer.strategy.cluster_environment).__name__,
+        "token_mixers": getattr(module, "token_mixers", None),  # how a hybrid's mixers trained (CaptureWeights)
     }
 
 

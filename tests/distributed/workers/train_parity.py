@@ -319,6 +319,25 @@ def refused_run(module, trainer, loader) -> dict:
     return {"refusal": refusal, "steps_before_refusal": len(module.records), "weights_unchanged": unchanged}
 
 
+@contextlib.contextmanager
+def sampler_seed(seed: int | None):
+    """Lightning's DistributedSampler draws each epoch's order from `PL_GLOBAL_SEED`, which whatever job of the shared
+    launch last called `seed_everything` set (the dropout job 7, the resume worker 0): a case whose settings depend on
+    its samples (a clipping threshold between measured gradient norms) pins it for its run; None leaves it alone."""
+    if seed is None:
+        yield
+        return
+    previous = os.environ.get("PL_GLOBAL_SEED")
+    os.environ["PL_GLOBAL_SEED"] = str(seed)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["PL_GLOBAL_SEED"]
+        else:
+            os.environ["PL_GLOBAL_SEED"] = previous
+
+
 def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None,
              callbacks: tuple[L.Callback, ...] = ()) -> dict:
     kind, pretrained = case.get("model", "llama"), None
@@ -371,7 +390,8 @@ def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None,
     evaluate = case.get("trainer_kwargs", {}).get("val_check_interval") is not None
     if case.get("refused"):  # expected to stop at its first backward
         return refused_run(module, trainer, loader)
-    trainer.fit(module, loader, loader if evaluate else None)
+    with sampler_seed(case.get("sampler_seed")):
+        trainer.fit(module, loader, loader if evaluate else None)
     weights = module.final_weights
     path = str(Path(case["workdir"]) / f"{case['name']}.ckpt")
     if case.get("validate_from_checkpoint") or case.get("checkpoint_export"):

@@ -7,7 +7,8 @@ GPT-Neo does not scale its scores (scale 1) and its "local" layers see the `wind
 
 from __future__ import annotations
 
-from lightning_ulysses.adapters.registry import InlineAttention, register_inline
+from lightning_ulysses.adapters.registry import Family, InlineAttention, register
+from lightning_ulysses.fences import _transformers_private as transformers_private
 
 
 def _forward(module, attend, hidden_states, attention_mask=None, layer_past=None, use_cache=False,
@@ -15,7 +16,8 @@ def _forward(module, attend, hidden_states, attention_mask=None, layer_past=None
     if output_attentions:
         raise NotImplementedError("GPT-Neo under sequence parallelism returns no attention weights: call the model"
                                   " with output_attentions=False.")
-    query, key, value = (module._split_heads(projection(hidden_states), module.num_heads, module.head_dim)
+    query, key, value = (transformers_private.gpt_neo_split_heads(module, projection(hidden_states), module.num_heads,
+                                                                  module.head_dim)
                          for projection in (module.q_proj, module.k_proj, module.v_proj))
     if layer_past is not None:
         key, value = layer_past.update(key, value, module.layer_id)
@@ -33,10 +35,13 @@ def _refusal(config, backend, ring_size):
     return None
 
 
-register_inline(InlineAttention(
-    name="gpt_neo_attention",
+register(Family(
+    name="gpt_neo",
     model_types=frozenset({"gpt_neo"}),
-    applies=lambda module: type(module).__name__ in ("GPTNeoSelfAttention", "GPTNeoFlashAttention2"),
-    forward=_forward,
-    refusal=_refusal,
+    inline_attention=InlineAttention(
+        name="gpt_neo_attention",
+        applies=lambda module: type(module).__name__ in ("GPTNeoSelfAttention", "GPTNeoFlashAttention2"),
+        forward=_forward,
+        refusal=_refusal,
+    ),
 ))

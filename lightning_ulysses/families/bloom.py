@@ -14,7 +14,8 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from lightning_ulysses.adapters.registry import InlineAttention, register_inline
+from lightning_ulysses.adapters.registry import Family, InlineAttention, register
+from lightning_ulysses.fences import _transformers_private as transformers_private
 
 
 def _forward(module, attend, hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
@@ -22,10 +23,10 @@ def _forward(module, attend, hidden_states, residual, alibi, attention_mask, lay
     if output_attentions:
         raise NotImplementedError("BLOOM under sequence parallelism returns no attention weights: call the model"
                                   " with output_attentions=False.")
-    query, key, value = module._reshape(module.query_key_value(hidden_states))
+    query, key, value = transformers_private.bloom_split_qkv(module, module.query_key_value(hidden_states))
     if layer_past is not None:
         key, value = layer_past.update(key, value, module.layer_idx)
-    slopes = inspect.getmodule(type(module))._get_alibi_slopes(module.num_heads, hidden_states.device)
+    slopes = transformers_private.bloom_alibi_slopes(module, module.num_heads, hidden_states.device)
     context = attend(query, key, value, scale=module.inv_norm_factor, alibi_slopes=slopes, alibi_counts_padding=False,
                      dropout=module.attention_dropout.p if module.training else 0.0)
     context = context.reshape(*context.shape[:2], module.hidden_size)
@@ -41,10 +42,13 @@ def _forward(module, attend, hidden_states, residual, alibi, attention_mask, lay
     return output, None
 
 
-register_inline(InlineAttention(
-    name="bloom_alibi",
+register(Family(
+    name="bloom",
     model_types=frozenset({"bloom"}),
-    applies=lambda module: type(module).__name__ == "BloomAttention",
-    forward=_forward,
-    alibi=True,
+    inline_attention=InlineAttention(
+        name="bloom_alibi",
+        applies=lambda module: type(module).__name__ == "BloomAttention",
+        forward=_forward,
+        alibi=True,
+    ),
 ))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_ulysses.adapters.registry import FamilyAdapter, register
+from lightning_ulysses.adapters.registry import Family, FamilyAdapter, register
 
 
 def _temperature(module: torch.nn.Module, positions: torch.Tensor) -> torch.Tensor:
@@ -22,8 +22,14 @@ def _adjust_query(module, query, local, global_):
     return (query * ratio.view(1, 1, -1, 1)).to(query.dtype)
 
 
-register(FamilyAdapter(
-    name="llama4_temperature",
-    applies=lambda module: bool(getattr(module, "attn_temperature_tuning", False)) and not getattr(module, "use_rope", True),
-    adjust_query=_adjust_query,
+register(Family(
+    name="llama4",
+    model_types=frozenset({"llama4", "llama4_text"}),
+    # found by the module's own settings (whatever its model's type): the NoPE layers with temperature tuning
+    query_adjustment=FamilyAdapter(
+        name="llama4_temperature",
+        applies=lambda module: (bool(getattr(module, "attn_temperature_tuning", False))
+                                and not getattr(module, "use_rope", True)),
+        adjust_query=_adjust_query,
+    ),
 ))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 
-from lightning_ulysses.adapters.registry import InlineAttention, register_inline
+from lightning_ulysses.adapters.registry import Family, InlineAttention, register
 
 
 def _forward(module, attend, hidden_states, position_bias, cache=None, attention_mask=None, **kwargs):
@@ -29,10 +29,13 @@ def _forward(module, attend, hidden_states, position_bias, cache=None, attention
     return module.out_proj(context.reshape(batch, length, -1)), None
 
 
-register_inline(InlineAttention(
-    name="mpt_alibi",
+register(Family(
+    name="mpt",
     model_types=frozenset({"mpt"}),
-    applies=lambda module: type(module).__name__ == "MptAttention",
-    forward=_forward,
-    alibi=True,
+    inline_attention=InlineAttention(
+        name="mpt_alibi",
+        applies=lambda module: type(module).__name__ == "MptAttention",
+        forward=_forward,
+        alibi=True,
+    ),
 ))

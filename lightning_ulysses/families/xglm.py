@@ -7,7 +7,7 @@ Cross-attention (`add_cross_attention`) attends to an encoder's sequence, which 
 
 from __future__ import annotations
 
-from lightning_ulysses.adapters.registry import InlineAttention, register_inline
+from lightning_ulysses.adapters.registry import Family, InlineAttention, register
 
 
 def _forward(module, attend, hidden_states, key_value_states=None, cache=None, attention_mask=None, **kwargs):
@@ -31,10 +31,13 @@ def _refusal(config, backend, ring_size):
     return None
 
 
-register_inline(InlineAttention(
-    name="xglm_attention",
+register(Family(
+    name="xglm",
     model_types=frozenset({"xglm"}),
-    applies=lambda module: type(module).__name__ == "XGLMAttention",
-    forward=_forward,
-    refusal=_refusal,
+    inline_attention=InlineAttention(
+        name="xglm_attention",
+        applies=lambda module: type(module).__name__ == "XGLMAttention",
+        forward=_forward,
+        refusal=_refusal,
+    ),
 ))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_ulysses.adapters.registry import PositionRule, register_position_rule
+from lightning_ulysses.adapters.registry import Family, PositionRule, register
 
 
 def _real_token_positions(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -20,8 +20,8 @@ def _real_token_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(mask, dim=1) * mask - 1
 
 
-register_position_rule(PositionRule(
-    name="real tokens only (OPT)",
+register(Family(
+    name="opt",
     model_types=frozenset({"opt"}),
-    positions=_real_token_positions,
+    position_rule=PositionRule(name="real tokens only (OPT)", positions=_real_token_positions),
 ))

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import inspect
 
-from lightning_ulysses.adapters.registry import InlineAttention, register_inline
+from lightning_ulysses.adapters.registry import Family, InlineAttention, register
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,10 +94,13 @@ def _refusal(config, backend, ring_size):
     return None
 
 
-register_inline(InlineAttention(
-    name="falcon_attention",
+register(Family(
+    name="falcon",
     model_types=frozenset({"falcon"}),
-    applies=lambda module: type(module).__name__ in ("FalconAttention", "FalconFlashAttention2"),
-    forward=_forward,
-    refusal=_refusal,
+    inline_attention=InlineAttention(
+        name="falcon_attention",
+        applies=lambda module: type(module).__name__ in ("FalconAttention", "FalconFlashAttention2"),
+        forward=_forward,
+        refusal=_refusal,
+    ),
 ))
