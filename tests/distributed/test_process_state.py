@@ -1,5 +1,5 @@
-"""Runs leave the process as they found it (issue 44): one process (the shared 2-rank launch, SP 2) trains ZeRO-3,
-has a ZeRO-3 run refused at its first backward, trains ZeRO-2, then takes a plain torch SGD step; each is exact
+"""Runs leave the process as they found it (issue 44): one process (2 ranks, SP 2) trains ZeRO-3,
+has a ZeRO-3 run refused in its first step, trains ZeRO-2, then takes a plain torch SGD step; each is exact
 against a process that ran nothing before it, and finds the process-wide state as such a process has it.
 
 Under ZeRO-3 Lightning builds the model inside DeepSpeed's `zero.Init`, which replaces `torch.nn.functional.linear`
@@ -27,7 +27,9 @@ TRAINED = [
 REFUSED = _case(2, 2, 3, "mqa", suffix="-gpt-refused", model="gpt", refused=True, steps=1)
 CASES = [TRAINED[0], REFUSED, TRAINED[1]]
 PLAIN_STEP = {"model": "gpt", "kv_heads": 1, "seq_len": 16, "lr": 0.5, "samples": [0, 1]}
-JOB = shared(2, "process_state", WORKER, {"runs": CASES, "plain_step": PLAIN_STEP})  # the shared 2-rank launch
+# One launch for the whole job (its runs must share a process): "runs", not "cases", which pool.py would launch
+# one by one, each on fresh ranks.
+JOB = shared(2, "process_state", WORKER, {"runs": CASES, "plain_step": PLAIN_STEP})
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Worker: several runs in one process, then plain torch, each recording what it found of the process-wide state.
 
-The runs (train_parity's `run_case`, in the spec's order), a run refused at its first backward (the exception path)
+The runs (train_parity's `run_case`, in the spec's order), a run refused in its first step (the exception path)
 among them, then one plain torch SGD step on the reference model (no Lightning, no DeepSpeed). Recorded: the process
 state (`process_state()`) before everything, while each run trains and after each run; the plain step's loss,
 weights and autograd nodes. `tests/distributed/test_process_state.py` compares them with a process that ran nothing.
@@ -66,7 +66,7 @@ class Observed(L.Callback):
 
 
 def refused_run(case: dict, world_size: int) -> dict:
-    """A run that raises at its first backward (a loss of the shard alone, `hand_written` at SP 2): what it said."""
+    """A run that raises in its first step (a loss of the shard alone, `hand_written` at SP 2): what it said."""
     module = CausalLM(num_key_value_heads=case["kv_heads"], kind=case["model"], step="hand_written")
     trainer = L.Trainer(accelerator="cpu", devices=world_size, max_steps=case["steps"], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
