@@ -110,6 +110,7 @@ class UlyssesFSDPStrategy(SequenceParallelHooks, ModelParallelStrategy):
     # -- environment, groups and meshes -------------------------------------------------------------------------
     @override
     def setup_environment(self) -> None:
+        self._enter_process_state()
         # The run on its layout, refused before the process group exists (every rank alike).
         layout = self.runtime.parallel.layout(self.world_size, self.num_processes)
         run = self._requested_run.with_layout(layout, precision=str(self.precision_plugin.precision),

@@ -155,13 +155,14 @@ class ParallelRun:
         e.g. validate after fit, builds them again): otherwise every Trainer of a process leaves its groups registered
         for good (gloo: a connection thread each; NCCL: communicators and their GPU memory). On every rank alike, after
         a `barrier` (no collective on them is pending anywhere), in creation order (`SequenceParallelGroups.release`);
-        DeepSpeed forgets the engine's `mpu` first. Not after a run that raised on a rank of a multi-rank job: the
-        ranks may not all get here (the others leave through `faults`), and the barrier would wait for them."""
+        DeepSpeed forgets the engine's `mpu` first, after every run (local: no collective). The groups are not
+        destroyed after a run that raised on a rank of a multi-rank job: the ranks may not all get here (the others
+        leave through `faults`), and the barrier would wait for them."""
+        engine.forget_mpu(self.mpu)  # set when the engine started (`engine.initialize`)
+        self.mpu = None
         groups = self.groups
         if groups is None or groups.released or (self.failed and world_size > 1):
             return
-        engine.forget_mpu(self.mpu)  # set when the engine started (`engine.initialize`)
-        self.mpu = None
         if world_size > 1:
             barrier("lightning_ulysses.release_groups")
         groups.release()  # sizes and ranks stay readable (`groups`), the groups do not

@@ -10,6 +10,8 @@ FSDP2's `fully_shard`) around one runtime, which owns every collaborator both ne
   and the logged values): what the ranks of an SP group must agree on, compared by value;
 - `random_streams` (`rng.SequenceParallelRNG`), `checkpoints` (`checkpoint.resume.StrategyCheckpoints`) and
   `faults` (`faults.RunFaults`: signals, requeue, the rank watchdog);
+- `process_state` (`process_state.ProcessWideState`): what a run replaces for the whole process, put back at its
+  teardown;
 - `micro_batches_accumulated`: micro-batches whose gradients are held without a step yet (a checkpoint saved inside
   an accumulation window records it, and a resume from it is refused).
 
@@ -30,6 +32,7 @@ from lightning_ulysses.integration import console, faults
 from lightning_ulysses.integration.checkpoint.resume import StrategyCheckpoints
 from lightning_ulysses.integration.logged_values import PerRankValues, SameValueCheck
 from lightning_ulysses.integration.parallel_run import ParallelRun
+from lightning_ulysses.integration.process_state import ProcessWideState
 from lightning_ulysses.integration.rng import SequenceParallelRNG
 from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.planning import auto
@@ -66,6 +69,8 @@ class UlyssesRuntime:
         # Atomic saves with a manifest, exact resume (data position, random streams) at the same or another split.
         self.checkpoints = StrategyCheckpoints(strategy, self.random_streams, quiet=quiet_third_party)
         self.micro_batches_accumulated = 0
+        # What a run replaces for the whole process (DeepSpeed's linear, the allocator's setting), as it was found.
+        self.process_state = ProcessWideState()
 
     def count_micro_batch(self, ends_window: bool) -> None:
         """One more micro-batch's gradients held, or none once its window ends (its step follows)."""

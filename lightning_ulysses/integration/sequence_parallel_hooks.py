@@ -31,6 +31,7 @@ from lightning_ulysses.fences import _lightning_private as lightning_private
 from lightning_ulysses.integration import faults, preparation
 from lightning_ulysses.integration.rng import seed_workers_by_data_parallel_rank
 from lightning_ulysses.integration.runtime import UlyssesRuntime
+from lightning_ulysses.memory import apply_allocator_settings
 from lightning_ulysses.parallel.layout import SequenceParallelGroups
 from lightning_ulysses.parallel.run_spec import RunSpec
 from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss
@@ -318,17 +319,29 @@ class SequenceParallelHooks:
     # -- the run's end --------------------------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
-        self.runtime.parallel.end()  # the user's models leave the Trainer with their own attention and loss again
-        self.runtime.checkpoints.end_resume()  # a resumed run that trained no batch
-        # While the watchdog runs: a rank lost at the barrier is named, not waited for.
-        self.runtime.parallel.release(self.world_size, self.barrier)
-        self.runtime.faults.stop_watchdog()
-        super().teardown()
-        self._release_backend()
+        try:
+            self.runtime.parallel.end()  # the user's models leave the Trainer with their own attention and loss again
+            self.runtime.checkpoints.end_resume()  # a resumed run that trained no batch
+            # While the watchdog runs: a rank lost at the barrier is named, not waited for.
+            self.runtime.parallel.release(self.world_size, self.barrier)
+            self.runtime.faults.stop_watchdog()
+            super().teardown()
+            self._release_backend()
+        finally:
+            # Also when a step above raised (Lightning tears down after an exception too): DeepSpeed's linear in
+            # place of torch's, the allocator's setting (`process_state.py`).
+            self.runtime.process_state.restore()
         self.runtime.faults.after_teardown(self.launcher, self.is_global_zero)  # a preemption: the job's exit, one line
 
     def _release_backend(self) -> None:
         """What the backend keeps after Lightning's teardown, released."""
+
+    def _enter_process_state(self) -> None:
+        """First in the backend's `setup_environment` (every run's first hook, before `configure_model` and before
+        this rank initialises CUDA): the process as this run finds it, put back at its teardown (`process_state.py`),
+        and the allocator's setting (AutoMemory has the field too), undone there."""
+        self.runtime.process_state.take()
+        self.runtime.process_state.add_undo(apply_allocator_settings(self.memory))
 
     # -- data ---------------------------------------------------------------------------------------------------
     @override

@@ -33,7 +33,7 @@ from lightning_ulysses.integration.notebook import check_start_method, configure
 from lightning_ulysses.integration.logged_values import PerRankValues
 from lightning_ulysses.integration.runtime import UlyssesRuntime
 from lightning_ulysses.integration.sequence_parallel_hooks import SequenceParallelHooks
-from lightning_ulysses.memory import MemoryOptions, apply_allocator_settings
+from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.parallel.run_spec import RunSpec, deep_merge, inference_config, read_sequence_parallel_size
 from lightning_ulysses.planning import auto, preflight
 
@@ -133,7 +133,7 @@ class UlyssesDeepSpeedStrategy(SequenceParallelHooks, DeepSpeedStrategy):
 
     @override
     def setup_environment(self) -> None:
-        apply_allocator_settings(self.memory)  # before this rank initialises CUDA (AutoMemory has the field too)
+        self._enter_process_state()
         if isinstance(self.accelerator, CUDAAccelerator):
             super().setup_environment()
         else:

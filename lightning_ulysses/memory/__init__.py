@@ -130,13 +130,30 @@ class MemoryOptions:
                 or self.fused_elementwise)
 
 
-def apply_allocator_settings(options: MemoryOptions) -> None:
-    """Expandable segments for the CUDA caching allocator; an explicit `PYTORCH_CUDA_ALLOC_CONF` wins."""
-    if not options.expandable_segments or "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
-        return
-    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # read when CUDA initialises
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch_private.set_allocator_settings("expandable_segments:True")
+_ALLOCATOR_VARIABLE = "PYTORCH_CUDA_ALLOC_CONF"
+_EXPANDABLE = "expandable_segments:True"
+
+
+def apply_allocator_settings(options: MemoryOptions) -> Callable[[], None]:
+    """Expandable segments for the CUDA caching allocator; an explicit `PYTORCH_CUDA_ALLOC_CONF` wins. Returns what
+    puts the variable and the allocator back as they were (the run's teardown calls it: a later run without the
+    option, or plain torch code in the process, then allocates as in a process that never set it)."""
+    if not options.expandable_segments or _ALLOCATOR_VARIABLE in os.environ:
+        return lambda: None
+    os.environ[_ALLOCATOR_VARIABLE] = _EXPANDABLE  # read when CUDA initialises
+    _set_expandable_segments(True)
+    return _undo_allocator_settings
+
+
+def _undo_allocator_settings() -> None:
+    if os.environ.get(_ALLOCATOR_VARIABLE) == _EXPANDABLE:  # (unless someone set it since)
+        del os.environ[_ALLOCATOR_VARIABLE]
+        _set_expandable_segments(False)
+
+
+def _set_expandable_segments(enabled: bool) -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # else the variable is read when CUDA starts
+        torch_private.set_allocator_settings(f"expandable_segments:{enabled}")
 
 
 def _takes_hidden_states_only(mlp: nn.Module) -> bool:

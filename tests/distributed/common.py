@@ -361,13 +361,3 @@ def _hand_written_aux_step(module, batch):
 STEP_FORMS = {"batch": _batch_step, "labels_are_input_ids": _labels_are_input_ids_step,
               "built_labels": _built_labels_step, "own_loss": _own_loss_step, "hand_written": _hand_written_step,
               "hand_written_aux": _hand_written_aux_step}
-
-
-def torchs_own_linear() -> None:
-    """A case as if launched alone (an FSDP2 case; a family's work counted): DeepSpeed's `zero.Init` (an earlier
-    ZeRO-3 case's `configure_model` in this process) replaced `torch.nn.functional.linear` process-wide with its ZeRO-3 linear, which adds the bias in place
-    (then a biased linear keeps no product), and leaves it so ("This will persist unless manually reset": deepspeed
-    0.19 `partition_parameters.py` `_enable_mem_efficient_linear`, which saved torch's as `linear_bk`)."""
-    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
-
-    torch.nn.functional.linear = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", torch.nn.functional.linear)

@@ -108,6 +108,9 @@ def zero3_init(monkeypatch):
     skip_shared_memory_all_reduce_build()
     deepspeed.init_distributed(dist_backend="gloo")
     config = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1}
+    # `zero.Init` leaves its ZeRO-3 linear in place of torch's for the rest of the process (integration/process_state.py):
+    # put torch's back afterwards, for the tests that follow in this process
+    monkeypatch.setattr(torch.nn.functional, "linear", torch.nn.functional.linear)
     yield lambda: deepspeed.zero.Init(config_dict_or_path=config, remote_device="cpu")
     torch.distributed.destroy_process_group()
 

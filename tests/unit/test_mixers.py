@@ -4,11 +4,13 @@ heads) each rank's heads read when they split unevenly.
 
 One process at SP 1, where a declared split is installed too: a row of one document runs through the mixer itself
 (its fused kernel kept), packed rows through the local view and its stand-ins, one document at a time, as at any SP
-size; exactness over several ranks is the matrix's (tests/distributed/test_families.py).
+size; exactness over several ranks is the matrix's (tests/distributed/test_families.py). Also the matrix's own
+whole-rows reference of a mixer: one copy of the layer run twice starts each time as a fresh copy does.
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 
 import pytest
@@ -16,7 +18,9 @@ import torch
 
 from lightning_ulysses.hf import token_mixer_modules
 from lightning_ulysses.mixers import install_mixers, left_on_whole_rows, mamba2, split_of, why_on_whole_rows
-from tests.distributed.families import family_model, tiny_model
+from lightning_ulysses.mixers.kernels import LinearTimeKernels
+from tests.distributed.families import FAMILIES, SEQ_LEN, family_model, tiny_model
+from tests.distributed.workers.families import _call_kwargs, _first, _on_whole_rows, _outermost_mixer_kinds, _Work
 
 MAMBA2_FAMILIES = ("mamba2", "bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2")
 # Rows of 8 tokens packing two documents of 4: the model's positions restart (what routes a mixer through its view).
@@ -182,3 +186,35 @@ def test_gated_deltanet_value_heads_split_unevenly_with_the_key_heads_they_read(
                      *range(start + 2 * key + within * value, start + 2 * key + (within + 1) * value),  # the value
                      *range(start + 2 * key + (3 + within) * value, start + 2 * key + (4 + within) * value)]  # gate
     assert channels.tolist() == expected
+
+
+# Every family whose mixers the matrix checks layer by layer (test_families.py `MIXER_FAMILIES`), and an uneven one.
+MIXER_FAMILIES = (*(name for name, settings in FAMILIES.items() if "mixers" in settings), "recurrent_gemma@uneven")
+
+
+@pytest.mark.parametrize("family", MIXER_FAMILIES)
+def test_the_matrix_reference_runs_one_copy_of_a_mixer_twice_as_two_fresh_copies(family):
+    """The family matrix's whole-rows reference of a mixer (workers/families.py `_on_whole_rows`) runs one copy of the
+    layer twice: transformers' kernels, then ours with the work counted. Both runs start as a fresh copy does: the
+    first gives a fresh copy's output and input gradient, the second counts a fresh copy's work (measured, transformers
+    5.25.0: every mixer family but one, on one copy called as transformers calls it, runs twice alike). RecurrentGemma's
+    recurrent block, called with its default `use_cache=True`, keeps its final states (and their graph) on itself and
+    starts its next call from them: its second run's backward met the first's freed graph, the failure once blamed on
+    Mamba2 (docs/internals.md, "RecurrentGemma's recurrent block")."""
+    model = family_model(family)
+    for path, module in _outermost_mixer_kinds(model).values():
+        hidden, weights, expected, whole_grad, work = _on_whole_rows(module, model, seed=11)
+        assert hidden.shape[1] == SEQ_LEN
+        fresh, whole = copy.deepcopy(module), hidden.clone().requires_grad_(True)
+        output = _first(fresh(whole, **_call_kwargs(fresh, whole)))  # (a fresh copy: no state, whatever its cache)
+        (output * weights).sum().backward()
+        assert torch.equal(output, expected) and torch.equal(whole.grad, whole_grad), path
+        fresh, again = copy.deepcopy(module), hidden.clone().requires_grad_(True)
+        with LinearTimeKernels(type(fresh)).in_place(), _Work(fresh) as fresh_work:
+            (_first(fresh(again, **_call_kwargs(fresh, again))) * weights).sum().backward()
+        # FLOPs and rows; not the saved bytes, which `_Work` keys by storage address: a storage freed inside the
+        # forward whose address a later saved tensor reuses counts once, as the allocator's history falls (seen once,
+        # after four other test files: BailingHybridDeltaAttention 6,504,144 against 6,487,760 bytes; equal alone).
+        counted, fresh_counted = work.totals(), fresh_work.totals()
+        assert (counted["flops"], counted["rows"]) == (fresh_counted["flops"], fresh_counted["rows"]), path
+

@@ -31,7 +31,7 @@ from lightning_ulysses.mixers.channels import unit_range
 from lightning_ulysses.mixers.kernels import LinearTimeKernels
 from lightning_ulysses.parallel.layout import ParallelLayout, SequenceParallelGroups, ShardOrder
 from lightning_ulysses.training.loss import SequenceParallelCausalLMLoss
-from tests.distributed.common import relative_gradient_error, torchs_own_linear
+from tests.distributed.common import relative_gradient_error
 from tests.distributed.families import SEQ_LEN, VOCAB, tiny_model
 
 
@@ -192,18 +192,21 @@ def _outermost_mixer_kinds(pristine) -> dict:
 def _on_whole_rows(module, pristine, seed: int):
     """A mixer's reference: hidden states and output weights drawn from `seed`, a copy of the layer run on the whole
     rows in one process as transformers runs it: (hidden, weights, output, input gradient, work). The work is counted
-    in a second run with our kernels where a split runs them (mixers/kernels.py: Mamba2's blockwise scan recomputes
-    its forward in backward), so that what a split's ranks do is compared with the same computation on whole rows."""
+    in a second run of the same copy with our kernels where a split runs them (mixers/kernels.py: Mamba2's blockwise
+    scan recomputes its forward in backward), so that what a split's ranks do is compared with the same computation
+    on whole rows. Both runs go without a cache, as the models' references do (`without_cache`): a layer that keeps
+    its cache on itself would otherwise start its second run from the first's final state (docs/internals.md,
+    "RecurrentGemma's recurrent block")."""
     generator = torch.Generator().manual_seed(seed)
     hidden = torch.randn(2, SEQ_LEN, pristine.config.get_text_config().hidden_size, generator=generator)
     weights = torch.randn(2, SEQ_LEN, 1, generator=generator)
     whole = hidden.clone().requires_grad_(True)
     reference = copy.deepcopy(module)
-    expected = _first(reference(whole, **_call_kwargs(reference, whole)))
+    expected = _first(reference(whole, **_call_kwargs(reference, whole), **without_cache(reference)))
     (expected * weights).sum().backward()
-    again, counted = hidden.clone().requires_grad_(True), copy.deepcopy(module)
-    with LinearTimeKernels(type(counted)).in_place(), _Work(counted) as work:
-        output = _first(counted(again, **_call_kwargs(counted, again)))
+    again = hidden.clone().requires_grad_(True)
+    with LinearTimeKernels(type(reference)).in_place(), _Work(reference) as work:
+        output = _first(reference(again, **_call_kwargs(reference, again), **without_cache(reference)))
         (output * weights).sum().backward()
     return hidden, weights, expected, whole.grad, work
 
@@ -406,7 +409,6 @@ def main():
 def run(spec: dict, workdir: Path) -> None:
     if not dist.is_initialized():  # a part of a shared launch (workers/parts.py) may find it set up
         dist.init_process_group("gloo")
-    torchs_own_linear()  # the work counted (saved bytes, products) as in a launch of its own
     import transformers
 
     output = {"families": {}, "seconds": {}, "transformers_version": transformers.__version__}

@@ -18,8 +18,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import lightning_ulysses
-from tests.distributed.common import (CausalLM, UnevenlyMaskedTokens, collate, save_pretrained_once, settle_heap,
-                                      torchs_own_linear)
+from tests.distributed.common import CausalLM, UnevenlyMaskedTokens, collate, save_pretrained_once, settle_heap
 from tests.distributed.packed import PackedDocuments
 
 DATASETS = {"uneven": UnevenlyMaskedTokens, "packed": PackedDocuments}  # case["data"], "uneven" by default
@@ -339,7 +338,8 @@ def sampler_seed(seed: int | None):
             os.environ["PL_GLOBAL_SEED"] = previous
 
 
-def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None) -> dict:
+def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None,
+             callbacks: tuple[L.Callback, ...] = ()) -> dict:
     kind, pretrained = case.get("model", "llama"), None
     if kind.startswith("pretrained"):  # the model the reference starts from, saved; the module loads it
         pretrained = str(Path(case["workdir"]) / f"{case['name']}.pretrained")
@@ -364,7 +364,6 @@ def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None) 
         free_memory = case["free_memory_by_rank"][int(os.environ["RANK"])]
         strategy_kwargs["memory"] = dict(strategy_kwargs["memory"], free_memory=free_memory)
     if case.get("backend") == "fsdp2":  # the same module on FSDP2 (tests/distributed/test_fsdp.py)
-        torchs_own_linear()
         strategy = lightning_ulysses.UlyssesFSDPStrategy(sequence_parallel_size=case["sp"], **strategy_kwargs)
     else:
         strategy = lightning_ulysses.UlyssesDeepSpeedStrategy(
@@ -379,7 +378,7 @@ def run_case(case: dict, world_size: int, recorder: RecordGroups | None = None) 
         accelerator="cpu", devices=case.get("devices", world_size), num_nodes=case.get("num_nodes", 1), strategy=strategy, precision=case.get("precision", "32-true"),
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[CaptureWeights(), CountAttentionRuns(), CountReplayedOutputs(), recorder, *_export(case), *saves,
-                   *([CaptureLoaded()] if case.get("check_loading") else [])], **length,
+                   *([CaptureLoaded()] if case.get("check_loading") else []), *callbacks], **length,
         **case.get("trainer_kwargs", {}),
     )
     batch_size = case["batch_size"]
