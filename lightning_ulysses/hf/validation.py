@@ -9,6 +9,8 @@ import re
 from typing import Any, Optional
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers import PreTrainedModel
 
 from lightning_ulysses.adapters.registry import (attention_the_exchange_cannot_carry, encoder_model_types,
@@ -201,12 +203,30 @@ def _unswitchable_message(model: PreTrainedModel, module: torch.nn.Module) -> st
     )
 
 
+# The oldest transformers the suite has run on (pyproject.toml's floor, docs/versions.md). Below it the package's
+# swaps are not all reached: on 5.17 Nemotron-H's Mamba2 mixer calls transformers' own scan (quadratic in the row)
+# through its kernel wrapper while ours reports itself bound (measured on an H100, 2026-12-07); on 5.24 a split
+# Falcon-H1 mixer fails in transformers' own reshape.
+VERIFIED_TRANSFORMERS = "5.25"
+
+
+def refuse_unverified_transformers(installed: str) -> None:
+    """Refuse a transformers older than `VERIFIED_TRANSFORMERS` (the same answer on every rank: one installation)."""
+    if Version(installed).release[:2] < Version(VERIFIED_TRANSFORMERS).release:
+        raise RuntimeError(
+            f"lightning_ulysses prepares Hugging Face models on transformers>={VERIFIED_TRANSFORMERS} only; this"
+            f" process has transformers {installed}, on which some families' layers are not where the package"
+            f" replaces them (they would run transformers' own, e.g. Nemotron-H's quadratic Mamba2 scan on 5.17)."
+            f" Install the verified version: pip install 'transformers>={VERIFIED_TRANSFORMERS},<5.26'.")
+
+
 def validate_hf_model(model: PreTrainedModel, sequence_parallel_size: int, ring_size: int = 1) -> str:
     """Check that `model` can run Ulysses attention at this SP size (`sequence_parallel_size` ranks splitting heads,
     times `ring_size` in a ring); returns its attention backend.
 
     Everything here reads the model and its config only (no communication), so a refusal happens on every rank
     alike before any collective."""
+    refuse_unverified_transformers(transformers.__version__)
     backend = attention_implementation(model.config)
     sharded = sequence_parallel_size * ring_size > 1
     if sharded:

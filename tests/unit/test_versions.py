@@ -50,3 +50,25 @@ def test_every_requirement_has_a_floor():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     for requirement in map(Requirement, project["dependencies"]):
         assert requirement.name in names, f"{requirement}: no lower bound"
+
+
+def test_hugging_face_models_are_refused_below_the_verified_transformers(monkeypatch):
+    """A model prepared on an older transformers than the floor is refused before anything is swapped (on 5.17 a
+    Nemotron-H model ran transformers' own quadratic scan while ours reported itself bound)."""
+    import transformers
+
+    from lightning_ulysses.hf import validation
+    from tests.distributed.common import tiny_llama
+
+    floors = dict(_floors())
+    assert Version(validation.VERIFIED_TRANSFORMERS) == floors["transformers"]  # one floor, pyproject's
+    model = tiny_llama(2)
+    assert validation.validate_hf_model(model, 2) in ("sdpa", "eager")  # the installed one passes
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    with pytest.raises(RuntimeError, match=r"transformers 5\.17\.0.*pip install 'transformers>=5\.25,<5\.26'"):
+        validation.validate_hf_model(model, 2)
+    monkeypatch.setattr(transformers, "__version__", "5.24.0")
+    with pytest.raises(RuntimeError, match="transformers 5.24.0"):
+        validation.validate_hf_model(model, 1)  # SP 1 too: the swaps of the memory features are the same
+    monkeypatch.setattr(transformers, "__version__", "5.25.1")
+    validation.validate_hf_model(model, 2)
