@@ -216,7 +216,7 @@ def refuse_unverified_transformers(installed: str) -> None:
         raise RuntimeError(
             f"lightning_ulysses prepares Hugging Face models on transformers>={VERIFIED_TRANSFORMERS} only; this"
             f" process has transformers {installed}, on which some families' layers are not where the package"
-            f" replaces them (they would run transformers' own, e.g. Nemotron-H's quadratic Mamba2 scan on 5.17)."
+            f" replaces them (they would run transformers' own: on 5.17 a state-space scan quadratic in the row)."
             f" Install the verified version: pip install 'transformers>={VERIFIED_TRANSFORMERS},<5.26'.")
 
 
