@@ -283,8 +283,8 @@ def main() -> None:
             if cap() <= 10:
                 emit(shape, "recipe_auto", length, {"status": "not run: the call's time budget is spent"})
                 continue
-            emit(shape, "recipe_auto", length, recipe_point(shape, length, args.tiny, args.steps, cap(), out,
-                                                                args.split))
+            steps = min(args.steps, 1) if longest and length == longest[0] else args.steps  # the longest row: 1
+            emit(shape, "recipe_auto", length, recipe_point(shape, length, args.tiny, steps, cap(), out, args.split))
 
 
 if __name__ == "__main__":

@@ -23,12 +23,12 @@ case "$1" in
       | tee "$out/ssd_scan.jsonl"
     stage "hybrid_auto qwen3_next"
     python3 benchmarks/hybrid_auto.py --shapes qwen3_next --lengths 32768 131072 --split --point-cap 150 \
-      --budget "${BUDGET:-330}" --out "$work" 2>>"$work/hybrid_auto.err" | tee "$out/hybrid_auto.jsonl" | cut -c1-400
+      --budget "${BUDGET:-300}" --out "$work" 2>>"$work/hybrid_auto.err" | tee "$out/hybrid_auto.jsonl" | cut -c1-400
     ;;
   nemotron)
     stage "hybrid_auto nemotron_h"
     python3 benchmarks/hybrid_auto.py --shapes nemotron_h --lengths 32768 131072 262144 --longest --split \
-      --point-cap 170 --budget "${BUDGET:-500}" --out "$work" 2>>"$work/hybrid_auto.err" \
+      --point-cap 170 --budget "${BUDGET:-450}" --out "$work" 2>>"$work/hybrid_auto.err" \
       | tee "$out/hybrid_auto.jsonl" | cut -c1-400
     ;;
   fsdp)
