@@ -48,8 +48,9 @@ def _config(shape: str, seq: int):
 
 
 def train(backend: str, shape: str, seq: int, steps: int, warmup: int, on_cuda: bool,
-          memory: dict | None = None) -> list[float]:
-    """One run: `warmup + steps` optimizer steps of one sequence of `seq` tokens; the measured steps' times."""
+          memory: dict | None = None, applied: dict | None = None) -> list[float]:
+    """One run: `warmup + steps` optimizer steps of one sequence of `seq` tokens; the measured steps' times. Into
+    `applied`: the memory features the strategy ran with (its resolved `MemoryOptions`, the fields set)."""
     import lightning as L
 
     from lightning_ulysses import UlyssesDeepSpeedStrategy, UlyssesFSDPStrategy
@@ -81,7 +82,18 @@ def train(backend: str, shape: str, seq: int, steps: int, warmup: int, on_cuda: 
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[timer])
     trainer.fit(module, torch.utils.data.DataLoader(RandomTokens(seq, config.vocab_size, warmup + steps), batch_size=1))
+    if applied is not None:
+        applied.update(_features_set(strategy.memory))
     return timer.times[warmup:]
+
+
+def _features_set(options) -> dict:
+    """The fields of a `MemoryOptions` that differ from its defaults (what the run really applied)."""
+    import dataclasses
+
+    defaults = type(options)()
+    return {field.name: getattr(options, field.name) for field in dataclasses.fields(options)
+            if getattr(options, field.name) != getattr(defaults, field.name)}
 
 
 def _CpuTimer():
@@ -110,15 +122,16 @@ def worker(args) -> None:
     on_cuda = torch.cuda.is_available() and not args.smoke
     if on_cuda:
         torch.cuda.reset_peak_memory_stats()
-    times, error = [], None
+    times, error, applied = [], None, {}
     try:
         times = train(args.backend, args.shape, args.seq, args.steps, args.warmup, on_cuda,
-                      json.loads(args.memory) if args.memory else None)
+                      json.loads(args.memory) if args.memory else None, applied)
     except torch.OutOfMemoryError as oom:
         error = f"OOM: {str(oom).splitlines()[0]}"
     config = _config(args.shape, args.seq)
     result = {"backend": args.backend, "shape": args.shape, "seq": args.seq, "sequence_parallel_size": 1,
-              "steps": len(times), "error": error, "memory": args.memory, "torch": torch.__version__,
+              "steps": len(times), "error": error, "memory": args.memory,
+              "memory_applied": applied if times else None, "torch": torch.__version__,
               "device": torch.cuda.get_device_name() if on_cuda else "cpu",
               "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if on_cuda else None}
     result.update(timed_fields(config, args.seq, times))

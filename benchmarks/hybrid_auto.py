@@ -111,11 +111,15 @@ def plain_point(shape: str, length: int, tiny: bool, steps: int) -> dict:
     return {"status": "ok", "tokens_per_s": length / step_s, "step_s": step_s, "peak_gib": peak, "times": times}
 
 
-def recipe_point(shape: str, length: int, tiny: bool, steps: int, cap: float, out: Path) -> dict:
-    """`recipes/train.py experiment=<shape>_auto` at `length`, in a child process; its metrics.csv read back."""
+def recipe_point(shape: str, length: int, tiny: bool, steps: int, cap: float, out: Path,
+                 split: bool = False) -> dict:
+    """`recipes/train.py experiment=<shape>_auto` at `length`, in a child process; its metrics.csv read back (and
+    with `split`, each step's seconds by Lightning hook: `step_split.SplitProfiler`)."""
     run = out / f"{shape}_{length}"
     overrides = [f"experiment={shape}_auto", f"data.seq_len={length}", f"trainer.max_steps={steps + 1}",
                  f"data.num_train={steps + 1}", f"hydra.run.dir={run}", "loggers.tensorboard=false"]
+    if split:
+        overrides.append("+trainer.profiler={_target_: benchmarks.step_split.SplitProfiler}")
     if tiny:
         overrides += ["trainer=cpu", "trainer.devices=1", "trainer.max_steps=%d" % (steps + 1), "trainer.limit_val_batches=0",
                       "trainer.enable_checkpointing=false", "trainer.log_every_n_steps=1", "data.vocab_size=64",
@@ -130,6 +134,9 @@ def recipe_point(shape: str, length: int, tiny: bool, steps: int, cap: float, ou
         return {"status": f"over the {cap:.0f} s cap", "log_tail": log[-600:]}
     (out / f"{shape}_{length}.log").write_text(done.stdout + done.stderr)
     record: dict = {"choice": _auto_choice(done.stdout + done.stderr)}
+    hooks = [line for line in done.stdout.splitlines() if line.startswith("STEP_SPLIT ")]
+    if hooks:
+        record["seconds_by_hook"] = json.loads(hooks[-1].split(" ", 1)[1])
     if done.returncode:
         text = done.stdout + done.stderr
         record["status"] = "out of memory" if "out of memory" in text.lower() else f"exit {done.returncode}"
@@ -158,6 +165,38 @@ def _auto_choice(log: str) -> dict:
             "confirmed_step_s": confirmed and float(confirmed.group(1))}
 
 
+def planned_longest(shape: str) -> int:
+    """memory="auto"'s longest row for `shape` on this machine (`auto.longest_fit` from the free memory auto reads,
+    in a child process: no CUDA context here), rounded down to a multiple of 1024 tokens."""
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import torch; from hybrid_auto import hf_config;"
+            " from lightning_ulysses.planning.planner import ModelShape;"
+            " from lightning_ulysses.planning.auto import AutoMemory, longest_fit, measure_free_memory;"
+            " from lightning_ulysses.parallel.run_spec import RunSpec;"
+            " free = measure_free_memory(torch.device('cuda'));"
+            f" print(longest_fit(ModelShape.from_hf_config(hf_config({shape!r}, False)), AutoMemory(),"
+            " RunSpec(precision='bf16-mixed', device='cuda'), free)[0], free)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    print(json.dumps({"shape": shape, "planned_longest": done.stdout.strip(), "error": done.stderr[-300:] or None}),
+          flush=True)
+    return int(done.stdout.split()[0]) // 1024 * 1024
+
+
+def _linear_time_kernels() -> dict:
+    """Per hybrid mixer class: which of transformers' fallbacks our linear-time kernels replace there, and whether
+    flash-linear-attention imports (its kernels are never replaced)."""
+    import importlib
+    import importlib.util
+
+    from lightning_ulysses.mixers.kernels import LinearTimeKernels
+
+    bound = {}
+    for module, name in (("qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet"),
+                         ("nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer")):
+        mixer = getattr(importlib.import_module(f"transformers.models.{module}"), name)
+        bound[name] = sorted(LinearTimeKernels(mixer).replacements)
+    return {"ours_in_place_of": bound, "fla_installed": importlib.util.find_spec("fla") is not None}
+
+
 def environment() -> dict:
     """The first JSON line: versions and device, read without initialising CUDA here (a context in this process
     would take memory from the points' processes)."""
@@ -169,7 +208,8 @@ def environment() -> dict:
                              capture_output=True, text=True, timeout=30).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         gpu = None
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "gpu": gpu or None}
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "gpu": gpu or None,
+            **_linear_time_kernels()}
 
 
 def main() -> None:
@@ -180,6 +220,8 @@ def main() -> None:
     parser.add_argument("--point-cap", type=float, default=130.0, help="seconds one point may take")
     parser.add_argument("--budget", type=float, default=530.0, help="seconds the whole call may take")
     parser.add_argument("--tiny", action="store_true", help="CPU, tiny widths, 64- and 128-token rows")
+    parser.add_argument("--longest", action="store_true", help="the recipe also at auto's planned longest row")
+    parser.add_argument("--split", action="store_true", help="the recipe's seconds per step by Lightning hook")
     parser.add_argument("--out", default=os.environ.get("OUT", "outputs/hybrid_auto"))
     parser.add_argument("--point", nargs=2, metavar=("SHAPE", "LENGTH"), help=argparse.SUPPRESS)  # one plain point
     args = parser.parse_args()
@@ -236,11 +278,13 @@ def main() -> None:
             else:
                 length //= 2
         extra = [length for length in compared if length < lengths[0]]
-        for length in extra + lengths:
+        longest = [planned_longest(shape)] if args.longest and not args.tiny else []
+        for length in sorted(set(extra + lengths + longest)):
             if cap() <= 10:
                 emit(shape, "recipe_auto", length, {"status": "not run: the call's time budget is spent"})
                 continue
-            emit(shape, "recipe_auto", length, recipe_point(shape, length, args.tiny, args.steps, cap(), out))
+            steps = min(args.steps, 1) if longest and length == longest[0] else args.steps  # the longest row: 1
+            emit(shape, "recipe_auto", length, recipe_point(shape, length, args.tiny, steps, cap(), out, args.split))
 
 
 if __name__ == "__main__":
