@@ -1,4 +1,4 @@
-"""Runs leave the process as they found it (issue 44): one process (2 ranks, SP 2) trains ZeRO-3,
+"""Runs leave the process as they found it: one process (2 ranks, SP 2) trains ZeRO-3,
 has a ZeRO-3 run refused in its first step, trains ZeRO-2, then takes a plain torch SGD step; each is exact
 against a process that ran nothing before it, and finds the process-wide state as such a process has it.
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (device tool), after the wheels are installed: issue 45's remaining runs, one stage a call
+# Runs on the GPU machine (device tool), after the wheels are installed: the hybrid and FSDP2 runs, one stage a call
 # (each ~8 minutes on one H100):
-#   bash benchmarks/run_issue45.sh qwen       # kept_scan.py, ssd_scan.py, hybrid_auto.py for the Qwen3-Next-like shape
-#   bash benchmarks/run_issue45.sh nemotron   # hybrid_auto.py for the Nemotron-H-like shape, to auto's longest and 256K
-#   bash benchmarks/run_issue45.sh fsdp       # fsdp_vs_deepspeed.py with the memory features: 1B 8K-128K, 8B on FSDP2
+#   bash benchmarks/run_hybrids_and_fsdp.sh qwen       # kept_scan.py, ssd_scan.py, hybrid_auto.py for the Qwen3-Next-like shape
+#   bash benchmarks/run_hybrids_and_fsdp.sh nemotron   # hybrid_auto.py for the Nemotron-H-like shape, to auto's longest and 256K
+#   bash benchmarks/run_hybrids_and_fsdp.sh fsdp       # fsdp_vs_deepspeed.py with the memory features: 1B 8K-128K, 8B on FSDP2
 # JSON lines in $OUT/*.jsonl; the points' logs (and metrics.csv) packed into $OUT/logs.tgz.
 set -uo pipefail
 out="${OUT:-.}"
