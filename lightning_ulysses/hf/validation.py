@@ -4,12 +4,12 @@ whole-rows mixer (attention/mixers.py) would reach."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import inspect
 import re
 from typing import Any, Optional
 
 import torch
-import transformers
 from packaging.version import Version
 from transformers import PreTrainedModel
 
@@ -226,7 +226,7 @@ def validate_hf_model(model: PreTrainedModel, sequence_parallel_size: int, ring_
 
     Everything here reads the model and its config only (no communication), so a refusal happens on every rank
     alike before any collective."""
-    refuse_unverified_transformers(transformers.__version__)
+    refuse_unverified_transformers(importlib.metadata.version("transformers"))  # the installed distribution's
     backend = attention_implementation(model.config)
     sharded = sequence_parallel_size * ring_size > 1
     if sharded:

@@ -55,7 +55,7 @@ def test_every_requirement_has_a_floor():
 def test_hugging_face_models_are_refused_below_the_verified_transformers(monkeypatch):
     """A model prepared on an older transformers than the floor is refused before anything is swapped (on 5.17 a
     Nemotron-H model ran transformers' own quadratic scan while ours reported itself bound)."""
-    import transformers
+    import importlib.metadata
 
     from lightning_ulysses.hf import validation
     from tests.distributed.common import tiny_llama
@@ -64,11 +64,17 @@ def test_hugging_face_models_are_refused_below_the_verified_transformers(monkeyp
     assert Version(validation.VERIFIED_TRANSFORMERS) == floors["transformers"]  # one floor, pyproject's
     model = tiny_llama(2)
     assert validation.validate_hf_model(model, 2) in ("sdpa", "eager")  # the installed one passes
-    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    installed = importlib.metadata.version
+
+    def pretend(version):
+        monkeypatch.setattr(importlib.metadata, "version",
+                            lambda name: version if name == "transformers" else installed(name))
+
+    pretend("5.17.0")
     with pytest.raises(RuntimeError, match=r"transformers 5\.17\.0.*pip install 'transformers>=5\.25,<5\.26'"):
         validation.validate_hf_model(model, 2)
-    monkeypatch.setattr(transformers, "__version__", "5.24.0")
+    pretend("5.24.0")
     with pytest.raises(RuntimeError, match="transformers 5.24.0"):
         validation.validate_hf_model(model, 1)  # SP 1 too: the swaps of the memory features are the same
-    monkeypatch.setattr(transformers, "__version__", "5.25.1")
+    pretend("5.25.1")
     validation.validate_hf_model(model, 2)
